@@ -88,15 +88,35 @@ def demo(argv: list[str]) -> int:
     return 0
 
 
+# Each command: name -> (module, function, one-line help). The function takes argv and returns
+# an exit status; modules are imported only when their command runs.
+COMMANDS = {
+    "demo": ("tieredemb.cli", "demo", "train a small model on a table larger than its cache"),
+    "simulate": ("tieredemb.sim.cli", "simulate", "hit ratios of policies and tier sizes on a trace"),
+    "mrc": ("tieredemb.sim.cli", "mrc", "miss-ratio curve of a trace"),
+    "replay": ("tieredemb.sim.cli", "replay", "drive the real engine with a trace"),
+    "trace": ("tieredemb.trace.cli", "trace", "convert | inspect | synth traces"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: tieredemb COMMAND [options]   (tieredemb COMMAND --help for its options)", "commands:"]
+    lines += [f"  {name:9s} {help_}" for name, (_, _, help_) in COMMANDS.items()]
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
+    import importlib
+
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: tieredemb demo [options]   (tieredemb demo --help for the options)")
+        print(_usage())
         return 0 if argv else 2
-    if argv[0] == "demo":
-        return demo(argv[1:])
-    print(f"tieredemb: unknown command {argv[0]!r}; try 'tieredemb demo'", file=sys.stderr)
-    return 2
+    if argv[0] not in COMMANDS:
+        print(f"tieredemb: unknown command {argv[0]!r}\n{_usage()}", file=sys.stderr)
+        return 2
+    module, func, _ = COMMANDS[argv[0]]
+    return getattr(importlib.import_module(module), func)(argv[1:])
 
 
 if __name__ == "__main__":
