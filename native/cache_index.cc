@@ -71,9 +71,10 @@ Status CacheIndex::commit(const int64_t* ids, int64_t n, const Plan& plan, bool 
     ++stats_.evictions;
     if (plan.victim_dirty[v]) ++stats_.dirty_writebacks; else ++stats_.clean_drops;
   }
-  std::vector<int64_t> hit_slots, new_slots;
-  hit_slots.reserve(n - misses);
-  new_slots.reserve(misses);
+  // The policy sees the batch's rows in batch order, hits and new rows interleaved as they
+  // come: with LRU the cache after every batch is then the `capacity` most recently used rows,
+  // whatever the capacity (a stack algorithm), so one pass over a trace gives its hit ratio at
+  // every size (tieredemb.sim).
   size_t next_miss = 0;
   for (int64_t i = 0; i < n; ++i) {
     int64_t slot = plan.slots[i];
@@ -82,9 +83,9 @@ Status CacheIndex::commit(const int64_t* ids, int64_t n, const Plan& plan, bool 
       map_.insert(ids[i], slot);
       slot_id_[slot] = ids[i];
       dirty_[slot] = 0;
-      new_slots.push_back(slot);
+      policy_->insert(&slot, 1);
     } else {
-      hit_slots.push_back(slot);
+      policy_->touch(&slot, 1);
     }
     if (dirty) dirty_[slot] = 1;
     if (pin && pins_[slot]++ == 0) ++pinned_;
@@ -95,8 +96,6 @@ Status CacheIndex::commit(const int64_t* ids, int64_t n, const Plan& plan, bool 
     stats_.hits += n - misses;
     stats_.misses += misses;
   }
-  policy_->touch(hit_slots.data(), static_cast<int64_t>(hit_slots.size()));
-  policy_->insert(new_slots.data(), static_cast<int64_t>(new_slots.size()));
   return Status::Ok();
 }
 

@@ -290,7 +290,7 @@ def test_constructor_rejects_bad_arguments():
 
 class LruModel:
     """The LRU contract in a few lines: victims are the least recent resident rows that are
-    neither pinned nor part of the batch; hits then misses become most recent, in batch order."""
+    neither pinned nor part of the batch; the batch's rows become most recent, in batch order."""
 
     def __init__(self, capacity: int):
         self.capacity = capacity
@@ -300,7 +300,6 @@ class LruModel:
     def batch(self, ids: list[int], pin: bool) -> list[int] | None:
         batch = set(ids)
         misses = [i for i in ids if i not in self.order]
-        hits = [i for i in ids if i in self.order]
         need = len(misses) - (self.capacity - len(self.order))
         victims = []
         if need > 0:
@@ -309,7 +308,7 @@ class LruModel:
                 return None
         for v in victims:
             del self.order[v]
-        for i in hits + misses:
+        for i in ids:
             self.order[i] = None
             self.order.move_to_end(i)
             if pin:
