@@ -94,7 +94,7 @@ COMMANDS = {
     "demo": ("tieredemb.cli", "demo", "train a small model on a table larger than its cache"),
     "simulate": ("tieredemb.sim.cli", "simulate", "hit ratios of policies and tier sizes on a trace"),
     "mrc": ("tieredemb.sim.cli", "mrc", "miss-ratio curve of a trace"),
-    "replay": ("tieredemb.sim.cli", "replay", "drive the real engine with a trace"),
+    "replay": ("tieredemb.sim.replay", "replay", "drive the real engine with a trace"),
     "trace": ("tieredemb.trace.cli", "trace", "convert | inspect | synth traces"),
 }
 
