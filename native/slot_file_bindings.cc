@@ -59,18 +59,19 @@ nb::ndarray<nb::numpy, T, nb::ndim<1>> vector_to_numpy(std::vector<T>&& v) {
 void register_ssd(nb::module_& m) {
   nb::class_<PySlotFile>(m, "SlotFile",
                          "Rows in fixed-size slots of one file (slot i at i * slot_bytes) plus a written-bitmap file")
-      .def_static("open", [](const std::string& data_path, const std::string& bitmap_path, int64_t num_rows,
-                             int64_t row_bytes, int64_t slot_bytes, bool create, bool direct, int io_threads) {
+      .def_static("open", [](const std::string& data_path, const std::string& bitmap_path, const std::string& log_path,
+                             int64_t num_rows, int64_t row_bytes, int64_t slot_bytes, bool create, bool direct,
+                             int io_threads) {
             auto py = std::make_unique<PySlotFile>();
             Status s;
             {
               nb::gil_scoped_release release;
-              s = SlotFile::Open(data_path, bitmap_path, num_rows, row_bytes, slot_bytes, create, direct,
+              s = SlotFile::Open(data_path, bitmap_path, log_path, num_rows, row_bytes, slot_bytes, create, direct,
                                  io_threads, &py->file);
             }
             raise_status(s);
             return py;
-          }, "data_path"_a, "bitmap_path"_a, "num_rows"_a, "row_bytes"_a, "slot_bytes"_a, "create"_a,
+          }, "data_path"_a, "bitmap_path"_a, "log_path"_a, "num_rows"_a, "row_bytes"_a, "slot_bytes"_a, "create"_a,
           "direct"_a, "io_threads"_a,
           "opens or creates the table files; RuntimeError (message starting 'corrupted:' for a file of the wrong size)")
       .def("read", [](PySlotFile& self, Ids ids, Bytes out) {
@@ -131,6 +132,8 @@ void register_ssd(nb::module_& m) {
             }
             raise_status(s);
           }, "closes the files (no sync); safe to call twice")
+      .def_prop_ro("replayed", [](PySlotFile& self) { return self.get().replayed(); },
+                   "rows the last open restored from the redo log")
       .def_prop_ro("slot_bytes", [](PySlotFile& self) { return self.get().slot_bytes(); })
       .def_prop_ro("row_bytes", [](PySlotFile& self) { return self.get().row_bytes(); })
       .def_prop_ro("num_rows", [](PySlotFile& self) { return self.get().num_rows(); })

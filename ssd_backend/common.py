@@ -317,33 +317,63 @@ class WriteBehind:
             self._thread.join()
 
 
-class QueuedStore(BackingStore):
-    """What RocksDBStore and SlotFileStore share above their files: write() through a
-    WriteBehind, the argument checks, stats(), close(), the context manager.
-
-    A subclass sets path, width, storage_dtype, _stats (new_stats()), _wb (a WriteBehind)
-    and _closed, and implements _id_limit() (ids are in [0, limit)) and _close_files()
-    (releases the files and the lock after the writer stopped; returns an error or None)."""
+class StoreBase(BackingStore):
+    """What both SSD backends share above their files: argument checks and the context
+    manager. A subclass sets path, width and _closed and implements _id_limit() (ids are in
+    [0, limit))."""
 
     def _id_limit(self) -> int:
-        raise NotImplementedError
-
-    def _close_files(self) -> Exception | None:
         raise NotImplementedError
 
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError(f"ssd_path {self.path}: the store is closed")
 
-    def _begin_read(self, ids: torch.Tensor, out: torch.Tensor) -> tuple[np.ndarray, list, np.ndarray] | None:
-        """Checks read()'s arguments and serves the rows still queued for writing
-        (read-your-writes). Returns None for an empty read, else (ids as numpy, ids as a
-        list, positions of the rows still to fetch)."""
+    def _check_ids(self, ids: torch.Tensor, name: str = "ids") -> np.ndarray:
+        return check_ids(ids, self._id_limit(), name)
+
+    def _check_rows(self, rows: torch.Tensor, n: int, name: str) -> None:
+        check_rows(rows, n, self.width, name)
+
+    def _check_read(self, ids: torch.Tensor, out: torch.Tensor) -> np.ndarray:
+        """Checks read()'s arguments; returns the ids as numpy."""
         self._check_open()
         ids_np = self._check_ids(ids)
         self._check_rows(out, ids_np.size, "out")
         if not out.is_contiguous():
             raise ValueError("out must be contiguous")
+        return ids_np
+
+    def _check_written_ids_args(self, start: int, limit: int | None) -> None:
+        self._check_open()
+        if start < 0:
+            raise ValueError(f"start {start} must be >= 0")
+        if limit is not None and limit < 0:
+            raise ValueError(f"limit {limit} must be >= 0")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class QueuedStore(StoreBase):
+    """A store whose write() goes through a WriteBehind (RocksDBStore): read-your-writes,
+    stats() with the queue's figures, close() that stops the writer.
+
+    A subclass also sets storage_dtype, _stats (new_stats()) and _wb (a WriteBehind) and
+    implements _close_files() (releases the files and the lock after the writer stopped;
+    returns an error or None)."""
+
+    def _close_files(self) -> Exception | None:
+        raise NotImplementedError
+
+    def _begin_read(self, ids: torch.Tensor, out: torch.Tensor) -> tuple[np.ndarray, list, np.ndarray] | None:
+        """Checks read()'s arguments and serves the rows still queued for writing
+        (read-your-writes). Returns None for an empty read, else (ids as numpy, ids as a
+        list, positions of the rows still to fetch)."""
+        ids_np = self._check_read(ids, out)
         if ids_np.size == 0:
             return None
         id_list = ids_np.tolist()
@@ -351,18 +381,8 @@ class QueuedStore(BackingStore):
 
     def _begin_written_ids(self, start: int, limit: int | None) -> None:
         """Checks written_ids' arguments, then waits until queued writes are stored."""
-        self._check_open()
-        if start < 0:
-            raise ValueError(f"start {start} must be >= 0")
-        if limit is not None and limit < 0:
-            raise ValueError(f"limit {limit} must be >= 0")
+        self._check_written_ids_args(start, limit)
         self._wb.drain()
-
-    def _check_ids(self, ids: torch.Tensor, name: str = "ids") -> np.ndarray:
-        return check_ids(ids, self._id_limit(), name)
-
-    def _check_rows(self, rows: torch.Tensor, n: int, name: str) -> None:
-        check_rows(rows, n, self.width, name)
 
     @property
     def _error(self) -> BaseException | None:
@@ -409,12 +429,6 @@ class QueuedStore(BackingStore):
             self._raise_error()  # the writer's error is the cause of any later one
         if err is not None:
             raise err
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 def new_stats() -> dict:

@@ -8,19 +8,25 @@ Layout on disk (one directory per table):
                row; 0 = never written, reads as initializer(ids, rows).
 - slots.json   {"format", "width", "storage_dtype", "num_rows", "row_bytes", "slot_bytes",
                "meta"}, written last when a table is created (its presence = a table).
+- redo.log     the latest write() (ids, rows, checksum), replayed at open when whole.
 - LOCK         fcntl.flock'ed while a store has the table open.
 slot_bytes is row_bytes rounded up to a multiple of 512 when the table is created with
 direct_reads=True (each row is then whole sectors: one O_DIRECT read of slot_bytes, no
 neighbour's bytes), else row_bytes (no padding: the page cache holds more rows). Either
 layout can be opened with either direct_reads setting; an O_DIRECT read of an unpadded slot
 reads the 512-byte sectors that enclose it.
-Durability: flush() fdatasyncs slots.bin, then the bitmap pages that changed, so a row's
-bit is durable only after its bytes are; a flushed row survives kill -9 and power loss.
-A row overwritten after the last flush and cut by a crash mid-write may read torn when its
-slot crosses a 4 KiB page (never for slots of 512 B that are 512-aligned).
+Writes are synchronous and cost no system call per row: slots.bin is memory-mapped, a write
+appends nothing but one redo record (a sequential write of the batch) and copies the rows into
+the mapping (the page cache; the kernel writes them back). Space is reserved with fallocate
+64 KiB at a time before a write touches it, so a full disk raises StoreWriteError from
+write() with nothing changed, never a fault.
+Durability: flush() msyncs slots.bin, then fdatasyncs the bitmap pages that changed, so a
+row's bit is durable only after its bytes are; a flushed row survives kill -9 and power loss.
+A write cut by kill -9 is either not in the redo log (its copy never began: the rows keep their
+old values) or replayed whole from it at the next open: no row reads torn.
 
-Threading: read/write/flush may be called from one thread at a time (the engine's);
-native I/O threads serve each read, one background writer drains the write queue.
+Threading: read/write/flush may be called from one thread at a time (the engine's); native
+I/O threads serve each read (many O_DIRECT reads in flight, or parallel page faults).
 """
 
 from __future__ import annotations
@@ -33,21 +39,18 @@ import shutil
 
 import torch
 
-from .common import (DTYPE_BY_NAME, STORAGE_DTYPES, QueuedStore, StoreCorruptedError,
-                     StoreError, StoreWriteError, WriteBehind, check_record, check_store_args,
-                     copy_sparse, fsync_dir, initialize, locked_error, new_stats,
-                     normalize_meta)
+from .common import (DTYPE_BY_NAME, STORAGE_DTYPES, StoreBase, StoreCorruptedError,
+                     StoreError, StoreWriteError, check_record, check_store_args, copy_sparse,
+                     fsync_dir, initialize, locked_error, new_stats, normalize_meta)
 
 FORMAT = "tieredemb.ssd.slots/1"
 META_FILE = "slots.json"
 DATA_FILE = "slots.bin"
 BITMAP_FILE = "written.bin"
+LOG_FILE = "redo.log"
 LOCK_FILE = "LOCK"
-_OUR_FILES = {META_FILE, DATA_FILE, BITMAP_FILE, LOCK_FILE, META_FILE + ".tmp"}
+_OUR_FILES = {META_FILE, DATA_FILE, BITMAP_FILE, LOG_FILE, LOCK_FILE, META_FILE + ".tmp"}
 _SECTOR = 512
-# The writer hands one queued batch at a time to the native write (it coalesces runs of
-# consecutive ids into single pwrites); this bounds how many rows it combines per wake-up.
-_MAX_WRITE_BATCH_ROWS = 65536
 
 
 def is_slot_table(path: str) -> bool:
@@ -59,7 +62,7 @@ def _native():
     return _C
 
 
-class SlotFileStore(QueuedStore):
+class SlotFileStore(StoreBase):
     """An embedding table's rows in a slot file (native pread/pwrite): the SSD tier for
     dense id ranges.
 
@@ -71,8 +74,7 @@ class SlotFileStore(QueuedStore):
     storage_dtype: float32 / float16 / bfloat16 on disk; rows are float32 in memory.
     direct_reads: read with O_DIRECT (bypass the page cache; ValueError-free fallback is not
     attempted: a filesystem without O_DIRECT, e.g. tmpfs, raises StoreError at open).
-    io_threads: native threads blocked in pread per read (queue depth). write_queue_rows:
-    rows queued for the background writer before write() blocks (backpressure).
+    io_threads: native threads per read (queue depth of O_DIRECT reads, parallel faults).
     """
 
     def __init__(
@@ -85,19 +87,17 @@ class SlotFileStore(QueuedStore):
         storage_dtype: torch.dtype = torch.float32,
         direct_reads: bool = False,
         io_threads: int = 32,
-        write_queue_rows: int = 1 << 18,
     ):
         self.path = os.path.abspath(os.fspath(path))
         self._closed = True
         self._file = None
         self._lock_fd = None
-        check_store_args(width, storage_dtype, write_queue_rows)
+        check_store_args(width, storage_dtype, 1)
         if not 1 <= io_threads <= 1024:
             raise ValueError(f"io_threads {io_threads} must be in [1, 1024]")
         self.initializer = initializer
         self.direct_reads = bool(direct_reads)
         self.io_threads = io_threads
-        self.write_queue_rows = write_queue_rows
 
         if os.path.exists(self.path) and not os.path.isdir(self.path):
             raise ValueError(f"ssd_path {self.path}: exists and is not a directory")
@@ -111,10 +111,8 @@ class SlotFileStore(QueuedStore):
         self._closed = False
         self._row_bytes = self.width * self.storage_dtype.itemsize
         self._stats = new_stats()
-        self._wb = WriteBehind(self.path, self._apply_batches,
-                               lambda e: self._classify("write rows", e),
-                               write_queue_rows, _MAX_WRITE_BATCH_ROWS, self._stats,
-                               name="ssd-slot-writer")
+        del self._stats["rows_queued_hits"]  # no write queue
+        self._stats["rows_replayed"] = self._file.replayed
 
     # ----------------------------------------------------------------------------- opening
 
@@ -153,7 +151,7 @@ class SlotFileStore(QueuedStore):
         try:
             self._file = _native().SlotFile.open(
                 os.path.join(self.path, DATA_FILE), os.path.join(self.path, BITMAP_FILE),
-                record["num_rows"], record["row_bytes"], record["slot_bytes"], create,
+                os.path.join(self.path, LOG_FILE), record["num_rows"], record["row_bytes"], record["slot_bytes"], create,
                 self.direct_reads, self.io_threads)
         except RuntimeError as e:
             raise self._classify("open the table", e) from None
@@ -233,56 +231,60 @@ class SlotFileStore(QueuedStore):
 
     def read(self, ids: torch.Tensor, out: torch.Tensor) -> None:
         """ids: int64 [n] unique; out: float32 [n, width] contiguous. Fills out with the rows:
-        queued value if a write is still queued, else the stored row, else initializer."""
-        begun = self._begin_read(ids, out)
-        if begun is None:
-            return
-        ids_np, _, todo = begun
+        the stored row, else the initializer's."""
+        ids_np = self._check_read(ids, out)
         n = ids_np.size
-        m = todo.size
-        if m:
-            todo_ids = ids_np if m == n else ids_np[todo]
-            direct_out = m == n and self.storage_dtype == torch.float32
-            buf = out if direct_out else torch.empty(m, self.width, dtype=self.storage_dtype)
-            try:
-                found = self._file.read(todo_ids, buf.view(torch.uint8)).view(bool)
-            except RuntimeError as e:
-                raise self._classify("read rows", e) from None
-            nfound = int(found.sum())
-            if not direct_out and nfound:
-                if nfound == m:
-                    out[torch.from_numpy(todo)] = buf.to(torch.float32)
-                else:
-                    f = torch.from_numpy(found)
-                    out[torch.from_numpy(todo[found])] = buf[f].to(torch.float32)
-            if nfound < m:
-                self._stats["rows_initialized"] += initialize(
-                    self.path, self.initializer, ids_np, todo[~found], out)
-            self._stats["rows_found"] += nfound
-            self._stats["bytes_read"] += nfound * self._row_bytes
+        if n == 0:
+            return
+        direct_out = self.storage_dtype == torch.float32
+        buf = out if direct_out else torch.empty(n, self.width, dtype=self.storage_dtype)
+        try:
+            found = self._file.read(ids_np, buf.view(torch.uint8)).view(bool)
+        except RuntimeError as e:
+            raise self._classify("read rows", e) from None
+        nfound = int(found.sum())
+        if not direct_out and nfound:
+            if nfound == n:
+                out.copy_(buf)
+            else:
+                f = torch.from_numpy(found)
+                out[f] = buf[f].to(torch.float32)
+        if nfound < n:
+            self._stats["rows_initialized"] += initialize(
+                self.path, self.initializer, ids_np, (~found).nonzero()[0], out)
+        self._stats["rows_found"] += nfound
+        self._stats["bytes_read"] += nfound * self._row_bytes
         self._stats["reads"] += n
 
     # ------------------------------------------------------------------------------ writes
 
-    def _apply_batches(self, batches: list) -> int:
-        """Writer thread: one native write per batch, in order (a later batch may rewrite
-        an id of an earlier one); pwrites into the page cache, not yet durable."""
-        nbytes = 0
-        for b in batches:
-            self._file.write(b.ids, b.rows.view(torch.uint8))
-            nbytes += b.rows.numel() * b.rows.element_size()
-        return nbytes
+    def write(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
+        """ids: int64 [n] unique; rows: float32 [n, width]. Stores the rows before returning
+        (in the page cache; durable at the next flush()). StoreWriteError (e.g. disk full)
+        means nothing was written; the store stays usable."""
+        self._check_open()
+        ids_np = self._check_ids(ids)
+        n = ids_np.size
+        self._check_rows(rows, n, "rows")
+        if n == 0:
+            return
+        stored = rows.to(self.storage_dtype).contiguous()
+        try:
+            self._file.write(ids_np, stored.view(torch.uint8))
+        except RuntimeError as e:
+            raise self._classify("write rows", e) from None
+        self._stats["writes"] += 1
+        self._stats["rows_written"] += n
+        self._stats["bytes_written"] += n * self._row_bytes
 
     def flush(self) -> None:
-        """Returns when every write() made before the call is durable (slots fdatasync'ed,
-        then the written bitmap). Survives kill -9 and power loss once it returned."""
+        """Returns when every write() made before the call is durable (slots msync'ed, then
+        the written bitmap). Survives kill -9 and power loss once it returned."""
         self._check_open()
-        self._wb.drain()
         try:
             self._file.sync()
         except RuntimeError as e:
-            self._wb.set_error(self._classify("flush", e))
-            self._wb.raise_error()
+            raise self._classify("flush", e) from None
         self._stats["flushes"] += 1
 
     # --------------------------------------------------------------------- export, snapshot
@@ -290,19 +292,19 @@ class SlotFileStore(QueuedStore):
     def written_ids(self, start: int = 0, limit: int | None = None) -> torch.Tensor:
         """Sorted int64 ids of rows ever written with id >= start, at most `limit` of them
         (queued writes included)."""
-        self._begin_written_ids(start, limit)
+        self._check_written_ids_args(start, limit)
         return torch.from_numpy(self._file.written_ids(start, -1 if limit is None else limit))
 
     def checkpoint(self, path: str | os.PathLike) -> None:
         """Writes a consistent snapshot of the table (every write() before the call
         included) to path, a new directory; it opens as a table. flush(), then copies the
-        files keeping holes (`cp --reflink=auto --sparse=always` semantics: copy_file_range
+        files keeping holes (not the redo log: after the flush it holds nothing new) (`cp --reflink=auto --sparse=always` semantics: copy_file_range
         per data extent, a reflink on filesystems that share extents), the metadata last."""
         self._check_open()
         path = os.path.abspath(os.fspath(path))
         if os.path.exists(path):
             raise ValueError(f"checkpoint path {path}: already exists; give a new directory")
-        self.flush()  # the caller thread is the only writer: nothing changes while we copy
+        self.flush()  # the caller's thread is the only writer: nothing changes while we copy
         try:
             os.makedirs(path)
             for name in (DATA_FILE, BITMAP_FILE):
@@ -319,17 +321,28 @@ class SlotFileStore(QueuedStore):
     # ------------------------------------------------------------------------------- admin
 
     def stats(self) -> dict:
-        s = super().stats()
+        s = dict(self._stats)
         if not self._closed:
             s["rows_stored"] = self._file.num_written()
         return s
 
-    def _close_files(self) -> Exception | None:
+    def close(self) -> None:
+        """Flushes and releases the table (its lock). Safe to call twice; if the flush fails
+        the table is still released and the error is raised."""
+        if self._closed:
+            return
+        err = None
+        try:
+            self.flush()
+        except StoreError as e:
+            err = e
+        self._closed = True
         try:
             self._release()
         except RuntimeError as e:
-            return self._classify("close the table", e)
-        return None
+            err = err or self._classify("close the table", e)
+        if err is not None:
+            raise err
 
     def __repr__(self) -> str:
         return (f"SlotFileStore({self.path!r}, width={self.width}, num_rows={self.num_rows}, "

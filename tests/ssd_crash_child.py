@@ -84,8 +84,10 @@ def main(argv=None) -> None:
     acks_path = os.path.join(a.dir, "ACKS")
     done = read_steps(progress_path)
     step = (done[-1] if done else 0) + 1
-    kw = {"wal": bool(a.wal)} if a.backend == "rocksdb" else {}
-    store = open_store(os.path.join(a.dir, "table"), a.backend, write_queue_rows=1024, **kw)
+    # RocksDB: a small write queue, so write()'s backpressure is exercised too (the slot file
+    # has no queue: its writes are synchronous).
+    kw = {"wal": bool(a.wal), "write_queue_rows": 1024} if a.backend == "rocksdb" else {}
+    store = open_store(os.path.join(a.dir, "table"), a.backend, **kw)
     progress = os.open(progress_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     acks = os.open(acks_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     os.write(progress, b"")  # the parent watches for the table being open via READY

@@ -1,4 +1,5 @@
-"""A process that exits with writes still queued for the SSD tier exits cleanly.
+"""A process that exits with writes still queued for the SSD tier exits cleanly (RocksDB's
+write queue; the slot file, whose writes are synchronous, must exit cleanly too).
 
 Regression: the writer was a daemon thread; when the interpreter finalized while it was inside a
 native write, its forced exit aborted the process ("terminate called without an active
@@ -14,8 +15,9 @@ SCRIPT = textwrap.dedent("""
     import sys, torch, ssd_backend
     meta = {"num_embeddings": 1_000_000, "embedding_dim": 128, "width": 129, "dtype": "float32",
             "seed": 0, "optimizer": None, "init": None}
+    opts = {"write_queue_rows": 1 << 20} if sys.argv[2] == "rocksdb" else {}
     store = ssd_backend.open_store(sys.argv[1], 129, lambda ids, out: out.zero_(), meta,
-                                   backend=sys.argv[2], write_queue_rows=1 << 20)
+                                   backend=sys.argv[2], **opts)
     for k in range(8):
         ids = torch.arange(k * 100_000, (k + 1) * 100_000)
         store.write(ids, torch.ones(len(ids), 129))
