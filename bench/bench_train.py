@@ -355,7 +355,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--table-seed", type=int, default=0, help="tieredemb init seed")
     p.add_argument("--cache-fraction", type=float, default=0.1, help="tieredemb-cached: tier-0 rows / rows (default 0.1)")
     p.add_argument("--ssd-path", default=None, help="tieredemb: SSD tables go in subdirectories of this")
-    p.add_argument("--ssd-backend", default="rocksdb", choices=["rocksdb", "slots"],
+    p.add_argument("--ssd-backend", default="rocksdb", choices=["rocksdb", "slots", "log"],
                    help="tieredemb: ssd_options={'backend': ...} (default rocksdb)")
     p.add_argument("--host-rows", type=int, default=None, help="tieredemb: passed through as host_rows=")
     p.add_argument("--preinit", action="store_true",

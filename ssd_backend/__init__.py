@@ -2,8 +2,10 @@
 
 - RocksDBStore (RocksDB through rocksdict, rocksdb_store.py) is the default: sparse 64-bit ids,
   tables where most rows are never written, optional lz4 compression.
-- SlotFileStore (native fixed-size slots addressed by row id, slot_store.py): dense id ranges
-  [0, num_embeddings) and read-heavy cold access (parallel preads, optional O_DIRECT).
+- LogStore (native append-only segments, log_store.py): training. Write-back is one sequential
+  record per batch; reads come from the segments' mappings. Dense ids [0, num_embeddings).
+- SlotFileStore (native fixed-size slots addressed by row id, slot_store.py): dense id ranges,
+  read-heavy use and cold reads (O_DIRECT); writes dirty a page per row.
 open_store() picks one by name, or by what an existing table directory holds.
 """
 
@@ -13,24 +15,27 @@ import os
 
 from .common import StoreCorruptedError, StoreError, StoreLockedError, StoreWriteError
 from .rocksdb_store import RocksDBStore
+from .log_store import LogStore
 from .slot_store import SlotFileStore
 
-BACKENDS = {"rocksdb": RocksDBStore, "slots": SlotFileStore}
+BACKENDS = {"rocksdb": RocksDBStore, "slots": SlotFileStore, "log": LogStore}
 DEFAULT_BACKEND = "rocksdb"
 
 
 def detect_backend(path) -> str | None:
-    """'rocksdb' or 'slots' for a directory that holds that kind of table, else None."""
+    """'rocksdb', 'slots' or 'log' for a directory that holds that kind of table, else None."""
     path = os.fspath(path)
-    if os.path.isfile(os.path.join(path, "slots.json")):
+    if SlotFileStore.is_table(path):
         return "slots"
+    if LogStore.is_table(path):
+        return "log"
     if os.path.isfile(os.path.join(path, "CURRENT")):
         return "rocksdb"
     return None
 
 
 def open_store(path, width, initializer, meta=None, backend: str | None = None, **options):
-    """Opens (or creates) an SSD table with the backend named 'rocksdb' or 'slots'.
+    """Opens (or creates) an SSD table with the backend named 'rocksdb', 'slots' or 'log'.
     backend None: the kind the directory holds, or 'rocksdb' for a new table. Naming a
     backend other than the one an existing table uses is a ValueError; options go to the
     backend's constructor (see RocksDBStore / SlotFileStore)."""
@@ -45,5 +50,5 @@ def open_store(path, width, initializer, meta=None, backend: str | None = None, 
     return BACKENDS[backend](path, width, initializer, meta, **options)
 
 
-__all__ = ["RocksDBStore", "SlotFileStore", "open_store", "detect_backend", "BACKENDS",
+__all__ = ["RocksDBStore", "SlotFileStore", "LogStore", "open_store", "detect_backend", "BACKENDS",
            "StoreError", "StoreLockedError", "StoreCorruptedError", "StoreWriteError"]

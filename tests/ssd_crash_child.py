@@ -13,7 +13,7 @@ A child that trains through tieredemb instead can keep that contract by logging 
 the same way and exposing the per-step written rows.
 
 Run: python tests/ssd_crash_child.py DIR --seed 1 --flush-every 5 [--checkpoint-at S]
-     [--backend rocksdb|slots]
+     [--backend rocksdb|slots|log]
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def read_steps(path: str) -> list[int]:
 
 
 def open_store(table: str, backend: str | None = None, **kw):
-    """backend: 'rocksdb', 'slots', or None (what the table directory holds)."""
+    """backend: 'rocksdb', 'slots', 'log', or None (what the table directory holds)."""
     from ssd_backend import open_store as open_table
     return open_table(table, WIDTH, initializer, META, backend=backend, **kw)
 
@@ -77,7 +77,7 @@ def main(argv=None) -> None:
     ap.add_argument("--flush-every", type=int, default=5)
     ap.add_argument("--checkpoint-at", type=int, default=0)
     ap.add_argument("--wal", type=int, default=1, help="rocksdb only")
-    ap.add_argument("--backend", default="rocksdb", choices=["rocksdb", "slots"])
+    ap.add_argument("--backend", default="rocksdb", choices=["rocksdb", "slots", "log"])
     ap.add_argument("--max-steps", type=int, default=10**6)
     a = ap.parse_args(argv)
     progress_path = os.path.join(a.dir, "PROGRESS")

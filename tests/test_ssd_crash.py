@@ -133,7 +133,7 @@ def _run_lives(tmp_path, kills: int, seed: int, wal: bool = True,
     return reports
 
 
-@pytest.mark.parametrize("backend", ["rocksdb", "slots"])
+@pytest.mark.parametrize("backend", ["rocksdb", "slots", "log"])
 def test_crash_kill9_loses_no_flushed_update(tmp_path, backend):
     reports = _run_lives(tmp_path, kills=22, seed=11, backend=backend)
     assert len(reports) >= 20
@@ -148,7 +148,7 @@ def test_crash_without_wal_keeps_flushed_rows(tmp_path):
     assert sum(r["ack"] is not None for r in reports) >= 3
 
 
-@pytest.mark.parametrize("backend", ["rocksdb", "slots"])
+@pytest.mark.parametrize("backend", ["rocksdb", "slots", "log"])
 def test_checkpoint_taken_before_crash_opens_as_it_was(tmp_path, backend):
     ctx = _context()
     workdir = str(tmp_path)

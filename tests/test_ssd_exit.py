@@ -25,7 +25,7 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("backend", ["slots", "rocksdb"])
+@pytest.mark.parametrize("backend", ["slots", "log", "rocksdb"])
 def test_exit_with_queued_writes_is_clean(tmp_path, backend):
     r = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path / "t"), backend], capture_output=True,
                        text=True, timeout=120)

@@ -1,0 +1,94 @@
+"""LogStore: the SSD tier as append-only segment files (native code), for training.
+
+A training step writes back thousands of evicted rows at random ids; in place (SlotFileStore)
+each dirties its own page (a fault or a buffered write: ~2-3 us of kernel time per row), here
+a batch is one sequential record (~0.1 us per row). Reads copy rows from the segments'
+mappings (or pread them with O_DIRECT), located by an in-memory index of 8 bytes per row.
+Stale copies are reclaimed by compaction (native/log_file.h): at most ~2x the live bytes plus
+one segment on disk.
+
+Layout on disk (one directory per table):
+- seg-<seq>.log  segments of segment_bytes (reserved when created), each a run of batch
+                 records: header {magic, n, row_bytes, checksum}, n int64 ids, n rows.
+- flushed        how far the log was durable at the last flush (records before it are
+                 trusted at open; later ones are replayed while their checksum holds).
+- log.json       {"format", "width", "storage_dtype", "num_rows", "row_bytes",
+                 "segment_bytes", "meta"}, written last when a table is created.
+- LOCK           fcntl.flock'ed while a store has the table open.
+Durability: flush() fdatasyncs the segments written since the last flush, then replaces the
+flush mark. A write cut by kill -9 is either whole in the log or not at all: no row reads
+torn. Checkpoints are hard links to the segments (free on one filesystem).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+
+from .common import StoreError, fsync_dir
+from .native_store import NativeStore, native
+
+FORMAT = "tieredemb.ssd.log/1"
+META_FILE = "log.json"
+_SEGMENT = re.compile(r"seg-[0-9]{10}\.log")
+_OWN = {"flushed", "flushed.tmp"}
+
+
+class LogStore(NativeStore):
+    """An embedding table's rows in append-only segment files: the SSD tier for training.
+    Arguments: NativeStore's, plus segment_bytes (the size of a segment file, for a new table;
+    default: an eighth of the table's bytes, between 1 MiB and 256 MiB). A write that fails
+    (disk full) may have stored some of its rows, each one whole."""
+
+    FORMAT = FORMAT
+    META_FILE = META_FILE
+    KIND = "log table"
+    LAYOUT_FIELDS = ("segment_bytes",)
+
+    def __init__(self, path, width, initializer, meta=None, *, segment_bytes: int | None = None, **kw):
+        if segment_bytes is not None and (isinstance(segment_bytes, bool) or not isinstance(segment_bytes, int)
+                                          or segment_bytes < (64 << 10)):
+            raise ValueError(f"segment_bytes {segment_bytes!r} must be an int >= 65536")
+        self._segment_bytes = segment_bytes
+        super().__init__(path, width, initializer, meta, **kw)
+
+    def _layout(self, row_bytes: int, num_rows: int) -> dict:
+        size = self._segment_bytes or min(256 << 20, max(1 << 20, num_rows * row_bytes // 8))
+        return {"segment_bytes": size}
+
+    def _is_own_file(self, name: str) -> bool:
+        return name in _OWN or _SEGMENT.fullmatch(name) is not None
+
+    def _open_native(self, record: dict, create: bool) -> None:
+        try:
+            self._file = native().LogFile.open(self.path, record["num_rows"], record["row_bytes"],
+                                               record["segment_bytes"], create, self.direct_reads,
+                                               self.io_threads)
+        except (RuntimeError, ValueError) as e:
+            raise self._classify("open the table", e) from None
+        self.segment_bytes = record["segment_bytes"]
+
+    def checkpoint(self, path) -> None:
+        """Writes a consistent snapshot of the table (every write() before the call
+        included) to path, a new directory; it opens as a table. flush(), then hard links
+        to the segments (copies across filesystems) with a flush mark, the metadata last.
+        The table appends to a new segment afterwards: a linked file is never written."""
+        try:
+            path = self._new_checkpoint_dir(path)
+            self._file.checkpoint(path)
+            shutil.copyfile(os.path.join(self.path, META_FILE), os.path.join(path, META_FILE + ".tmp"))
+            with open(os.path.join(path, META_FILE + ".tmp"), "rb+") as f:
+                os.fsync(f.fileno())
+            os.replace(os.path.join(path, META_FILE + ".tmp"), os.path.join(path, META_FILE))
+            fsync_dir(path)
+        except RuntimeError as e:
+            raise self._classify("write checkpoint " + str(path), e) from None
+        except OSError as e:
+            raise StoreError(f"ssd_path {self.path}: cannot write checkpoint {path}: {e}") from None
+
+    def stats(self) -> dict:
+        s = super().stats()
+        if not self._closed:
+            s.update(self._file.log_stats())
+        return s

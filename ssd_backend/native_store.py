@@ -1,0 +1,311 @@
+"""What the two native file stores share (SlotFileStore: slots addressed by id; LogStore:
+append-only segments): the lock, the metadata record (<kind>.json, written last when a table
+is created: its presence = a table), argument checks, read / write / flush / stats / close
+over a native file object from tieredemb._C with the same methods (read, write, sync,
+written_ids, num_written, replayed, close).
+
+Writes are synchronous (no Python runs per row and no write queue): when write() returns the
+rows are in the page cache, durable at the next flush(); StoreWriteError (e.g. disk full)
+means nothing was written and the store stays usable. Threading: read/write/flush may be
+called from one thread at a time (the engine's); native I/O threads serve each read.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import shutil
+
+import torch
+
+from .common import (DTYPE_BY_NAME, STORAGE_DTYPES, StoreBase, StoreCorruptedError, StoreError,
+                     StoreWriteError, check_record, check_store_args, fsync_dir, initialize,
+                     locked_error, new_stats, normalize_meta)
+
+LOCK_FILE = "LOCK"
+
+
+def native():
+    from tieredemb import _C
+    return _C
+
+
+class NativeStore(StoreBase):
+    """Base of SlotFileStore and LogStore. A subclass sets FORMAT, META_FILE, KIND (words for
+    messages), LAYOUT_FIELDS (int record fields besides num_rows and row_bytes), and
+    implements _layout(row_bytes, num_rows) (those fields for a new table), _open_native(record,
+    create) (sets self._file) and _is_own_file(name) (files a creation cut short may leave).
+
+    path: a directory (created if missing or empty; otherwise it must hold a table of this
+    kind). width: floats per row (None: adopt the stored width). initializer(ids, out) fills
+    rows never written. meta: the table's JSON-able metadata (None: adopt what is stored); a
+    new table takes num_rows from meta["num_embeddings"]; on an existing table every field
+    must equal the stored one (ValueError naming the field).
+    storage_dtype: float32 / float16 / bfloat16 on disk; rows are float32 in memory.
+    direct_reads: read with O_DIRECT (bypass the page cache; a filesystem without O_DIRECT,
+    e.g. tmpfs, raises StoreError at open).
+    io_threads: native threads per read (queue depth of O_DIRECT reads, parallel faults).
+    """
+
+    FORMAT = ""
+    META_FILE = ""
+    KIND = ""
+    LAYOUT_FIELDS: tuple = ()
+
+    def __init__(self, path, width: int | None, initializer, meta: dict | None = None, *,
+                 storage_dtype: torch.dtype = torch.float32, direct_reads: bool = False,
+                 io_threads: int = 32):
+        self.path = os.path.abspath(os.fspath(path))
+        self._closed = True
+        self._file = None
+        self._lock_fd = None
+        check_store_args(width, storage_dtype, 1)
+        if not 1 <= io_threads <= 1024:
+            raise ValueError(f"io_threads {io_threads} must be in [1, 1024]")
+        self.initializer = initializer
+        self.direct_reads = bool(direct_reads)
+        self.io_threads = io_threads
+        if os.path.exists(self.path) and not os.path.isdir(self.path):
+            raise ValueError(f"ssd_path {self.path}: exists and is not a directory")
+        os.makedirs(self.path, exist_ok=True)
+        self._lock()
+        try:
+            self._open_or_create(width, storage_dtype, meta)
+        except BaseException:
+            self._release()
+            raise
+        self._closed = False
+        self._row_bytes = self.width * self.storage_dtype.itemsize
+        self._stats = new_stats()
+        del self._stats["rows_queued_hits"]  # no write queue
+        self._stats["rows_replayed"] = self._file.replayed
+
+    # ----------------------------------------------------------------------------- opening
+
+    def _layout(self, row_bytes: int, num_rows: int) -> dict:
+        raise NotImplementedError
+
+    def _open_native(self, record: dict, create: bool) -> None:
+        raise NotImplementedError
+
+    def _is_own_file(self, name: str) -> bool:
+        raise NotImplementedError
+
+    @classmethod
+    def is_table(cls, path) -> bool:
+        return os.path.isfile(os.path.join(os.fspath(path), cls.META_FILE))
+
+    def _lock(self) -> None:
+        lock_path = os.path.join(self.path, LOCK_FILE)
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            os.close(fd)
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise locked_error(self.path, lock_path, "open the table", str(e)) from None
+            raise StoreError(f"ssd_path {self.path}: cannot lock {lock_path}: {e}") from None
+        self._lock_fd = fd
+
+    def _release(self) -> None:
+        if self._file is not None:
+            try:
+                self._file.close()
+            finally:
+                self._file = None
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # releases the flock
+            self._lock_fd = None
+
+    def _classify(self, what: str, exc: Exception) -> Exception:
+        msg = str(exc)
+        if msg.startswith("corrupted:") or "No such file" in msg:
+            return StoreCorruptedError(f"ssd_path {self.path}: cannot {what}: the table's files "
+                                       f"are corrupted, truncated or missing: {msg}")
+        if "No space left" in msg:
+            return StoreWriteError(f"ssd_path {self.path}: cannot {what}: disk full: {msg}")
+        return StoreError(f"ssd_path {self.path}: cannot {what}: {msg}")
+
+    def _open_or_create(self, width, storage_dtype, meta) -> None:
+        if self.is_table(self.path):
+            record = self.read_meta(self.path)
+            check_record(self.path, record, width, storage_dtype, meta)
+            self._open_native(record, create=False)
+        else:
+            others = sorted(n for n in os.listdir(self.path)
+                            if n not in (LOCK_FILE, self.META_FILE + ".tmp") and not self._is_own_file(n))
+            if others:
+                raise ValueError(
+                    f"ssd_path {self.path}: not a {self.KIND} (no {self.META_FILE}) and not empty "
+                    f"({others[:3]}); refusing to create a table in a directory that holds "
+                    f"other files")
+            # Empty, or a creation cut short before the record: (re)create under the lock.
+            if width is None:
+                raise ValueError(f"ssd_path {self.path}: new table needs a width (got None)")
+            requested = normalize_meta(meta) if meta is not None else {}
+            num_rows = requested.get("num_embeddings")
+            if not isinstance(num_rows, int) or num_rows <= 0:
+                raise ValueError(f"ssd_path {self.path}: a new {self.KIND} needs "
+                                 f"meta['num_embeddings'] (the number of rows), a positive "
+                                 f"int; got {num_rows!r}")
+            if "width" in requested and requested["width"] != width:
+                raise ValueError(f"ssd_path {self.path}: meta width {requested['width']} "
+                                 f"!= width argument {width}")
+            row_bytes = width * storage_dtype.itemsize
+            record = {"format": self.FORMAT, "width": width,
+                      "storage_dtype": STORAGE_DTYPES[storage_dtype], "num_rows": num_rows,
+                      "row_bytes": row_bytes, **self._layout(row_bytes, num_rows), "meta": requested}
+            self._open_native(record, create=True)
+            self._write_record(self.path, record)
+        self.width = record["width"]
+        self.storage_dtype = DTYPE_BY_NAME[record["storage_dtype"]]
+        self.meta = record["meta"]
+        self.num_rows = record["num_rows"]
+        self.record = record
+
+    def _write_record(self, path: str, record: dict) -> None:
+        """The record, atomically (tmp + fsync + rename + fsync of the directory)."""
+        tmp = os.path.join(path, self.META_FILE + ".tmp")
+        with open(tmp, "w") as f:
+            json.dump(record, f, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, os.path.join(path, self.META_FILE))
+        fsync_dir(path)
+
+    @classmethod
+    def read_meta(cls, path) -> dict:
+        """The stored record of the table at path, without locking it. Raises ValueError if
+        not a table of this kind, StoreCorruptedError if the record is damaged."""
+        path = os.path.abspath(os.fspath(path))
+        meta_path = os.path.join(path, cls.META_FILE)
+        if not os.path.isfile(meta_path):
+            raise ValueError(f"ssd_path {path}: not a {cls.KIND} (no {cls.META_FILE})")
+        with open(meta_path, "rb") as f:
+            raw = f.read()
+        try:
+            r = json.loads(raw)
+            ok = (r.get("format") == cls.FORMAT and isinstance(r.get("width"), int)
+                  and r.get("storage_dtype") in DTYPE_BY_NAME and isinstance(r.get("meta"), dict)
+                  and all(isinstance(r.get(k), int) and r[k] > 0
+                          for k in ("num_rows", "row_bytes") + cls.LAYOUT_FIELDS)
+                  and r["row_bytes"] == r["width"] * DTYPE_BY_NAME[r["storage_dtype"]].itemsize)
+        except (ValueError, AttributeError, TypeError):
+            ok = False
+        if not ok:
+            raise StoreCorruptedError(f"ssd_path {path}: the table metadata record {meta_path} "
+                                      f"is not valid {cls.FORMAT} JSON: {raw[:200]!r}")
+        return r
+
+    # ----------------------------------------------------------------------- reads, writes
+
+    def _id_limit(self) -> int:
+        return self.num_rows
+
+    def read(self, ids: torch.Tensor, out: torch.Tensor) -> None:
+        """ids: int64 [n] unique; out: float32 [n, width] contiguous. Fills out with the rows:
+        the stored row, else the initializer's."""
+        ids_np = self._check_read(ids, out)
+        n = ids_np.size
+        if n == 0:
+            return
+        direct_out = self.storage_dtype == torch.float32
+        buf = out if direct_out else torch.empty(n, self.width, dtype=self.storage_dtype)
+        try:
+            found = self._file.read(ids_np, buf.view(torch.uint8)).view(bool)
+        except RuntimeError as e:
+            raise self._classify("read rows", e) from None
+        nfound = int(found.sum())
+        if not direct_out and nfound:
+            if nfound == n:
+                out.copy_(buf)
+            else:
+                f = torch.from_numpy(found)
+                out[f] = buf[f].to(torch.float32)
+        if nfound < n:
+            self._stats["rows_initialized"] += initialize(
+                self.path, self.initializer, ids_np, (~found).nonzero()[0], out)
+        self._stats["rows_found"] += nfound
+        self._stats["bytes_read"] += nfound * self._row_bytes
+        self._stats["reads"] += n
+
+    # ------------------------------------------------------------------------------ writes
+
+    def write(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
+        """ids: int64 [n] unique; rows: float32 [n, width]. Stores the rows before returning
+        (in the page cache; durable at the next flush()). StoreWriteError (e.g. disk full):
+        see the subclass for what may have been stored."""
+        self._check_open()
+        ids_np = self._check_ids(ids)
+        n = ids_np.size
+        self._check_rows(rows, n, "rows")
+        if n == 0:
+            return
+        stored = rows.to(self.storage_dtype).contiguous()
+        try:
+            self._file.write(ids_np, stored.view(torch.uint8))
+        except RuntimeError as e:
+            raise self._classify("write rows", e) from None
+        self._stats["writes"] += 1
+        self._stats["rows_written"] += n
+        self._stats["bytes_written"] += n * self._row_bytes
+
+    def flush(self) -> None:
+        """Returns when every write() made before the call is durable: it survives kill -9
+        and power loss once this returned."""
+        self._check_open()
+        try:
+            self._file.sync()
+        except RuntimeError as e:
+            raise self._classify("flush", e) from None
+        self._stats["flushes"] += 1
+
+    # ------------------------------------------------------------------------------ export
+
+    def written_ids(self, start: int = 0, limit: int | None = None) -> torch.Tensor:
+        """Sorted int64 ids of rows ever written with id >= start, at most `limit` of them."""
+        self._check_written_ids_args(start, limit)
+        return torch.from_numpy(self._file.written_ids(start, -1 if limit is None else limit))
+
+    def _new_checkpoint_dir(self, path) -> str:
+        """flush(), then a new directory for a checkpoint (ValueError if path exists)."""
+        self._check_open()
+        path = os.path.abspath(os.fspath(path))
+        if os.path.exists(path):
+            raise ValueError(f"checkpoint path {path}: already exists; give a new directory")
+        self.flush()  # the caller's thread is the only writer: nothing changes while we copy
+        os.makedirs(path)
+        return path
+
+    # ------------------------------------------------------------------------------- admin
+
+    def stats(self) -> dict:
+        s = dict(self._stats)
+        if not self._closed:
+            s["rows_stored"] = self._file.num_written()
+        return s
+
+    def close(self) -> None:
+        """Flushes and releases the table (its lock). Safe to call twice; if the flush fails
+        the table is still released and the error is raised."""
+        if self._closed:
+            return
+        err = None
+        try:
+            self.flush()
+        except StoreError as e:
+            err = e
+        self._closed = True
+        try:
+            self._release()
+        except RuntimeError as e:
+            err = err or self._classify("close the table", e)
+        if err is not None:
+            raise err
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}({self.path!r}, width={self.width}, num_rows={self.num_rows}, "
+                f"storage_dtype={self.storage_dtype}, direct_reads={self.direct_reads}, "
+                f"closed={self._closed})")
