@@ -31,19 +31,21 @@ DIM = 8
 BAGS = 32
 BAG_SIZE = 4  # at most 128 unique ids per batch: tier 0 needs >= 128 rows
 SEED = 7
-SSD_OPTIONS = {"write_queue_rows": 1024}  # small queue: write() backpressure is exercised too
+# Per backend: RocksDB with a small write queue (write() backpressure is exercised too); the log
+# store with small segments (compaction runs, and is killed, many times).
+SSD_OPTIONS = {"rocksdb": {"write_queue_rows": 1024}, "log": {"backend": "log", "segment_bytes": 64 << 10}}
 
 
 def optimizer(name: str = "adagrad"):
     return {"adagrad": tieredemb.Adagrad(lr=0.05), "adam": tieredemb.Adam(lr=0.01)}[name]
 
 
-def make_table(ssd_path=None, cache_rows=None, host_rows=None, opt: str = "adagrad"):
+def make_table(ssd_path=None, cache_rows=None, host_rows=None, opt: str = "adagrad", backend: str = "rocksdb"):
     """The test's table. ssd_path None and cache_rows None: the in-memory reference."""
     return tieredemb.TieredEmbeddingBag(
         NUM_ROWS, DIM, mode="sum", cache_rows=cache_rows, host_rows=host_rows,
         ssd_path=ssd_path, optimizer=optimizer(opt), seed=SEED,
-        ssd_options=SSD_OPTIONS if ssd_path is not None else None)
+        ssd_options=SSD_OPTIONS[backend] if ssd_path is not None else None)
 
 
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,12 +79,13 @@ def main(argv=None) -> None:
     ap.add_argument("--host-rows", type=int, default=0, help="0: no host tier")
     ap.add_argument("--checkpoint-at", type=int, default=0)
     ap.add_argument("--max-steps", type=int, default=10**6)
+    ap.add_argument("--backend", default="rocksdb", choices=sorted(SSD_OPTIONS))
     a = ap.parse_args(argv)
     progress_path = os.path.join(a.dir, "PROGRESS")
     acks_path = os.path.join(a.dir, "ACKS")
     done = read_steps(progress_path)
     first = (done[-1] if done else 0) + 1
-    emb = make_table(os.path.join(a.dir, "table"), a.cache_rows, a.host_rows or None)
+    emb = make_table(os.path.join(a.dir, "table"), a.cache_rows, a.host_rows or None, backend=a.backend)
     progress = os.open(progress_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     acks = os.open(acks_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     with open(os.path.join(a.dir, "READY"), "w") as f:

@@ -34,6 +34,7 @@ import pytest
 import torch
 
 import ssd_train_child as child
+from ssd_backend import detect_backend
 from ssd_crash_child import read_steps
 
 # (cache_rows, host_rows); 0 = no host tier. Every one holds a batch's unique ids in tier 0.
@@ -70,8 +71,8 @@ def _same_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (_bits(a) == _bits(b)).all(1)
 
 
-def _read_table(path: str, cache_rows=64, host_rows=None) -> torch.Tensor:
-    emb = child.make_table(path, cache_rows, host_rows)
+def _read_table(path: str, cache_rows=64, host_rows=None, backend="rocksdb") -> torch.Tensor:
+    emb = child.make_table(path, cache_rows, host_rows, backend=backend)
     try:
         return child.read_all(emb)
     finally:
@@ -81,7 +82,8 @@ def _read_table(path: str, cache_rows=64, host_rows=None) -> torch.Tensor:
 class TrainReplay:
     """The reference: in-memory tables trained on the same steps, life after life."""
 
-    def __init__(self):
+    def __init__(self, backend: str = "rocksdb"):
+        self.backend = backend
         self.state = child.read_all(child.make_table())  # S of the first life: init
         self.progress = 0
 
@@ -107,7 +109,7 @@ class TrainReplay:
                 later.append((touched, rows))
         final = child.read_all(ref)
 
-        got = _read_table(os.path.join(workdir, "table"))
+        got = _read_table(os.path.join(workdir, "table"), backend=self.backend)
         ok = _same_rows(got, at_ack)
         for touched, rows in later:
             ok[touched] |= _same_rows(got[touched], rows)
@@ -126,7 +128,7 @@ class TrainReplay:
         return report
 
 
-def _start_child(ctx, workdir: str, rnd: random.Random, extra=()):
+def _start_child(ctx, workdir: str, rnd: random.Random, extra=(), backend="rocksdb"):
     cache_rows, host_rows = rnd.choice(TIER_SIZES)
     ready = os.path.join(workdir, "READY")
     if os.path.exists(ready):
@@ -134,7 +136,7 @@ def _start_child(ctx, workdir: str, rnd: random.Random, extra=()):
     proc = ctx.Process(
         target=child.main,
         args=([workdir, "--flush-every", str(rnd.choice([3, 5, 8])), "--cache-rows",
-               str(cache_rows), "--host-rows", str(host_rows), *extra],), daemon=True)
+               str(cache_rows), "--host-rows", str(host_rows), "--backend", backend, *extra],), daemon=True)
     proc.start()
     return proc
 
@@ -154,26 +156,27 @@ def _kill(proc) -> None:
     assert proc.exitcode == -signal.SIGKILL
 
 
-def _run_lives(ctx, workdir: str, kills: int, seed: int) -> list[dict]:
+def _run_lives(ctx, workdir: str, kills: int, seed: int, backend: str = "rocksdb") -> list[dict]:
     rnd = random.Random(seed)
-    replay = TrainReplay()
+    replay = TrainReplay(backend)
     reports = []
     for _ in range(kills):
-        proc = _start_child(ctx, workdir, rnd)
+        proc = _start_child(ctx, workdir, rnd, backend=backend)
         if rnd.random() < 0.15:
             time.sleep(rnd.uniform(0.0, 0.05))  # may land while the table is opening
         else:
             _wait_for(proc, os.path.join(workdir, "READY"), "open the table")
             time.sleep(rnd.uniform(0.02, 0.35))
         _kill(proc)
-        if not os.path.exists(os.path.join(workdir, "table", "CURRENT")):
+        if detect_backend(os.path.join(workdir, "table")) is None:
             continue  # killed before the table was created: nothing to check yet
         reports.append(replay.check(workdir))
     return reports
 
 
-def test_train_crash_kill9_loses_no_flushed_update(tmp_path, fork_ctx):
-    reports = _run_lives(fork_ctx, str(tmp_path), kills=24, seed=23)
+@pytest.mark.parametrize("backend", ["rocksdb", "log"])
+def test_train_crash_kill9_loses_no_flushed_update(tmp_path, fork_ctx, backend):
+    reports = _run_lives(fork_ctx, str(tmp_path), kills=24, seed=23, backend=backend)
     assert len(reports) >= 20
     acked = [r for r in reports if r["ack"] is not None]
     assert len(acked) >= 10, f"too few lives got to a flush: {reports}"
