@@ -1,18 +1,21 @@
-"""SSD tier benchmark: RocksDBStore and SlotFileStore against raw disk / memory peers, in the
-same run (--backend rocksdb|slots|both).
+"""SSD tier benchmark: RocksDBStore, SlotFileStore and LogStore against raw disk / memory peers,
+in the same run (--backend rocksdb|slots|log|all).
 
 Figures (medians over --repeats runs; 512-byte rows = width 128 float32):
 - cold random reads: the store with direct reads (page cache bypassed; RocksDB: 8 MiB block
-  cache; slots: O_DIRECT preads of 512-byte slots from --threads native threads)
+  cache; slots / log: O_DIRECT preads of the sectors holding each row from --threads native
+  threads)
   vs the raw rate of the same disk: 4 KiB O_DIRECT preads at random offsets of a file as
   large as the table, from --threads threads (queue depth = threads). Target >= 0.7x.
-- hot random reads: table in RocksDB's caches / the page cache (slots) vs torch.index_select
+- hot random reads: table in RocksDB's caches / the page cache (slots, log) vs torch.index_select
   from a DRAM tensor.
   Target >= 1M rows/s.
 - sustained write-back: write() of the whole table plus flush() vs sequential write+fsync
   of the same bytes. Target >= 300K rows/s.
+- random write-back (what training does): batches of --batch random ids rewritten in a
+  written table, then flush(), vs the same sequential write+fsync peer.
 
-Run: python bench/bench_ssd.py [--backend both] [--dir DIR] [--cold-rows 2000000] [--quick]
+Run: python bench/bench_ssd.py [--backend all] [--dir DIR] [--cold-rows 2000000] [--quick]
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from ssd_backend import RocksDBStore, SlotFileStore  # noqa: E402
+from ssd_backend import LogStore, RocksDBStore, SlotFileStore  # noqa: E402
 
 WIDTH = 128  # 512-byte rows
 
@@ -46,6 +49,8 @@ def build_table(path, n, backend="rocksdb", batch=65536):
     meta = {"num_embeddings": n}
     if backend == "rocksdb":
         store = RocksDBStore(path, WIDTH, init_rows, meta, wal=True)
+    elif backend == "log":
+        store = LogStore(path, WIDTH, init_rows, meta)
     else:  # created for direct reads: 512-byte slots (= the row size here)
         store = SlotFileStore(path, WIDTH, init_rows, meta, direct_reads=True)
     with store as s:
@@ -67,12 +72,13 @@ def open_for_reads(backend, path, cold, threads):
             return RocksDBStore(path, WIDTH, init_rows, None, direct_reads=True,
                                 block_cache_bytes=8 << 20, reader_threads=threads)
         return None  # the hot RocksDB store needs its cache sizes: see main()
-    return SlotFileStore(path, WIDTH, init_rows, None, direct_reads=cold, io_threads=threads)
+    cls = LogStore if backend == "log" else SlotFileStore
+    return cls(path, WIDTH, init_rows, None, direct_reads=cold, io_threads=threads)
 
 
 def table_bytes(path):
     return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path)
-               if f.endswith(".sst") or f == "slots.bin")
+               if f.endswith(".sst") or f == "slots.bin" or f.startswith("seg-"))
 
 
 def raw_write_rate(path, nbytes, row_bytes=512):
@@ -171,7 +177,7 @@ def main():
     ap.add_argument("--hot-threads", type=int, default=16,
                     help="hot reads: RocksDB reader threads / slot-file I/O threads")
     ap.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
-    ap.add_argument("--backend", choices=["rocksdb", "slots", "both"], default="both")
+    ap.add_argument("--backend", choices=["rocksdb", "slots", "log", "all"], default="all")
     a = ap.parse_args()
     if a.quick:
         a.cold_rows, a.hot_rows, a.reads, a.repeats = 200_000, 50_000, 16384, 2
@@ -179,7 +185,7 @@ def main():
     print(f"# torch {torch.__version__}, {os.cpu_count()} cpus, dir {a.dir}, "
           f"threads {a.threads}, batch {a.batch}", flush=True)
 
-    backends = ["rocksdb", "slots"] if a.backend == "both" else [a.backend]
+    backends = ["rocksdb", "slots", "log"] if a.backend == "all" else [a.backend]
     raw_path = os.path.join(a.dir, "raw.bin")
     for backend in backends:
         print(f"## backend {backend}", flush=True)
@@ -224,7 +230,7 @@ def run_backend(a, backend, raw_path):
         label = f"rocksdb hot reads (row cache {a.row_cache_mib}M)"
     else:
         s = open_for_reads(backend, hot_path, False, a.hot_threads)
-        label = "slots hot reads (page cache)"
+        label = f"{backend} hot reads (page cache)"
     with s:
         out = torch.empty(a.hot_rows, WIDTH)
         s.read(torch.arange(a.hot_rows), out)  # warm the caches
@@ -234,6 +240,23 @@ def run_backend(a, backend, raw_path):
     print(f"# hot runs ours {[round(x) for x in ours]} peer {[round(x) for x in peer]}")
     report(label, statistics.median(ours), "torch index_select DRAM",
            statistics.median(peer), ">= 1M rows/s")
+
+    # Random write-back into the written table, as training's evictions do.
+    ours, raw = [], []
+    with open_for_reads(backend, hot_path, False, a.hot_threads) if backend != "rocksdb" else \
+            RocksDBStore(hot_path, WIDTH, init_rows, None) as s:
+        rows = torch.rand(a.batch, WIDTH)
+        g = torch.Generator().manual_seed(1)
+        for r in range(a.repeats):
+            t = time.perf_counter()
+            for _ in range(max(1, a.reads // a.batch)):
+                s.write(torch.randperm(a.hot_rows, generator=g)[:a.batch], rows)
+            s.flush()
+            ours.append(max(1, a.reads // a.batch) * a.batch / (time.perf_counter() - t))
+            raw.append(raw_write_rate(os.path.join(a.dir, "seqwrite"), a.reads * 512))
+    print(f"# random write-back runs ours {[round(x) for x in ours]} raw {[round(x) for x in raw]}")
+    report(f"{backend} random write-back (write+flush)", statistics.median(ours), "seq write+fsync",
+           statistics.median(raw), ">= 300K rows/s")
 
 
 if __name__ == "__main__":
