@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -400,7 +401,7 @@ class TieredEmbeddingBag(_TieredBase):
             if offsets is not None:
                 raise ValueError("offsets must be None when input is 2-D [B, L] (each row is a bag)")
             bags, length = input.shape
-            offsets_full = torch.arange(0, (bags + 1) * length, length, dtype=torch.int64)[:bags + 1]
+            offsets_full = torch.from_numpy(np.arange(0, (bags + 1) * length, length, dtype=np.int64)[:bags + 1])
             flat = input.reshape(-1)
         elif input.dim() == 1:
             if offsets is None:
@@ -426,24 +427,26 @@ class TieredEmbeddingBag(_TieredBase):
         return out.to(per_sample_weights.dtype) if psw is not None and psw.dtype != out.dtype else out
 
     def _normalize_offsets(self, offsets: Tensor, n: int) -> Tensor:
-        """torch's offsets -> [B + 1] bag boundaries, checked."""
+        """torch's offsets -> [B + 1] bag boundaries, checked. In numpy: torch's intra-op
+        threads cost milliseconds per call on a busy machine for these few element-wise ops."""
         if len(offsets) == 0:
             if self.include_last_offset:
                 raise ValueError("offsets must not be empty with include_last_offset=True")
             return torch.zeros(1, dtype=torch.int64)
-        if int(offsets[0]) != 0:
-            raise ValueError(f"offsets[0] must be 0 (the first bag starts at the first id), got {int(offsets[0])}")
-        if len(offsets) > 1:
-            steps = offsets[1:] - offsets[:-1]
-            if bool((steps < 0).any()):
-                k = int((steps < 0).nonzero()[0, 0]) + 1
-                raise ValueError(f"offsets must be non-decreasing: offsets[{k}] = {int(offsets[k])} < "
-                                 f"offsets[{k - 1}] = {int(offsets[k - 1])}")
-        if int(offsets[-1]) > n:
-            raise ValueError(f"offsets[-1] = {int(offsets[-1])} is past the end of input (length {n})")
+        o = offsets.numpy()
+        if o[0] != 0:
+            raise ValueError(f"offsets[0] must be 0 (the first bag starts at the first id), got {int(o[0])}")
+        if len(o) > 1:
+            down = np.flatnonzero(o[1:] < o[:-1])
+            if len(down):
+                k = int(down[0]) + 1
+                raise ValueError(f"offsets must be non-decreasing: offsets[{k}] = {int(o[k])} < "
+                                 f"offsets[{k - 1}] = {int(o[k - 1])}")
+        if o[-1] > n:
+            raise ValueError(f"offsets[-1] = {int(o[-1])} is past the end of input (length {n})")
         if self.include_last_offset:
             return offsets.contiguous()
-        return torch.cat([offsets, torch.tensor([n], dtype=torch.int64)])
+        return torch.from_numpy(np.append(o, n))
 
 
 class TieredEmbedding(_TieredBase):
@@ -470,6 +473,6 @@ class TieredEmbedding(_TieredBase):
         """input: int ids of any shape [*]. Returns [*, D]."""
         _check_int_tensor("input", input)
         flat = input.reshape(-1)
-        offsets = torch.arange(len(flat) + 1, dtype=torch.int64)
+        offsets = torch.from_numpy(np.arange(len(flat) + 1, dtype=np.int64))
         out = self._lookup(flat, offsets, None, _MODES["sum"], exclude_padding=False)
         return out.reshape(*input.shape, self.embedding_dim)

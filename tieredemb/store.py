@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 from typing import Union
 
+import numpy as np
 import torch
 
 from . import _C
@@ -33,6 +34,12 @@ def _host_pool(rows: int, width: int, *, populate: bool) -> torch.Tensor:
     only for the rows it holds."""
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return torch.from_numpy(_C.host_pool(rows, width, populate, rows * width * 4 <= total // 2))
+
+
+def _arange(n: int) -> torch.Tensor:
+    """0..n-1 as int64, made by numpy: torch's intra-op threads make even this cost
+    milliseconds on a busy 2-core machine, in a path taken several times per batch."""
+    return torch.from_numpy(np.arange(n, dtype=np.int64))
 
 
 def _ids(t: torch.Tensor) -> torch.Tensor:
@@ -85,7 +92,7 @@ class Tier:
         """Rows at slots, as a CPU float32 [n, width] tensor."""
         if self._host:
             out = torch.empty(len(slots), self.width, dtype=torch.float32)
-            _C.copy_rows(self.pool, slots, out, torch.arange(len(slots)))
+            _C.copy_rows(self.pool, slots, out, _arange(len(slots)))
             return out
         side = self._side_stream()
         side.wait_stream(torch.cuda.current_stream(self.pool.device))
@@ -97,7 +104,7 @@ class Tier:
 
     def scatter(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
         if self._host:
-            _C.copy_rows(rows.contiguous(), torch.arange(len(slots)), self.pool, slots)
+            _C.copy_rows(rows.contiguous(), _arange(len(slots)), self.pool, slots)
             return
         dev = self.pool.device
         main, side = torch.cuda.current_stream(dev), self._side_stream()
@@ -168,7 +175,7 @@ class Tier:
     # -- the interface a tier above sees (a BackingStore's, plus in-place variants) -----------
     def read(self, ids: torch.Tensor, out: torch.Tensor) -> None:
         """Current rows of unique ids into out [n, width]."""
-        self.read_to(ids, out, torch.arange(len(ids)))
+        self.read_to(ids, out, _arange(len(ids)))
 
     def read_to(self, ids: torch.Tensor, dst: torch.Tensor, dst_rows: torch.Tensor) -> None:
         """Current rows of unique ids into dst[dst_rows] (a host pool). A cache keeps what it
