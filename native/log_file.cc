@@ -92,6 +92,7 @@ Status LogFile::Open(const std::string& dir, int64_t num_rows, int64_t row_bytes
     *out = std::move(f);
     return Status::Ok();
   }
+  // The mark only saves checksum work: one that is missing or damaged trusts nothing.
   Mark m{0, 0, 0, 0};
   int mfd = ::open(mark_path.c_str(), O_RDONLY | O_CLOEXEC);
   if (mfd >= 0) {
@@ -99,8 +100,7 @@ Status LogFile::Open(const std::string& dir, int64_t num_rows, int64_t row_bytes
     ::close(mfd);
     if (err != 0 || m.magic != kMarkMagic ||
         m.checksum != checksum(reinterpret_cast<const uint8_t*>(&m), 24, kMarkMagic))
-      return Status::RuntimeError("corrupted: " + mark_path + " is not a valid flush mark (" +
-                                  (err ? errno_text(err) : std::string("bad magic or checksum")) + ")");
+      m = Mark{0, 0, 0, 0};
   } else if (errno != ENOENT) {
     return Status::RuntimeError("cannot open " + mark_path + ": " + errno_text(errno));
   }
@@ -161,15 +161,8 @@ Status LogFile::open_segment(uint32_t seq, bool create, Segment** out) {
   seg->fd = ::open(seg->path.c_str(), O_RDWR | O_CLOEXEC | (create ? O_CREAT | O_EXCL : 0), 0644);
   if (seg->fd < 0) return Status::RuntimeError("cannot open " + seg->path + ": " + errno_text(errno));
   if (create) {
-    // Reserved now: a full disk fails here, before any row depends on this segment.
-    int err = ::fallocate(seg->fd, 0, 0, segment_bytes_) != 0 ? errno : 0;
-    if (err == EOPNOTSUPP) err = ::ftruncate(seg->fd, segment_bytes_) != 0 ? errno : 0;
-    if (err != 0) {
-      ::close(seg->fd);
-      ::unlink(seg->path.c_str());
-      return Status::RuntimeError("cannot reserve " + std::to_string(segment_bytes_) + " bytes for " + seg->path +
-                                  ": " + errno_text(err));
-    }
+    // Appends grow the file (a full disk fails the write that needs the space); the mapping
+    // covers the whole segment from the start and is read below the end of what was written.
     seg->capacity = segment_bytes_;
   } else {
     struct stat st;
@@ -236,8 +229,9 @@ Status LogFile::replay(Segment* seg, uint32_t mark_seq, int64_t mark_offset) {
 }
 
 Status LogFile::seal(Segment* seg) {
-  // Cut the reserved tail (and a torn record in it): the file ends with its last record, so
-  // once trusted it still ends there. A checkpoint's link to it shares these records.
+  // Nothing is ever appended to it again (a checkpoint may link to it). A file longer than
+  // its records (a record torn by a crash) is cut to them, durably, so that once trusted
+  // the segment still ends there.
   if (current_ == seg) current_ = nullptr;
   if (seg->capacity == seg->end) return Status::Ok();
   if (::ftruncate(seg->fd, seg->end) != 0 || ::fsync(seg->fd) != 0)
@@ -264,10 +258,7 @@ void LogFile::place(int64_t id, Segment* seg, int64_t row_offset) {
 Status LogFile::append_record(const int64_t* ids, int64_t n, const uint8_t* rows) {
   const int64_t rec = record_bytes(n, row_bytes_);
   if (current_ == nullptr || current_->end + rec > current_->capacity) {
-    if (current_ != nullptr) {
-      Status s = seal(current_);
-      if (!s.ok()) return s;
-    }
+    if (current_ != nullptr) current_->capacity = current_->end;  // sealed: its file ends there
     Segment* seg;
     Status s = open_segment(next_seq_, true, &seg);
     if (!s.ok()) return s;
@@ -391,16 +382,16 @@ void LogFile::drop_segment(Segment* seg) {
 }
 
 Status LogFile::write_mark(const std::string& dir, uint32_t seq, int64_t offset) const {
+  // Rewritten in place (32 bytes: one sector, never torn by a kill), so that a flush needs no
+  // new disk block; a mark torn by a power loss fails its checksum and trusts nothing.
   Mark m{kMarkMagic, seq, static_cast<uint64_t>(offset), 0};
   m.checksum = checksum(reinterpret_cast<const uint8_t*>(&m), 24, kMarkMagic);
-  const std::string tmp = dir + "/flushed.tmp", path = dir + "/flushed";
-  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) return Status::RuntimeError("cannot open " + tmp + ": " + errno_text(errno));
+  const std::string path = dir + "/flushed";
+  int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0644);
+  if (fd < 0) return Status::RuntimeError("cannot open " + path + ": " + errno_text(errno));
   int err = pwrite_full(fd, reinterpret_cast<const uint8_t*>(&m), sizeof m, 0);
   if (err == 0 && ::fdatasync(fd) != 0) err = errno;
   ::close(fd);
-  if (err == 0 && ::rename(tmp.c_str(), path.c_str()) != 0) err = errno;
-  if (err == 0) err = fsync_dir(dir);
   if (err != 0) return Status::RuntimeError("cannot write " + path + ": " + errno_text(err));
   return Status::Ok();
 }
@@ -448,7 +439,11 @@ Status LogFile::Checkpoint(const std::string& dst_dir) {
     if (!s.ok()) return s;
   }
   // The linked files are never appended to again.
-  return current_ == nullptr ? Status::Ok() : seal(current_);
+  if (current_ != nullptr) {
+    current_->capacity = current_->end;
+    current_ = nullptr;
+  }
+  return Status::Ok();
 }
 
 Status LogFile::Read(const int64_t* ids, int64_t n, uint8_t* out, uint8_t* found) {

@@ -6,14 +6,13 @@
 // of kernel time per row. Appended as one record per batch, the same rows cost one sequential
 // write (~0.1 us per row).
 //
-// Layout (one directory): seg-<seq>.log, segments of `segment_bytes` (reserved with fallocate
-// when created, so a full disk is an error from Write; cut to their records when sealed),
-// each a sequence of batch records:
+// Layout (one directory): seg-<seq>.log, segments of up to `segment_bytes` that grow by
+// appends (a full disk is an error from Write), each a sequence of batch records:
 // header {magic, n, row_bytes, checksum}, n int64 ids, n rows (file_io.h). A segment is
 // appended to by the process that created it only; a reopened table starts a new one.
 // `flushed` marks how far the log was durable at the last Sync: records before it are trusted
 // at open, records after it are replayed only while their checksum holds (a record cut by
-// kill -9 or a power loss ends the segment's log).
+// kill -9 or a power loss ends the segment's log). A missing or damaged mark trusts nothing.
 // In memory: per row, where its newest copy lives (segment, offset), 8 bytes per row in a
 // lazily reserved array; reads copy from the segments' read-only mappings (or pread with
 // O_DIRECT). Rows never written read as not found.
