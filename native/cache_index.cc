@@ -75,6 +75,7 @@ Status CacheIndex::commit(const int64_t* ids, int64_t n, const Plan& plan, bool 
   // come: with LRU the cache after every batch is then the `capacity` most recently used rows,
   // whatever the capacity (a stack algorithm), so one pass over a trace gives its hit ratio at
   // every size (tieredemb.sim).
+  used_fresh_.assign(static_cast<size_t>(n), 0);
   size_t next_miss = 0;
   for (int64_t i = 0; i < n; ++i) {
     int64_t slot = plan.slots[i];
@@ -83,13 +84,12 @@ Status CacheIndex::commit(const int64_t* ids, int64_t n, const Plan& plan, bool 
       map_.insert(ids[i], slot);
       slot_id_[slot] = ids[i];
       dirty_[slot] = 0;
-      policy_->insert(&slot, 1);
-    } else {
-      policy_->touch(&slot, 1);
+      used_fresh_[static_cast<size_t>(i)] = 1;
     }
     if (dirty) dirty_[slot] = 1;
     if (pin && pins_[slot]++ == 0) ++pinned_;
   }
+  policy_->use(plan.slots.data(), used_fresh_.data(), n);
   if (dirty) {
     stats_.writes += n;
   } else {

@@ -89,6 +89,7 @@ class CacheIndex final : public TierIndex {
   std::vector<int32_t> pins_;
   std::vector<uint8_t> dirty_;
   std::vector<uint64_t> batch_mark_;  // slot -> stamp of the last plan that used it
+  std::vector<uint8_t> used_fresh_;   // commit scratch: 1 where the batch inserts a new row
   std::vector<int64_t> free_;         // free slots, popped from the back
   uint64_t stamp_ = 0;
   int64_t pinned_ = 0;

@@ -26,6 +26,13 @@ class EvictionPolicy {
   virtual void insert(const int64_t* slots, int64_t n) = 0;
   // Forgets a slot that was emptied without reuse.
   virtual void remove(int64_t slot) = 0;
+  // Records a batch's uses in order: slot k is a new row (insert) if fresh[k], else a use of a
+  // resident one (touch). Same effect as those calls one by one; a policy may do it faster.
+  virtual void use(const int64_t* slots, const uint8_t* fresh, int64_t n) {
+    for (int64_t k = 0; k < n; ++k) {
+      if (fresh[k]) insert(slots + k, 1); else touch(slots + k, 1);
+    }
+  }
   // Appends up to n victims, best first, among occupied slots with evictable(slot).
   // Returns how many were appended.
   virtual int64_t select(int64_t n, const SlotFilter& evictable, std::vector<int64_t>* out) = 0;
