@@ -1,0 +1,219 @@
+"""Prefetch: batches registered ahead of their forward are made resident in tier 0 by a
+background worker, and stay pinned until their backward.
+
+Ordering, and why training gives bit for bit the results it gives without prefetch:
+- One worker thread per table makes registered batches resident in registration order (FIFO),
+  one at a time. Every index operation (plan, commit, unpin, mark_dirty) and every row move runs
+  under the table's store lock, so the worker and the training thread never interleave them.
+- A batch's rows are pinned from its residency until its backward has applied its update (or
+  its forward ran under no_grad, or its graph was freed). The worker evicts unpinned rows only:
+  it never moves a row that a batch in flight reads or updates, and it writes a dirty row back
+  only after the backward that dirtied it released it (under the lock: the update
+  happens-before the write-back).
+- A row updated by batch t and read by batch t+1 is pinned by both, so it stays in its tier-0
+  slot, and t+1's forward runs after t's backward on the training thread (program order).
+- The forward of a registered batch must be the oldest registered batch (its ids and offsets
+  are compared). Values never depend on when the worker ran; only which rows were evicted can,
+  and that is not timing-dependent either (see the lookahead window below).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+
+import torch
+
+_REGISTERED, _PLANNING, _RESIDENT, _FAILED = range(4)
+_IDLE_EXIT_S = 1.0  # a worker with nothing to do for this long exits (a later batch restarts one)
+
+
+class PrefetchOrderError(ValueError):
+    """A forward whose batch is not the oldest registered one."""
+
+
+class _Registered:
+    """A batch registered by prefetch(): its ids, dedup, and (once resident) pinned slots."""
+
+    __slots__ = ("seq", "ids", "offsets", "unique", "inverse", "slots", "misses", "state", "forced")
+
+    def __init__(self, seq: int, ids: torch.Tensor, offsets: torch.Tensor, unique: torch.Tensor,
+                 inverse: torch.Tensor):
+        self.seq, self.ids, self.offsets, self.unique, self.inverse = seq, ids, offsets, unique, inverse
+        self.slots = None
+        self.misses = 0
+        self.state = _REGISTERED
+        self.forced = False  # its forward is waiting: made resident whatever the window
+
+
+class Prefetcher:
+    """One table's registered batches and the worker that makes them resident.
+
+    Threading: register / take / shutdown from the training thread; the worker thread only
+    makes batches resident. `cond` guards the queue and counters; the store's lock guards the
+    tiers. Lock order: cond, then store lock (never the other way)."""
+
+    def __init__(self, store):
+        self.store = store
+        self.cond = threading.Condition()
+        self.queue: deque[_Registered] = deque()  # registered, not yet taken by a forward
+        self.next_seq = 0
+        self.error: BaseException | None = None
+        self.thread: threading.Thread | None = None
+        self.stopping = False
+        self.reset_stats()
+
+    # -- training thread ----------------------------------------------------------------------
+    def register(self, ids: torch.Tensor, offsets: torch.Tensor) -> None:
+        """Queues a batch (flat ids [N], bag boundaries [B + 1]) for residency. IndexError for
+        an id out of range, before anything changes."""
+        ids = ids.to("cpu", torch.int64).contiguous().clone()  # the caller may reuse its tensor
+        unique, inverse = self.store.dedup(ids)
+        with self.cond:
+            self._raise_error()
+            self.queue.append(_Registered(self.next_seq, ids, offsets.clone(), unique, inverse))
+            self.next_seq += 1
+            self.counters["registered"] += 1
+            self._ensure_worker()
+
+    def take(self, ids: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A forward's batch, resident and pinned: (unique [U], inverse [N], slots [U]). The
+        oldest registered batch (checked), waited for; else (nothing registered) made resident
+        here. A background error surfaces here."""
+        ids = ids.to("cpu", torch.int64)
+        start = time.perf_counter()
+        with self.cond:
+            self._raise_error()
+            if self.queue:
+                p = self.queue[0]
+                self._check_order(p, ids, offsets)
+                found = p.state
+                if found == _REGISTERED:  # not started: the worker takes it now, whatever the window
+                    p.forced = True
+                    self._ensure_worker()
+                while p.state != _RESIDENT and self.error is None:
+                    self.cond.wait()
+                self._raise_error()
+                self.queue.popleft()
+                self._count(p.misses, "prefetched_rows" if found == _RESIDENT else "late_rows", start)
+                return p.unique, p.inverse, p.slots
+        unique, inverse = self.store.dedup(ids)
+        slots, misses = self.store.make_resident(unique)
+        with self.cond:
+            self._count(misses, "demand_misses", start)
+        return unique, inverse, slots
+
+    def shutdown(self) -> None:
+        """Stops the worker and forgets every registered batch not yet taken (unpins them).
+        A pending background error is dropped. Safe to call at any time, and twice."""
+        with self.cond:
+            self.stopping = True
+            thread = self.thread
+            self.cond.notify_all()
+        if thread is not None:
+            thread.join()
+        with self.cond:
+            self.stopping = False
+            self.thread = None
+            self.error = None
+            self._forget_all()
+
+    def stats(self) -> dict:
+        """registered: batches registered; forwards: forwards run; prefetched_rows: tier-0
+        misses of a forward's batch that the worker had made resident before the forward asked;
+        late_rows: misses the forward waited on the worker for; demand_misses: misses of forwards
+        of batches never registered (made resident by the forward itself); wait_seconds: time
+        forwards spent waiting for their rows (late or demand)."""
+        with self.cond:
+            return dict(self.counters)
+
+    def reset_stats(self) -> None:
+        with self.cond:
+            self.counters = dict(registered=0, forwards=0, prefetched_rows=0, late_rows=0, demand_misses=0,
+                                 wait_seconds=0.0)
+
+    # -- worker thread ------------------------------------------------------------------------
+    def _work(self) -> None:
+        while True:
+            with self.cond:
+                idle_since = time.monotonic()
+                while True:
+                    if self.stopping:
+                        return
+                    p = self._next_ready() if self.error is None else None
+                    if p is not None:
+                        break
+                    if time.monotonic() - idle_since > _IDLE_EXIT_S and not self._waiting():
+                        self.thread = None
+                        return
+                    self.cond.wait(_IDLE_EXIT_S)
+                p.state = _PLANNING
+            try:
+                self._make_resident(p)
+            except BaseException as e:  # surfaces on the training thread at its next call
+                with self.cond:
+                    p.state = _FAILED
+                    self.error = e
+                    self.cond.notify_all()
+                continue
+            with self.cond:
+                p.state = _RESIDENT
+                self.cond.notify_all()
+
+    def _make_resident(self, p: _Registered) -> None:
+        p.slots, p.misses = self.store.make_resident(p.unique)
+
+    # -- helpers (cond held) ------------------------------------------------------------------
+    def _next_ready(self) -> _Registered | None:
+        """The oldest batch not yet made resident, if it may be now."""
+        for p in self.queue:
+            if p.state == _REGISTERED:
+                return p
+        return None
+
+    def _waiting(self) -> bool:
+        """Whether a registered batch still waits for residency."""
+        return any(p.state == _REGISTERED for p in self.queue)
+
+    def _ensure_worker(self) -> None:
+        if self.thread is None:
+            self.thread = threading.Thread(target=self._work, name="tieredemb-prefetch", daemon=True)
+            self.thread.start()
+        self.cond.notify_all()
+
+    def _check_order(self, p: _Registered, ids: torch.Tensor, offsets: torch.Tensor) -> None:
+        if torch.equal(p.ids, ids) and torch.equal(p.offsets, offsets):
+            return
+        raise PrefetchOrderError(
+            f"forward of a batch that is not the oldest prefetched one: expected prefetched batch #{p.seq} "
+            f"({len(p.ids)} ids {_head(p.ids)}, {len(p.offsets) - 1} bags), got {len(ids)} ids {_head(ids)}, "
+            f"{len(offsets) - 1} bags. Run forwards in the order the batches were prefetched "
+            f"({len(self.queue)} registered)")
+
+    def _raise_error(self) -> None:
+        """Raises the worker's error (the original exception, with its traceback) after
+        forgetting every registered batch."""
+        if self.error is None:
+            return
+        err, self.error = self.error, None
+        self._forget_all()
+        raise err
+
+    def _forget_all(self) -> None:
+        """Unpins the resident registered batches and empties the queue. No batch is being made
+        resident: the worker stopped, or waits after an error."""
+        for p in self.queue:
+            if p.state == _RESIDENT:
+                self.store.release(p.slots)
+        self.queue.clear()
+
+    def _count(self, misses: int, key: str, start: float) -> None:
+        self.counters["forwards"] += 1
+        self.counters[key] += misses
+        if key != "prefetched_rows":
+            self.counters["wait_seconds"] += time.perf_counter() - start
+
+
+def _head(ids: torch.Tensor, k: int = 4) -> str:
+    return "[" + ", ".join(str(int(i)) for i in ids[:k]) + (", ...]" if len(ids) > k else "]")
