@@ -190,6 +190,17 @@ class _TieredBase(nn.Module):
         self._store.close()
         self._closed = True
 
+    @property
+    def prefetch_lookahead(self) -> int:
+        """How many batches registered after a prefetched batch its residency waits for, and
+        plans its evictions with (rows they use are kept; the farthest next use goes first).
+        0 (default): a registered batch is made resident at once. Set while none is registered."""
+        return self._prefetch.lookahead
+
+    @prefetch_lookahead.setter
+    def prefetch_lookahead(self, k: int) -> None:
+        self._prefetch.set_lookahead(k)
+
     def stats(self) -> dict:
         """Per tier: hits, misses, evictions, dirty_writebacks, clean_drops, bytes moved, hit_rate;
         under "prefetch": rows forwards found prefetched vs read themselves, and time waited

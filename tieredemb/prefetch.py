@@ -13,8 +13,16 @@ Ordering, and why training gives bit for bit the results it gives without prefet
 - A row updated by batch t and read by batch t+1 is pinned by both, so it stays in its tier-0
   slot, and t+1's forward runs after t's backward on the training thread (program order).
 - The forward of a registered batch must be the oldest registered batch (its ids and offsets
-  are compared). Values never depend on when the worker ran; only which rows were evicted can,
-  and that is not timing-dependent either (see the lookahead window below).
+  are compared). Values never depend on when the worker ran: only which rows were evicted can.
+
+Lookahead window: with lookahead L, batch j is made resident once batch j + L is registered
+(or when its forward asks for it, or the stream ended: end_of_stream()), and every cache tier
+plans its evictions with exactly the registered batches j+1 .. j+L as its window (the rule of
+native/cache_index.h: rows no window batch uses go first, in the policy's order; then the
+farthest next use first). The window does not depend on timing. The pins do, slightly: a
+batch's rows are unpinned at its backward, which may come before or after a later batch's
+residency; such rows are the most recently used, so they matter only to a tier too small for
+the batches in flight.
 """
 
 from __future__ import annotations
@@ -36,7 +44,7 @@ class PrefetchOrderError(ValueError):
 class _Registered:
     """A batch registered by prefetch(): its ids, dedup, and (once resident) pinned slots."""
 
-    __slots__ = ("seq", "ids", "offsets", "unique", "inverse", "slots", "misses", "state", "forced")
+    __slots__ = ("seq", "ids", "offsets", "unique", "inverse", "slots", "misses", "state", "forced", "upto")
 
     def __init__(self, seq: int, ids: torch.Tensor, offsets: torch.Tensor, unique: torch.Tensor,
                  inverse: torch.Tensor):
@@ -45,6 +53,7 @@ class _Registered:
         self.misses = 0
         self.state = _REGISTERED
         self.forced = False  # its forward is waiting: made resident whatever the window
+        self.upto = seq  # the last batch of its window
 
 
 class Prefetcher:
@@ -62,7 +71,26 @@ class Prefetcher:
         self.error: BaseException | None = None
         self.thread: threading.Thread | None = None
         self.stopping = False
+        self.lookahead = 0
+        self.ended = False  # end_of_stream() was called and nothing was registered since
+        self.windowed: deque[int] = deque()  # sequence numbers of the batches in the tiers' windows
         self.reset_stats()
+
+    def set_lookahead(self, k: int) -> None:
+        """Batch j is made resident once j + k is registered, with j+1 .. j+k as its window."""
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+            raise ValueError(f"lookahead must be an int >= 0, got {k!r}")
+        with self.cond:
+            if self.queue:
+                raise RuntimeError(f"lookahead cannot change while {len(self.queue)} batches are registered")
+            self.lookahead = k
+
+    def end_of_stream(self) -> None:
+        """No batch follows the registered ones (for now): they are made resident without
+        waiting for their full window."""
+        with self.cond:
+            self.ended = True
+            self.cond.notify_all()
 
     # -- training thread ----------------------------------------------------------------------
     def register(self, ids: torch.Tensor, offsets: torch.Tensor) -> None:
@@ -74,6 +102,7 @@ class Prefetcher:
             self._raise_error()
             self.queue.append(_Registered(self.next_seq, ids, offsets.clone(), unique, inverse))
             self.next_seq += 1
+            self.ended = False
             self.counters["registered"] += 1
             self._ensure_worker()
 
@@ -149,8 +178,11 @@ class Prefetcher:
                         return
                     self.cond.wait(_IDLE_EXIT_S)
                 p.state = _PLANNING
+                p.upto = min(p.seq + self.lookahead, self.next_seq - 1)
+                window = [q.unique for q in self.queue if q.seq > max(p.seq, self._windowed_upto())
+                          and q.seq <= p.upto]
             try:
-                self._make_resident(p)
+                self._make_resident(p, window)
             except BaseException as e:  # surfaces on the training thread at its next call
                 with self.cond:
                     p.state = _FAILED
@@ -161,16 +193,30 @@ class Prefetcher:
                 p.state = _RESIDENT
                 self.cond.notify_all()
 
-    def _make_resident(self, p: _Registered) -> None:
-        p.slots, p.misses = self.store.make_resident(p.unique)
+    def _make_resident(self, p: _Registered, window: list[torch.Tensor]) -> None:
+        """Slides the tiers' windows to p.seq+1 .. p.upto (window: the batches to add), then
+        makes p resident."""
+        with self.store.lock:
+            while self.windowed and self.windowed[0] <= p.seq:
+                self.store.window_pop()
+                self.windowed.popleft()
+            for unique in window:
+                self.store.window_push(unique)
+                self.windowed.append(self._windowed_upto(p.seq) + 1)
+            p.slots, p.misses = self.store.make_resident(p.unique)
 
     # -- helpers (cond held) ------------------------------------------------------------------
     def _next_ready(self) -> _Registered | None:
         """The oldest batch not yet made resident, if it may be now."""
         for p in self.queue:
             if p.state == _REGISTERED:
-                return p
+                ready = p.forced or self.ended or self.next_seq - 1 >= p.seq + self.lookahead
+                return p if ready else None
         return None
+
+    def _windowed_upto(self, seq: int = -1) -> int:
+        """The last batch in the tiers' windows (seq when they are empty)."""
+        return self.windowed[-1] if self.windowed else seq
 
     def _waiting(self) -> bool:
         """Whether a registered batch still waits for residency."""
@@ -207,6 +253,8 @@ class Prefetcher:
             if p.state == _RESIDENT:
                 self.store.release(p.slots)
         self.queue.clear()
+        self.store.window_clear()
+        self.windowed.clear()
 
     def _count(self, misses: int, key: str, start: float) -> None:
         self.counters["forwards"] += 1

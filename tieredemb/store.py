@@ -349,6 +349,23 @@ class TableStore:
         """Tier-0 slots whose rows were updated in place (by backward)."""
         self.tier0.index.mark_dirty(slots)
 
+    # The lookahead window of every cache tier (see native/cache_index.h): the batches expected
+    # after the one made resident next.
+    @_locked
+    def window_push(self, unique: torch.Tensor) -> None:
+        for t in self.tiers:
+            t.index.window_push(unique)
+
+    @_locked
+    def window_pop(self) -> None:
+        for t in self.tiers:
+            t.index.window_pop()
+
+    @_locked
+    def window_clear(self) -> None:
+        for t in self.tiers:
+            t.index.window_clear()
+
     @_locked
     def read(self, ids: torch.Tensor) -> torch.Tensor:
         """Current rows (weights ‖ state) of ids: float32 [N, width], CPU. Changes nothing."""
