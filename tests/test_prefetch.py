@@ -5,6 +5,7 @@ training thread with their traceback; threads stop on exhaustion, break and exce
 
 from __future__ import annotations
 
+import signal
 import threading
 import traceback
 
@@ -194,3 +195,149 @@ def test_background_error_surfaces_with_its_traceback_and_prefetch_recovers(tmp_
     train_manual(emb, batches[5:10], depth=2)  # prefetch works again
     assert emb.stats()["prefetch"]["registered"] == 1 + 10
     emb.close()
+
+
+# -- PrefetchLoader ---------------------------------------------------------------------------
+
+@pytest.fixture(autouse=True)
+def deadline():
+    """Nothing may hang: a test still running after 120 s fails (SIGALRM interrupts the waits)."""
+    def expired(signum, frame):
+        raise TimeoutError("test still running after 120 s: a prefetch wait hangs")
+
+    old = signal.signal(signal.SIGALRM, expired)
+    signal.alarm(120)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, old)
+
+
+def stopped(*modules) -> bool:
+    """Whether the modules' prefetch workers were stopped (joined)."""
+    return all(m._prefetch.thread is None for m in modules)
+
+
+def train_loader(emb, batches, depth, lookahead=None):
+    outs = []
+    ids_fn = lambda b: {emb: (b[0], b[1])}  # noqa: E731
+    with tieredemb.PrefetchLoader(batches, [emb], depth=depth, lookahead=lookahead, ids_fn=ids_fn) as loader:
+        for ids, offsets, grad in loader:
+            out = emb(ids, offsets)
+            out.backward(grad)
+            outs.append(out.detach())
+    return outs
+
+
+@pytest.mark.parametrize("depth, lookahead", [(0, 0), (1, None), (2, 3)])
+def test_loader_trains_bit_for_bit_through_a_tiny_cache_over_ssd(tmp_path, batches, reference, depth, lookahead):
+    emb = make_table(tmp_path, cache_rows=CACHE)
+    outs = train_loader(emb, batches, depth, lookahead)
+    ref_outs, ref_rows = reference
+    assert all(torch.equal(a, b) for a, b in zip(outs, ref_outs)) and len(outs) == STEPS
+    assert torch.equal(rows_and_state(emb), ref_rows)
+    s = emb.stats()
+    assert s["tier0"]["evictions"] > 1000 and s["ssd"]["rows_found"] > 1000
+    assert s["prefetch"]["demand_misses"] == 0 and s["prefetch"]["forwards"] == STEPS
+    assert emb._store.tier0.index.pinned == 0 and emb.prefetch_lookahead == 0
+    assert stopped(emb)
+    emb.close()
+
+
+def test_loader_serves_several_modules_from_a_dataloader(tmp_path, batches):
+    """Two tables (a bag over SSD, an Embedding with a host tier) on batches from a DataLoader."""
+    def two_tables(prefix=None):
+        bag = make_table(prefix, "bag", cache_rows=CACHE) if prefix else make_table()
+        emb = tieredemb.TieredEmbedding(NUM, 4, optimizer=tieredemb.SGD(lr=0.1),
+                                        **(dict(cache_rows=150, host_rows=300) if prefix else {}))
+        return bag, emb
+
+    def step(bag, emb, ids, offsets, grad):
+        out = bag(ids, offsets)
+        vec = emb(ids[:BAGS].reshape(4, -1))
+        (out * grad).sum().add_(vec.square().sum()).backward()
+        return out.detach(), vec.detach()
+
+    ref = two_tables()
+    want = [step(*ref, *b) for b in batches[:80]]
+    bag, emb = two_tables(tmp_path)
+    data = torch.utils.data.DataLoader(batches[:80], batch_size=None)
+    loader = tieredemb.PrefetchLoader(data, [bag, emb], depth=2,
+                                      ids_fn=lambda b: {bag: (b[0], b[1]), emb: (b[0][:BAGS].reshape(4, -1), None)})
+    got = [step(bag, emb, *b) for b in loader]
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(got, want)) and len(got) == 80
+    assert torch.equal(rows_and_state(bag), rows_and_state(ref[0]))
+    assert torch.equal(emb.read_rows(torch.arange(NUM)), ref[1].read_rows(torch.arange(NUM)))
+    assert emb.stats()["prefetch"]["demand_misses"] == bag.stats()["prefetch"]["demand_misses"] == 0
+    assert stopped(bag, emb)
+
+
+def test_break_releases_untrained_batches_and_stops_the_workers(batches):
+    emb = make_table(cache_rows=CACHE)
+    loader = tieredemb.PrefetchLoader(batches, [emb], depth=2, ids_fn=lambda b: {emb: (b[0], b[1])})
+    for k, (ids, offsets, grad) in enumerate(loader):
+        emb(ids, offsets).backward(grad)
+        if k == 10:
+            worker = emb._prefetch.thread
+            assert emb._store.tier0.index.pinned > 0 and worker.is_alive()
+            break
+    assert emb._store.tier0.index.pinned == 0 and stopped(emb) and not worker.is_alive()
+    assert emb.stats()["prefetch"]["registered"] == 11 + 2 + 2  # depth and lookahead beyond the 11 trained
+    # Iterating again starts over from the first batch.
+    assert train_loader(emb, batches[:5], depth=1)[0].shape == (BAGS, DIM)
+
+
+@pytest.mark.parametrize("where", ["training", "source", "ids_fn"])
+def test_exceptions_end_the_iteration_cleanly(batches, where):
+    emb = make_table(cache_rows=CACHE)
+
+    def source():
+        for k, b in enumerate(batches):
+            if where == "source" and k == 7:
+                raise KeyError("bad record")
+            yield b
+
+    def ids_fn(b):
+        if where == "ids_fn" and b is batches[9]:
+            raise KeyError("bad record")
+        return {emb: (b[0], b[1])}
+
+    with pytest.raises(KeyError, match="bad record"):
+        with tieredemb.PrefetchLoader(source(), [emb], depth=2, ids_fn=ids_fn) as loader:
+            for k, (ids, offsets, grad) in enumerate(loader):
+                emb(ids, offsets).backward(grad)
+                if where == "training" and k == 5:
+                    raise KeyError("bad record")
+    assert emb._store.tier0.index.pinned == 0 and stopped(emb)
+    assert train_loader(emb, batches[:5], depth=1)[0].shape == (BAGS, DIM)  # usable afterwards
+
+
+def test_background_error_surfaces_through_the_loader(tmp_path, batches):
+    emb = make_table(tmp_path, cache_rows=CACHE)
+    backing = emb._store.backing
+    real_read, calls = backing.read, []
+
+    def failing_ssd_read(ids, out):
+        calls.append(len(ids))
+        if len(calls) == 12:
+            raise OSError("simulated SSD failure")
+        real_read(ids, out)
+
+    backing.read = failing_ssd_read
+    with pytest.raises(OSError, match="simulated SSD failure") as info:
+        train_loader(emb, batches, depth=2)
+    frames = [f.name for f in traceback.extract_tb(info.value.__traceback__)]
+    assert "failing_ssd_read" in frames and "_work" in frames
+    assert emb._store.tier0.index.pinned == 0 and stopped(emb)
+
+
+def test_loader_argument_errors(batches):
+    emb = make_table(cache_rows=CACHE)
+    with pytest.raises(ValueError, match="depth must be an int >= 0, got -1"):
+        tieredemb.PrefetchLoader(batches, [emb], depth=-1, ids_fn=lambda b: {})
+    with pytest.raises(TypeError, match="modules must be tiered modules"):
+        tieredemb.PrefetchLoader(batches, [torch.nn.Linear(2, 2)], ids_fn=lambda b: {})
+    with pytest.raises(ValueError, match="missing"):
+        list(tieredemb.PrefetchLoader(batches, [emb], ids_fn=lambda b: {}))
+    emb.prefetch(*batches[0][:2])
+    with pytest.raises(RuntimeError, match="already has 1 batches registered"):
+        list(tieredemb.PrefetchLoader(batches, [emb], ids_fn=lambda b: {emb: (b[0], b[1])}))

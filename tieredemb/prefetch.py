@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from collections import deque
 
 import torch
@@ -265,3 +266,114 @@ class Prefetcher:
 
 def _head(ids: torch.Tensor, k: int = 4) -> str:
     return "[" + ", ".join(str(int(i)) for i in ids[:k]) + (", ...]" if len(ids) > k else "]")
+
+
+class PrefetchLoader:
+    """Wraps an iterable of batches (e.g. a torch DataLoader) and keeps `depth` batches
+    prefetched ahead of the one being trained, for one or more tiered modules.
+
+    ids_fn(batch) -> {module: (input, offsets)}: what each module's forward will get for that
+    batch (offsets None for 2-D input; a TieredEmbedding takes (input, None)). Every module
+    must appear for every batch, and each module's forwards must come in batch order.
+
+    While batch s is yielded, batches s .. s+depth+lookahead are registered: s+1 .. s+depth are
+    being made resident (pinned), and the `lookahead` after them are the eviction window (see
+    module.prefetch_lookahead; default lookahead = depth). Tier 0 must hold depth + 1 batches'
+    rows at once.
+
+        with PrefetchLoader(loader, [emb], ids_fn=lambda b: {emb: (b[0], b[1])}, depth=2) as batches:
+            for ids, offsets, y in batches:
+                loss_fn(head(emb(ids, offsets)), y).backward()
+
+    Iterating again starts over (a new iterator of `loader`). The background workers stop when
+    the iteration ends: exhaustion, break (the generator is closed), an exception, or close();
+    registered batches not trained are released then. Errors of the background work surface
+    at the next call on the training thread (next() or a forward), as the original exception."""
+
+    def __init__(self, loader, modules, depth: int = 1, *, ids_fn, lookahead: int | None = None):
+        modules = list(modules)
+        if not modules or any(not hasattr(m, "_prefetch") for m in modules):
+            raise TypeError(f"modules must be tiered modules (TieredEmbeddingBag / TieredEmbedding), got {modules!r}")
+        for name, v in (("depth", depth), ("lookahead", depth if lookahead is None else lookahead)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {v!r}")
+        if not callable(ids_fn):
+            raise TypeError(f"ids_fn must be callable (batch -> {{module: (input, offsets)}}), got {ids_fn!r}")
+        self.loader = loader
+        self.modules = modules
+        self.depth = depth
+        self.lookahead = depth if lookahead is None else lookahead
+        self.ids_fn = ids_fn
+        # The current iteration's generator, weakly: a `break` drops the last strong reference,
+        # which closes it (CPython) and so stops the workers.
+        self._running = None
+
+    def __iter__(self):
+        self.close()
+        running = self._iterate()
+        self._running = weakref.ref(running)
+        return running
+
+    def __enter__(self) -> "PrefetchLoader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Ends the current iteration (if any): stops the workers, releases untrained batches."""
+        running = self._running() if self._running is not None else None
+        self._running = None
+        if running is not None:
+            running.close()
+
+    def _iterate(self):
+        for m in self.modules:
+            if m._prefetch.queue:
+                raise RuntimeError(f"{type(m).__name__} already has {len(m._prefetch.queue)} batches registered "
+                                   "by prefetch(): train them before iterating a PrefetchLoader over it")
+        previous = [m.prefetch_lookahead for m in self.modules]
+        source = None
+        ahead: deque = deque()  # registered batches, oldest (the next to yield) first
+        try:
+            for m in self.modules:
+                m.prefetch_lookahead = self.lookahead
+            source = iter(self.loader)
+            exhausted = False
+            while True:
+                while not exhausted and len(ahead) <= self.depth + self.lookahead:
+                    try:
+                        batch = next(source)
+                    except StopIteration:
+                        exhausted = True
+                        for m in self.modules:
+                            m._prefetch.end_of_stream()
+                        break
+                    self._register(batch)
+                    ahead.append(batch)
+                if not ahead:
+                    return
+                yield ahead.popleft()
+        finally:
+            for m in self.modules:
+                m._prefetch.shutdown()
+            for m, k in zip(self.modules, previous):
+                m.prefetch_lookahead = k
+            close = getattr(source, "close", None)
+            if close is not None:
+                close()
+
+    def _register(self, batch) -> None:
+        inputs = self.ids_fn(batch)
+        if not isinstance(inputs, dict):
+            raise TypeError(f"ids_fn must return {{module: (input, offsets)}}, got {type(inputs).__name__}")
+        missing = [m for m in self.modules if m not in inputs]
+        extra = [m for m in inputs if all(m is not n for n in self.modules)]
+        if missing or extra:
+            raise ValueError(f"ids_fn must return exactly the loader's modules: missing {missing}, unknown {extra}")
+        for m in self.modules:
+            input, offsets = inputs[m]
+            if offsets is None:
+                m.prefetch(input)
+            else:
+                m.prefetch(input, offsets)
