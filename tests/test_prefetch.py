@@ -370,3 +370,14 @@ def test_rss_stays_flat_over_10k_steps(tmp_path):
     assert emb.stats()["prefetch"]["demand_misses"] == 0
     assert rss[10_000] <= 1.05 * rss[1_000], rss
     emb.close()
+
+
+def test_tier0_holding_exactly_depth_plus_one_batches_is_enough_to_the_end():
+    """Disjoint batches of 10 rows, tier 0 of 30 rows, depth 2: three batches pinned at once at
+    most, also at the end of the stream (when the lookahead window can no longer fill)."""
+    emb = tieredemb.TieredEmbeddingBag(1000, 4, mode="sum", cache_rows=30, optimizer=tieredemb.SGD(lr=0.1))
+    data = [(torch.arange(10 * k, 10 * k + 10), torch.tensor([0, 5])) for k in range(40)]
+    with tieredemb.PrefetchLoader(data, [emb], depth=2, lookahead=5, ids_fn=lambda b: {emb: b}) as loader:
+        for ids, offsets in loader:
+            emb(ids, offsets).sum().backward()
+    assert emb.stats()["prefetch"]["forwards"] == 40 and emb.stats()["tier0"]["misses"] == 400

@@ -16,7 +16,7 @@ Ordering, and why training gives bit for bit the results it gives without prefet
   are compared). Values never depend on when the worker ran: only which rows were evicted can.
 
 Lookahead window: with lookahead L, batch j is made resident once batch j + L is registered
-(or when its forward asks for it, or the stream ended: end_of_stream()), and every cache tier
+(or when its forward asks for it, or the stream ended: advance()), and every cache tier
 plans its evictions with exactly the registered batches j+1 .. j+L as its window (the rule of
 native/cache_index.h: rows no window batch uses go first, in the policy's order; then the
 farthest next use first). The window does not depend on timing. The pins do, slightly: a
@@ -27,6 +27,7 @@ the batches in flight.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 import weakref
@@ -73,7 +74,7 @@ class Prefetcher:
         self.thread: threading.Thread | None = None
         self.stopping = False
         self.lookahead = 0
-        self.ended = False  # end_of_stream() was called and nothing was registered since
+        self.phantoms = 0  # advance() calls: batches that count as registered for readiness
         self.windowed: deque[int] = deque()  # sequence numbers of the batches in the tiers' windows
         self.reset_stats()
 
@@ -86,11 +87,12 @@ class Prefetcher:
                 raise RuntimeError(f"lookahead cannot change while {len(self.queue)} batches are registered")
             self.lookahead = k
 
-    def end_of_stream(self) -> None:
-        """No batch follows the registered ones (for now): they are made resident without
-        waiting for their full window."""
+    def advance(self, n: int) -> None:
+        """Counts n batches as registered, for readiness only: the stream ended, and the batch
+        that would have been registered now (letting batch j + 1 - lookahead in) does not exist.
+        The registered batches keep being made resident at the pace of training."""
         with self.cond:
-            self.ended = True
+            self.phantoms += n
             self.cond.notify_all()
 
     # -- training thread ----------------------------------------------------------------------
@@ -103,7 +105,6 @@ class Prefetcher:
             self._raise_error()
             self.queue.append(_Registered(self.next_seq, ids, offsets.clone(), unique, inverse))
             self.next_seq += 1
-            self.ended = False
             self.counters["registered"] += 1
             self._ensure_worker()
 
@@ -211,7 +212,7 @@ class Prefetcher:
         """The oldest batch not yet made resident, if it may be now."""
         for p in self.queue:
             if p.state == _REGISTERED:
-                ready = p.forced or self.ended or self.next_seq - 1 >= p.seq + self.lookahead
+                ready = p.forced or self.next_seq - 1 + self.phantoms >= p.seq + self.lookahead
                 return p if ready else None
         return None
 
@@ -256,6 +257,7 @@ class Prefetcher:
         self.queue.clear()
         self.store.window_clear()
         self.windowed.clear()
+        self.phantoms = 0
 
     def _count(self, misses: int, key: str, start: float) -> None:
         self.counters["forwards"] += 1
@@ -279,7 +281,7 @@ class PrefetchLoader:
     While batch s is yielded, batches s .. s+depth+lookahead are registered: s+1 .. s+depth are
     being made resident (pinned), and the `lookahead` after them are the eviction window (see
     module.prefetch_lookahead; default lookahead = depth). Tier 0 must hold depth + 1 batches'
-    rows at once.
+    rows at once (depth + 2 if a batch's graph outlives the next call to next()).
 
         with PrefetchLoader(loader, [emb], ids_fn=lambda b: {emb: (b[0], b[1])}, depth=2) as batches:
             for ids, offsets, y in batches:
@@ -334,23 +336,24 @@ class PrefetchLoader:
                                    "by prefetch(): train them before iterating a PrefetchLoader over it")
         previous = [m.prefetch_lookahead for m in self.modules]
         source = None
-        ahead: deque = deque()  # registered batches, oldest (the next to yield) first
+        ahead: deque = deque()  # registered batches not yet yielded, oldest first
         try:
             for m in self.modules:
                 m.prefetch_lookahead = self.lookahead
             source = iter(self.loader)
-            exhausted = False
-            while True:
-                while not exhausted and len(ahead) <= self.depth + self.lookahead:
-                    try:
-                        batch = next(source)
-                    except StopIteration:
-                        exhausted = True
+            counted = 0  # batches registered, or counted as registered once the source ran out
+            for yielded in itertools.count():
+                # Before batch s is yielded, s .. s+depth+lookahead count as registered.
+                while counted <= yielded + self.depth + self.lookahead:
+                    batch = next(source, _END) if source is not None else _END
+                    if batch is _END:
+                        source = _close(source)
                         for m in self.modules:
-                            m._prefetch.end_of_stream()
-                        break
-                    self._register(batch)
-                    ahead.append(batch)
+                            m._prefetch.advance(1)
+                    else:
+                        self._register(batch)
+                        ahead.append(batch)
+                    counted += 1
                 if not ahead:
                     return
                 yield ahead.popleft()
@@ -359,9 +362,7 @@ class PrefetchLoader:
                 m._prefetch.shutdown()
             for m, k in zip(self.modules, previous):
                 m.prefetch_lookahead = k
-            close = getattr(source, "close", None)
-            if close is not None:
-                close()
+            _close(source)
 
     def _register(self, batch) -> None:
         inputs = self.ids_fn(batch)
@@ -377,3 +378,13 @@ class PrefetchLoader:
                 m.prefetch(input)
             else:
                 m.prefetch(input, offsets)
+
+
+_END = object()
+
+
+def _close(source) -> None:
+    """Closes an iterator that can be closed (a generator); returns None."""
+    close = getattr(source, "close", None)
+    if close is not None:
+        close()

@@ -77,6 +77,10 @@ class Tier:
         self.read_misses = 0
         self._host = pool.device.type == "cpu"
         self._blocks: dict[str, torch.Tensor] = {}
+        # Held around each index call that may run beside a residency in progress on another
+        # thread (plan and commit here; unpin and mark_dirty by the training thread), so that
+        # releasing a batch never waits for another batch's rows to be read.
+        self.index_lock = threading.Lock()
         # In place: both this pool and whatever is below (a host Tier, or the initializer).
         self._in_place = self._host and (lower is None or isinstance(lower, Tier))
 
@@ -137,7 +141,8 @@ class Tier:
         become dirty); else missing rows are read from below. Dirty victims are written down
         before their slots are reused. Reads that can fail (a BackingStore, a GPU copy) happen
         before the index changes."""
-        plan = self.index.plan(ids)
+        with self.index_lock:
+            plan = self.index.plan(ids)
         num_misses = plan.num_misses if fill is None else 0
         staging = None
         if num_misses and not self._in_place:
@@ -150,7 +155,8 @@ class Tier:
             else:
                 self.lower.write(dirty_ids, self.gather(dirty_slots, self._staging(plan.num_dirty, "write")))
             self.bytes_out += plan.num_dirty * self.row_bytes
-        self.index.commit(ids, plan, pin, fill is not None)
+        with self.index_lock:
+            self.index.commit(ids, plan, pin, fill is not None)
         slots = torch.from_numpy(plan.slots)
         if fill is not None:
             fill(slots)
@@ -276,10 +282,12 @@ def _locked(method):
 class TableStore:
     """The tiers of one table, top to bottom.
 
-    Thread-safety: every method that touches an index or moves rows holds the store's lock
-    (re-entrant), so a prefetch worker and the training thread never interleave plan / commit /
-    unpin / mark_dirty. Forward and backward kernels read and write pinned slots of tier 0
-    without it: nothing that holds the lock touches a pinned slot."""
+    Thread-safety: every method that plans, moves rows or reads the tiers holds the store's lock
+    (re-entrant), so residencies and other row moves never interleave. release() and mark_dirty()
+    only take tier 0's index_lock: they act on pinned slots, which no residency in progress
+    chose or moves, so a backward does not wait for the prefetch worker's reads. Forward and
+    backward kernels read and write pinned slots of tier 0 without a lock: nothing else touches
+    a pinned slot."""
 
     def __init__(self, *, num_embeddings: int, width: int, init: RowInit, cache_rows: int | None,
                  host_rows: int | None, backing: BackingStore | None, policy: str, device: torch.device):
@@ -340,14 +348,14 @@ class TableStore:
         unique, inverse = self.dedup(ids)
         return unique, inverse, self.make_resident(unique)[0]
 
-    @_locked
     def release(self, slots: torch.Tensor) -> None:
-        self.tier0.index.unpin(slots)
+        with self.tier0.index_lock:
+            self.tier0.index.unpin(slots)
 
-    @_locked
     def mark_dirty(self, slots: torch.Tensor) -> None:
-        """Tier-0 slots whose rows were updated in place (by backward)."""
-        self.tier0.index.mark_dirty(slots)
+        """Tier-0 slots (pinned) whose rows were updated in place (by backward)."""
+        with self.tier0.index_lock:
+            self.tier0.index.mark_dirty(slots)
 
     # The lookahead window of every cache tier (see native/cache_index.h): the batches expected
     # after the one made resident next.
