@@ -79,8 +79,9 @@ class Tier:
         self._blocks: dict[str, torch.Tensor] = {}
         # Held around each index call that may run beside a residency in progress on another
         # thread (plan and commit here; unpin and mark_dirty by the training thread), so that
-        # releasing a batch never waits for another batch's rows to be read.
-        self.index_lock = threading.Lock()
+        # releasing a batch never waits for another batch's rows to be read. Re-entrant: a
+        # batch freed by the garbage collector unpins from whichever thread runs it.
+        self.index_lock = threading.RLock()
         # In place: both this pool and whatever is below (a host Tier, or the initializer).
         self._in_place = self._host and (lower is None or isinstance(lower, Tier))
 
