@@ -130,6 +130,11 @@ def test_prefetched_rows_stay_pinned_until_backward(batches):
         emb.prefetch(ids, offsets)
         emb(ids, offsets)
     assert emb._store.tier0.index.pinned == 0
+    emb.prefetch(ids, offsets)
+    out = emb(ids, offsets)
+    assert emb._store.tier0.index.pinned == len(unique)
+    del out  # the graph freed without backward releases too
+    assert emb._store.tier0.index.pinned == 0
 
 
 def test_forward_out_of_order_is_refused_and_changes_nothing(batches):

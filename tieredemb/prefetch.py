@@ -3,12 +3,13 @@ background worker, and stay pinned until their backward.
 
 Ordering, and why training gives bit for bit the results it gives without prefetch:
 - One worker thread per table makes registered batches resident in registration order (FIFO),
-  one at a time. Every index operation (plan, commit, unpin, mark_dirty) and every row move runs
-  under the table's store lock, so the worker and the training thread never interleave them.
+  one at a time, under the table's store lock (as every other row move is), so residencies never
+  interleave. A backward's unpin and mark_dirty touch only its own pinned slots, under tier 0's
+  index lock, which plan and commit hold too: no two index calls interleave.
 - A batch's rows are pinned from its residency until its backward has applied its update (or
   its forward ran under no_grad, or its graph was freed). The worker evicts unpinned rows only:
   it never moves a row that a batch in flight reads or updates, and it writes a dirty row back
-  only after the backward that dirtied it released it (under the lock: the update
+  only after the backward that dirtied it released it (under the index lock: the update
   happens-before the write-back).
 - A row updated by batch t and read by batch t+1 is pinned by both, so it stays in its tier-0
   slot, and t+1's forward runs after t's backward on the training thread (program order).
@@ -46,7 +47,7 @@ class PrefetchOrderError(ValueError):
 class _Registered:
     """A batch registered by prefetch(): its ids, dedup, and (once resident) pinned slots."""
 
-    __slots__ = ("seq", "ids", "offsets", "unique", "inverse", "slots", "misses", "state", "forced", "upto")
+    __slots__ = ("seq", "ids", "offsets", "unique", "inverse", "slots", "misses", "state", "forced")
 
     def __init__(self, seq: int, ids: torch.Tensor, offsets: torch.Tensor, unique: torch.Tensor,
                  inverse: torch.Tensor):
@@ -55,15 +56,14 @@ class _Registered:
         self.misses = 0
         self.state = _REGISTERED
         self.forced = False  # its forward is waiting: made resident whatever the window
-        self.upto = seq  # the last batch of its window
 
 
 class Prefetcher:
     """One table's registered batches and the worker that makes them resident.
 
     Threading: register / take / shutdown from the training thread; the worker thread only
-    makes batches resident. `cond` guards the queue and counters; the store's lock guards the
-    tiers. Lock order: cond, then store lock (never the other way)."""
+    makes batches resident. `cond` guards the queue and counters; the store's locks guard the
+    tiers. Lock order: cond, then the store's (never the other way)."""
 
     def __init__(self, store):
         self.store = store
@@ -180,9 +180,9 @@ class Prefetcher:
                         return
                     self.cond.wait(_IDLE_EXIT_S)
                 p.state = _PLANNING
-                p.upto = min(p.seq + self.lookahead, self.next_seq - 1)
-                window = [q.unique for q in self.queue if q.seq > max(p.seq, self._windowed_upto())
-                          and q.seq <= p.upto]
+                # Its window: p.seq+1 .. upto; the tiers already hold it up to _windowed_upto().
+                upto = min(p.seq + self.lookahead, self.next_seq - 1)
+                window = [q.unique for q in self.queue if max(p.seq, self._windowed_upto()) < q.seq <= upto]
             try:
                 self._make_resident(p, window)
             except BaseException as e:  # surfaces on the training thread at its next call
@@ -196,8 +196,8 @@ class Prefetcher:
                 self.cond.notify_all()
 
     def _make_resident(self, p: _Registered, window: list[torch.Tensor]) -> None:
-        """Slides the tiers' windows to p.seq+1 .. p.upto (window: the batches to add), then
-        makes p resident."""
+        """Slides the tiers' windows past p (drops p and older, appends window: the unique ids
+        of the next batches), then makes p resident."""
         with self.store.lock:
             while self.windowed and self.windowed[0] <= p.seq:
                 self.store.window_pop()
