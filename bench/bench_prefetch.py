@@ -157,15 +157,22 @@ def main(argv=None) -> int:
     med = {n: statistics.median(v) for n, v in lps.items()}
     base = med.get("fbgemm")
     d0 = med.get("depth 0")
+    def paired(name: str, peer: str) -> str:
+        """Median over runs of the ratio to the peer's run of the same batches (adjacent in time)."""
+        if peer not in lps or name in (peer, "fbgemm"):
+            return "-"
+        return f"{statistics.median(x / y for x, y in zip(lps[name], lps[peer])):.3f}x"
+
     print()
-    print("lookups/s over runs (median, min-max); ratios of the medians")
-    print(f"{'system':8s} {'median':>9s} {'min':>9s} {'max':>9s} {'vs fbgemm':>10s} {'vs depth 0':>11s}  last run")
+    print("lookups/s over runs (median, min-max); ratios of the medians, and paired (median of run-by-run ratios)")
+    print(f"{'system':8s} {'median':>9s} {'min':>9s} {'max':>9s} {'vs fbgemm':>10s} {'paired':>8s} "
+          f"{'vs depth 0':>11s} {'paired':>8s}  last run")
     for s in systems:
         v = lps[s.name]
         vs_fb = f"{med[s.name] / base:.3f}x" if base else "-"
         vs_d0 = f"{med[s.name] / d0:.3f}x" if d0 and s.name != "fbgemm" else "-"
         print(f"{s.name:8s} {med[s.name] / 1e6:8.3f}M {min(v) / 1e6:8.3f}M {max(v) / 1e6:8.3f}M {vs_fb:>10s} "
-              f"{vs_d0:>11s}  {notes[s.name]}")
+              f"{paired(s.name, 'fbgemm'):>8s} {vs_d0:>11s} {paired(s.name, 'depth 0'):>8s}  {notes[s.name]}")
     ours = [s.name for s in systems if s.name != "fbgemm"]
     if len(ours) > 1:
         same = all(torch.equal(x, y) for n in ours[1:] for x, y in zip(outs[n], outs[ours[0]]))
