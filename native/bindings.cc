@@ -316,6 +316,16 @@ NB_MODULE(_C, m) {
             t.resident_ids(start, limit, &ids);
             return to_numpy(std::move(ids));
           }, "start"_a, "limit"_a, "sorted resident ids >= start, at most limit (-1: all)")
+      .def("window_push", [](TierIndex& t, Ids ids) {
+            nb::gil_scoped_release release;
+            t.window_push(ids.data(), ids.shape(0));
+          }, "ids"_a.noconvert(), "appends a future batch (unique ids) to the lookahead window")
+      .def("window_pop", [](TierIndex& t) {
+            nb::gil_scoped_release release;
+            return t.window_pop();
+          }, "drops the window's oldest batch; False if it was empty")
+      .def("window_clear", &TierIndex::window_clear)
+      .def_prop_ro("window_batches", &TierIndex::window_batches)
       .def("stats", [](const TierIndex& t) {
             const TierStats& s = t.stats();
             nb::dict d;

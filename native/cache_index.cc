@@ -36,7 +36,7 @@ Status CacheIndex::plan(const int64_t* ids, int64_t n, Plan* plan) {
     auto evictable = [this, stamp](int64_t s) {
       return slot_id_[s] >= 0 && pins_[s] == 0 && batch_mark_[s] != stamp;
     };
-    int64_t got = policy_->select(need, evictable, &plan->victim_slots);
+    int64_t got = select_victims(need, evictable, &plan->victim_slots);
     if (got < need) {
       plan->victim_slots.clear();
       return Status::ValueError(
@@ -55,6 +55,22 @@ Status CacheIndex::plan(const int64_t* ids, int64_t n, Plan* plan) {
     plan->victim_dirty.push_back(dirty_[s]);
   }
   return Status::Ok();
+}
+
+int64_t CacheIndex::select_victims(int64_t need, const SlotFilter& evictable, std::vector<int64_t>* out) {
+  if (window_.empty()) return policy_->select(need, evictable, out);
+  int64_t got = policy_->select(need, [&](int64_t s) { return evictable(s) && window_.next_use(slot_id_[s]) < 0; },
+                                out);
+  if (got == need) return got;
+  // Every row outside the window is taken: rank the rest, farthest next use first. The policy
+  // lists them in its order and the sort is stable, so ties keep that order.
+  std::vector<int64_t> in_window;
+  policy_->order([&](int64_t s) { return evictable(s) && window_.next_use(slot_id_[s]) >= 0; }, &in_window);
+  ranked_.clear();
+  for (int64_t s : in_window) ranked_.emplace_back(window_.next_use(slot_id_[s]), s);
+  std::stable_sort(ranked_.begin(), ranked_.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+  for (size_t k = 0; k < ranked_.size() && got < need; ++k, ++got) out->push_back(ranked_[k].second);
+  return got;
 }
 
 Status CacheIndex::commit(const int64_t* ids, int64_t n, const Plan& plan, bool pin, bool dirty) {

@@ -11,11 +11,13 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common.h"
 #include "flat_map.h"
 #include "host_buffer.h"
+#include "lookahead.h"
 #include "policy.h"
 
 namespace tieredemb {
@@ -56,6 +58,15 @@ class TierIndex {
   // Resident ids >= start in increasing order, at most limit of them.
   virtual void resident_ids(int64_t start, int64_t limit, std::vector<int64_t>* ids) const = 0;
   virtual int64_t pinned() const = 0;
+  // The lookahead window: batches (unique ids each) expected after the one planned next, oldest
+  // first. plan() then chooses victims among the evictable rows (resident, unpinned, not in the
+  // batch) first from rows no window batch uses, in the policy's order; then, if it needs more,
+  // the row whose first use in the window is farthest, ties in the policy's order. A tier that
+  // never evicts keeps no window.
+  virtual void window_push(const int64_t* /*ids*/, int64_t /*n*/) {}
+  virtual bool window_pop() { return false; }  // drops the oldest batch; false if none
+  virtual void window_clear() {}
+  virtual int64_t window_batches() const { return 0; }
   const TierStats& stats() const { return stats_; }
   void reset_stats() { stats_ = TierStats{}; }
 
@@ -79,9 +90,16 @@ class CacheIndex final : public TierIndex {
   void dirty_rows(std::vector<int64_t>* ids, std::vector<int64_t>* slots) const override;
   void resident_ids(int64_t start, int64_t limit, std::vector<int64_t>* ids) const override;
   int64_t pinned() const override { return pinned_; }
+  void window_push(const int64_t* ids, int64_t n) override { window_.push(ids, n); }
+  bool window_pop() override { return window_.pop(); }
+  void window_clear() override { window_.clear(); }
+  int64_t window_batches() const override { return window_.batches(); }
   const char* policy_name() const { return policy_->name(); }
 
  private:
+  // Appends up to need victims among evictable slots, by the window rule. Returns how many.
+  int64_t select_victims(int64_t need, const SlotFilter& evictable, std::vector<int64_t>* out);
+
   int64_t capacity_;
   std::unique_ptr<EvictionPolicy> policy_;
   FlatMap map_;                     // id -> slot
@@ -91,6 +109,8 @@ class CacheIndex final : public TierIndex {
   std::vector<uint64_t> batch_mark_;  // slot -> stamp of the last plan that used it
   std::vector<uint8_t> used_fresh_;   // commit scratch: 1 where the batch inserts a new row
   std::vector<int64_t> free_;         // free slots, popped from the back
+  LookaheadWindow window_;
+  std::vector<std::pair<int64_t, int64_t>> ranked_;  // scratch of select_victims: (next use, slot)
   uint64_t stamp_ = 0;
   int64_t pinned_ = 0;
 };

@@ -59,6 +59,23 @@ class FlatMap {
     }
   }
 
+  // Sets key -> val, inserting key if absent.
+  void assign(int64_t key, int64_t val) {
+    if ((size_ + 1) * 2 > static_cast<int64_t>(keys_.size())) reserve(static_cast<int64_t>(keys_.size()));
+    for (uint64_t i = hash(key) & mask_;; i = (i + 1) & mask_) {
+      if (keys_[i] == key) {
+        vals_[i] = val;
+        return;
+      }
+      if (keys_[i] == kEmpty) {
+        keys_[i] = key;
+        vals_[i] = val;
+        ++size_;
+        return;
+      }
+    }
+  }
+
   // Removes key if present. Returns whether it was present.
   bool erase(int64_t key) {
     uint64_t i = hash(key) & mask_;

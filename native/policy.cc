@@ -1,6 +1,7 @@
 #include "policy.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <queue>
 #include <tuple>
 
@@ -47,6 +48,10 @@ class LruPolicy final : public EvictionPolicy {
       }
     }
     return found;
+  }
+
+  void order(const SlotFilter& keep, std::vector<int64_t>* out) override {
+    select(INT64_MAX, keep, out);
   }
 
  private:
@@ -143,6 +148,8 @@ class LfuPolicy final : public EvictionPolicy {
     return found;
   }
 
+  void order(const SlotFilter& keep, std::vector<int64_t>* out) override { select(INT64_MAX, keep, out); }
+
  private:
   bool less(int64_t a, int64_t b) const {
     return count_[a] != count_[b] ? count_[a] < count_[b] : last_[a] < last_[b];
@@ -205,21 +212,13 @@ class ClockPolicy final : public EvictionPolicy {
 
   int64_t select(int64_t n, const SlotFilter& evictable, std::vector<int64_t>* out) override {
     pending_clear_.clear();
-    int64_t found = 0, pos = hand_;
-    // Lap one takes unreferenced slots and clears the rest; lap two takes what lap one cleared.
-    for (int64_t step = 0; step < 2 * capacity_ && found < n; ++step, pos = (pos + 1) % capacity_) {
-      if (!evictable(pos)) continue;
-      bool second_lap = step >= capacity_;
-      if (referenced_[pos] && !second_lap) {
-        pending_clear_.push_back(pos);
-      } else if (!referenced_[pos] || second_lap) {
-        if (second_lap && !referenced_[pos]) continue;  // taken in lap one already
-        out->push_back(pos);
-        ++found;
-      }
-    }
-    pending_hand_ = pos;
-    return found;
+    return sweep(n, evictable, out, &pending_clear_, &pending_hand_);
+  }
+
+  void order(const SlotFilter& keep, std::vector<int64_t>* out) override {
+    std::vector<int64_t> cleared;
+    int64_t hand;
+    sweep(INT64_MAX, keep, out, &cleared, &hand);
   }
 
   void accept() override {
@@ -229,6 +228,26 @@ class ClockPolicy final : public EvictionPolicy {
   }
 
  private:
+  // From the hand: lap one takes unreferenced slots and notes the referenced ones to clear;
+  // lap two takes what lap one would have cleared. Records what accept() would apply.
+  int64_t sweep(int64_t n, const SlotFilter& evictable, std::vector<int64_t>* out, std::vector<int64_t>* clear,
+                int64_t* hand) const {
+    int64_t found = 0, pos = hand_;
+    for (int64_t step = 0; step < 2 * capacity_ && found < n; ++step, pos = (pos + 1) % capacity_) {
+      if (!evictable(pos)) continue;
+      bool second_lap = step >= capacity_;
+      if (referenced_[pos] && !second_lap) {
+        clear->push_back(pos);
+      } else if (!referenced_[pos] || second_lap) {
+        if (second_lap && !referenced_[pos]) continue;  // taken in lap one already
+        out->push_back(pos);
+        ++found;
+      }
+    }
+    *hand = pos;
+    return found;
+  }
+
   int64_t capacity_;
   std::vector<uint8_t> referenced_;
   std::vector<int64_t> pending_clear_;

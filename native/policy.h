@@ -36,6 +36,9 @@ class EvictionPolicy {
   // Appends up to n victims, best first, among occupied slots with evictable(slot).
   // Returns how many were appended.
   virtual int64_t select(int64_t n, const SlotFilter& evictable, std::vector<int64_t>* out) = 0;
+  // Appends every occupied slot with keep(slot), in the order select() would take them.
+  // Changes nothing (a later select() or accept() is not affected).
+  virtual void order(const SlotFilter& keep, std::vector<int64_t>* out) = 0;
   // Applies the side effects of the last select() (e.g. CLOCK's hand movement).
   virtual void accept() {}
 };

@@ -7,9 +7,10 @@ from . import _C
 from .config import Init, parse_bytes
 from .module import TieredEmbedding, TieredEmbeddingBag
 from .optim import SGD, Adagrad, Adam, RowWiseAdagrad
+from .prefetch import PrefetchLoader, PrefetchOrderError
 
 _C.set_num_threads(_torch.get_num_threads())
 
 __all__ = ["TieredEmbeddingBag", "TieredEmbedding", "SGD", "Adagrad", "RowWiseAdagrad", "Adam", "Init",
-           "parse_bytes"]
+           "parse_bytes", "PrefetchLoader", "PrefetchOrderError"]
 __version__ = "0.1.0"

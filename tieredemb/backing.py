@@ -6,7 +6,8 @@ a deterministic function of (seed, row id), so a store never has to hold unwritt
 
 Contract shared by every implementation (dense host array, SSD):
 - ids are int64 [n] on the CPU, unique within a call; rows are float32 [n, width], contiguous, CPU.
-- write() may queue; a later read() sees every write made before it (read-your-writes).
+- write() may queue; a later read() sees every write made before it (read-your-writes). It
+  keeps no reference to rows: the caller reuses that buffer as soon as write() returns.
 - flush() returns only when every write made before it is durable (for a volatile store:
   visible to read()).
 - A call that raises changes nothing that read() can see.

@@ -12,6 +12,7 @@ from torch import Tensor, nn
 from . import kernels
 from .config import POLICIES, Init, parse_rows
 from .optim import Optimizer
+from .prefetch import Prefetcher
 from .store import RowInit, TableStore
 
 _MODES = {"sum": 0, "mean": 1, "max": 2}
@@ -111,6 +112,7 @@ class _TieredBase(nn.Module):
         self._store = TableStore(num_embeddings=num_embeddings, width=self.width, init=self._init_rows,
                                  cache_rows=self.cache_rows, host_rows=self.host_rows, backing=backing,
                                  policy=policy, device=self.device)
+        self._prefetch = Prefetcher(self._store)
         if _weight is not None:
             if tuple(_weight.shape) != (num_embeddings, embedding_dim):
                 raise ValueError(f"_weight has shape {tuple(_weight.shape)}, expected "
@@ -174,25 +176,41 @@ class _TieredBase(nn.Module):
         """A consistent snapshot of an SSD-backed table at path, which opens as a table."""
         if self._store.backing is None:
             raise RuntimeError("checkpoint() needs an SSD tier (ssd_path=...); use export_rows() otherwise")
-        self.flush()
-        self._store.backing.checkpoint(os.fspath(path))
-        _write_step(os.fspath(path), self.step)
+        with self._store.lock:
+            self.flush()
+            self._store.backing.checkpoint(os.fspath(path))
+            _write_step(os.fspath(path), self.step)
 
     def close(self) -> None:
         """Flushes and releases the tiers (the SSD store's lock); the table is unusable after.
         Closing twice is allowed."""
         if getattr(self, "_closed", False):
             return
+        self._prefetch.shutdown()
         self.flush()
         self._store.close()
         self._closed = True
 
+    @property
+    def prefetch_lookahead(self) -> int:
+        """How many batches registered after a prefetched batch its residency waits for, and
+        plans its evictions with (rows they use are kept; the farthest next use goes first).
+        0 (default): a registered batch is made resident at once. Set while none is registered."""
+        return self._prefetch.lookahead
+
+    @prefetch_lookahead.setter
+    def prefetch_lookahead(self, k: int) -> None:
+        self._prefetch.set_lookahead(k)
+
     def stats(self) -> dict:
-        """Per tier: hits, misses, evictions, dirty_writebacks, clean_drops, bytes moved, hit_rate."""
-        return self._store.stats()
+        """Per tier: hits, misses, evictions, dirty_writebacks, clean_drops, bytes moved, hit_rate;
+        under "prefetch": rows forwards found prefetched vs read themselves, and time waited
+        (see Prefetcher.stats)."""
+        return {**self._store.stats(), "prefetch": self._prefetch.stats()}
 
     def reset_stats(self) -> None:
         self._store.reset_stats()
+        self._prefetch.reset_stats()
 
     # -- export / import ----------------------------------------------------------------------
     def iter_rows(self, chunk_rows: int = 1 << 18):
@@ -277,7 +295,7 @@ class _TieredBase(nn.Module):
     # -- forward / backward -------------------------------------------------------------------
     def _lookup(self, ids: Tensor, offsets: Tensor, psw: Tensor | None, mode: int, exclude_padding: bool) -> Tensor:
         """ids int64 [N]; offsets int64 [B + 1]. Returns [B, D]."""
-        unique, inverse, slots = self._store.prepare(ids)
+        unique, inverse, slots = self._prefetch.take(ids, offsets)
         pad_u = -1
         if self.padding_idx is not None:
             hit = (unique == self.padding_idx).nonzero()
@@ -311,7 +329,7 @@ class _TieredBase(nn.Module):
                                                self.optimizer, self.step, need_psw_grad)
             touched = batch.slots if batch.frozen_u < 0 else torch.cat(
                 [batch.slots[:batch.frozen_u], batch.slots[batch.frozen_u + 1:]])
-            self._store.tier0.index.mark_dirty(touched)
+            self._store.mark_dirty(touched)
             return psw_grad
         finally:
             batch.release()
@@ -396,23 +414,7 @@ class TieredEmbeddingBag(_TieredBase):
         """input: int [N] ids with offsets int [B] bag starts (B + 1 with include_last_offset),
         or int [B, L] with offsets None. per_sample_weights: float, input's shape, mode 'sum'.
         Returns [B, D]."""
-        _check_int_tensor("input", input)
-        if input.dim() == 2:
-            if offsets is not None:
-                raise ValueError("offsets must be None when input is 2-D [B, L] (each row is a bag)")
-            bags, length = input.shape
-            offsets_full = torch.from_numpy(np.arange(0, (bags + 1) * length, length, dtype=np.int64)[:bags + 1])
-            flat = input.reshape(-1)
-        elif input.dim() == 1:
-            if offsets is None:
-                raise ValueError("offsets is required when input is 1-D (bag starts, int [B])")
-            _check_int_tensor("offsets", offsets)
-            if offsets.dim() != 1:
-                raise ValueError(f"offsets must be 1-D, got shape {tuple(offsets.shape)}")
-            flat = input
-            offsets_full = self._normalize_offsets(offsets.to("cpu", torch.int64), len(input))
-        else:
-            raise ValueError(f"input must be 1-D (with offsets) or 2-D [B, L], got shape {tuple(input.shape)}")
+        flat, offsets_full = self._bags(input, offsets)
         psw = None
         if per_sample_weights is not None:
             if self.mode != "sum":
@@ -425,6 +427,29 @@ class TieredEmbeddingBag(_TieredBase):
             psw = per_sample_weights.reshape(-1)
         out = self._lookup(flat, offsets_full, psw, _MODES[self.mode], exclude_padding=True)
         return out.to(per_sample_weights.dtype) if psw is not None and psw.dtype != out.dtype else out
+
+    def prefetch(self, input: Tensor, offsets: Tensor | None = None) -> None:
+        """Registers a future batch (forward's input and offsets): its rows are made resident in
+        tier 0 by a background worker and stay pinned until that batch's backward. Forwards of
+        registered batches must come in registration order. Bad ids raise here; nothing changes."""
+        self._prefetch.register(*self._bags(input, offsets))
+
+    def _bags(self, input: Tensor, offsets: Tensor | None) -> tuple[Tensor, Tensor]:
+        """forward's (input, offsets), checked -> (ids [N], bag boundaries int64 [B + 1])."""
+        _check_int_tensor("input", input)
+        if input.dim() == 2:
+            if offsets is not None:
+                raise ValueError("offsets must be None when input is 2-D [B, L] (each row is a bag)")
+            bags, length = input.shape
+            return input.reshape(-1), torch.from_numpy(np.arange(0, (bags + 1) * length, length, dtype=np.int64)[:bags + 1])
+        if input.dim() == 1:
+            if offsets is None:
+                raise ValueError("offsets is required when input is 1-D (bag starts, int [B])")
+            _check_int_tensor("offsets", offsets)
+            if offsets.dim() != 1:
+                raise ValueError(f"offsets must be 1-D, got shape {tuple(offsets.shape)}")
+            return input, self._normalize_offsets(offsets.to("cpu", torch.int64), len(input))
+        raise ValueError(f"input must be 1-D (with offsets) or 2-D [B, L], got shape {tuple(input.shape)}")
 
     def _normalize_offsets(self, offsets: Tensor, n: int) -> Tensor:
         """torch's offsets -> [B + 1] bag boundaries, checked. In numpy: torch's intra-op
@@ -471,8 +496,16 @@ class TieredEmbedding(_TieredBase):
 
     def forward(self, input: Tensor) -> Tensor:
         """input: int ids of any shape [*]. Returns [*, D]."""
+        out = self._lookup(*self._bags(input), None, _MODES["sum"], exclude_padding=False)
+        return out.reshape(*input.shape, self.embedding_dim)
+
+    def prefetch(self, input: Tensor) -> None:
+        """Registers a future batch (forward's input): see TieredEmbeddingBag.prefetch."""
+        self._prefetch.register(*self._bags(input))
+
+    @staticmethod
+    def _bags(input: Tensor) -> tuple[Tensor, Tensor]:
+        """ids of any shape -> (ids [N], one bag per id: boundaries [N + 1])."""
         _check_int_tensor("input", input)
         flat = input.reshape(-1)
-        offsets = torch.from_numpy(np.arange(len(flat) + 1, dtype=np.int64))
-        out = self._lookup(flat, offsets, None, _MODES["sum"], exclude_padding=False)
-        return out.reshape(*input.shape, self.embedding_dim)
+        return flat, torch.from_numpy(np.arange(len(flat) + 1, dtype=np.int64))

@@ -14,7 +14,9 @@ A batch is made resident in plan → move data → commit order, so an error whi
 
 from __future__ import annotations
 
+import functools
 import os
+import threading
 from typing import Union
 
 import numpy as np
@@ -81,6 +83,12 @@ class Tier:
         self.read_hits = 0  # reads served by the bottom without making rows resident
         self.read_misses = 0
         self._host = pool.device.type == "cpu"
+        self._blocks: dict[str, torch.Tensor] = {}
+        # Held around each index call that may run beside a residency in progress on another
+        # thread (plan and commit here; unpin and mark_dirty by the training thread), so that
+        # releasing a batch never waits for another batch's rows to be read. Re-entrant: a
+        # batch freed by the garbage collector unpins from whichever thread runs it.
+        self.index_lock = threading.RLock()
         # In place: both this pool and whatever is below (a host Tier, or the initializer).
         self._in_place = self._host and (lower is None or isinstance(lower, Tier))
 
@@ -88,15 +96,16 @@ class Tier:
     # On a GPU, rows cross on a side stream: it waits for the compute stream before touching
     # the pool (a slot's old row may still be read by queued kernels), and the compute stream
     # waits for it before the next kernel reads the pool.
-    def gather(self, slots: torch.Tensor) -> torch.Tensor:
-        """Rows at slots, as a CPU float32 [n, width] tensor."""
+    def gather(self, slots: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows at slots, as a CPU float32 [n, width] tensor (into out when given)."""
+        if out is None:
+            out = (torch.empty(len(slots), self.width, dtype=torch.float32) if self._host
+                   else self._staging(len(slots)))
         if self._host:
-            out = torch.empty(len(slots), self.width, dtype=torch.float32)
             _C.copy_rows(self.pool, slots, out, _arange(len(slots)))
             return out
         side = self._side_stream()
         side.wait_stream(torch.cuda.current_stream(self.pool.device))
-        out = self._staging(len(slots))
         with torch.cuda.stream(side):
             out.copy_(self.pool.index_select(0, slots.to(self.pool.device)), non_blocking=True)
         side.synchronize()
@@ -118,15 +127,19 @@ class Tier:
             self._side = torch.cuda.Stream(self.pool.device)
         return self._side
 
-    def _staging(self, n: int) -> torch.Tensor:
-        """A block for n rows in transit, valid until the next call. On the host it is reused
-        (a fresh large block costs a page fault per 4 KiB on every batch); pinned blocks for
-        a GPU come from torch's caching allocator, which tracks the copies still reading them."""
+    def _staging(self, n: int, role: str = "read") -> torch.Tensor:
+        """A block for n rows in transit, valid until the next call with the same role ("read":
+        rows coming up; "write": write-backs going down, which the tier below copies before
+        write() returns). On the host each role's block is reused, grown to the largest batch
+        seen (a fresh large block costs a page fault per 4 KiB on every batch, and steady
+        training allocates nothing); pinned blocks for a GPU come from torch's caching
+        allocator, which tracks the copies still reading them."""
         if not self._host:
             return torch.empty(n, self.width, dtype=torch.float32, pin_memory=torch.cuda.is_available())
-        if getattr(self, "_staging_block", None) is None or self._staging_block.shape[0] < n:
-            self._staging_block = torch.empty(max(n, 1024), self.width, dtype=torch.float32)
-        return self._staging_block[:n]
+        block = self._blocks.get(role)
+        if block is None or block.shape[0] < n:
+            block = self._blocks[role] = torch.empty(max(n, 1024), self.width, dtype=torch.float32)
+        return block[:n]
 
     # -- batch operations ---------------------------------------------------------------------
     def resident(self, ids: torch.Tensor, *, pin: bool, fill=None) -> torch.Tensor:
@@ -136,7 +149,8 @@ class Tier:
         become dirty); else missing rows are read from below. Dirty victims are written down
         before their slots are reused. Reads that can fail (a BackingStore, a GPU copy) happen
         before the index changes."""
-        plan = self.index.plan(ids)
+        with self.index_lock:
+            plan = self.index.plan(ids)
         num_misses = plan.num_misses if fill is None else 0
         staging = None
         if num_misses and not self._in_place:
@@ -147,9 +161,10 @@ class Tier:
             if self._in_place:
                 self.lower.write_from(dirty_ids, self.pool, dirty_slots)
             else:
-                self.lower.write(dirty_ids, self.gather(dirty_slots))
+                self.lower.write(dirty_ids, self.gather(dirty_slots, self._staging(plan.num_dirty, "write")))
             self.bytes_out += plan.num_dirty * self.row_bytes
-        self.index.commit(ids, plan, pin, fill is not None)
+        with self.index_lock:
+            self.index.commit(ids, plan, pin, fill is not None)
         slots = torch.from_numpy(plan.slots)
         if fill is not None:
             fill(slots)
@@ -263,8 +278,24 @@ class Tier:
         self.bytes_in = self.bytes_out = self.read_hits = self.read_misses = 0
 
 
+def _locked(method):
+    """Runs a TableStore method under the store's lock."""
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        with self.lock:
+            return method(self, *args, **kwargs)
+    return run
+
+
 class TableStore:
-    """The tiers of one table, top to bottom."""
+    """The tiers of one table, top to bottom.
+
+    Thread-safety: every method that plans, moves rows or reads the tiers holds the store's lock
+    (re-entrant), so residencies and other row moves never interleave. release() and mark_dirty()
+    only take tier 0's index_lock: they act on pinned slots, which no residency in progress
+    chose or moves, so a backward does not wait for the prefetch worker's reads. Forward and
+    backward kernels read and write pinned slots of tier 0 without a lock: nothing else touches
+    a pinned slot."""
 
     def __init__(self, *, num_embeddings: int, width: int, init: RowInit, cache_rows: int | None,
                  host_rows: int | None, backing: BackingStore | None, policy: str, device: torch.device):
@@ -303,37 +334,75 @@ class TableStore:
         if store_tier is not None:
             self.tiers.append(store_tier)
         self.bottom = self.tiers[-1] if backing is None else backing
+        self.lock = threading.RLock()
+
+    def dedup(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """ids: int64 [N] (any order, duplicates allowed) -> (unique [U] in order of first
+        occurrence, inverse [N]). IndexError for an id out of range. Changes nothing."""
+        unique, inverse = _C.dedup(_ids(ids), self.num_embeddings)
+        return torch.from_numpy(unique), torch.from_numpy(inverse)
+
+    @_locked
+    def make_resident(self, unique: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """Makes unique ids resident in tier 0, pinned. Returns (slots [U], how many of them
+        were not in tier 0). A failure changes no tier."""
+        misses = self.tier0.index.stats()["misses"]
+        slots = self.tier0.resident(unique, pin=True)
+        return slots, self.tier0.index.stats()["misses"] - misses
 
     def prepare(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """ids: int64 [N] (any order, duplicates allowed). Makes them resident in tier 0, pinned.
-        Returns (unique [U], inverse [N], slots [U]). IndexError for an id out of range, before
-        any tier changes."""
-        unique, inverse = _C.dedup(_ids(ids), self.num_embeddings)
-        unique = torch.from_numpy(unique)
-        slots = self.tier0.resident(unique, pin=True)
-        return unique, torch.from_numpy(inverse), slots
+        """ids: int64 [N]. Makes them resident in tier 0, pinned. Returns (unique [U],
+        inverse [N], slots [U]). IndexError for an id out of range, before any tier changes."""
+        unique, inverse = self.dedup(ids)
+        return unique, inverse, self.make_resident(unique)[0]
 
     def release(self, slots: torch.Tensor) -> None:
-        self.tier0.index.unpin(slots)
+        with self.tier0.index_lock:
+            self.tier0.index.unpin(slots)
 
+    def mark_dirty(self, slots: torch.Tensor) -> None:
+        """Tier-0 slots (pinned) whose rows were updated in place (by backward)."""
+        with self.tier0.index_lock:
+            self.tier0.index.mark_dirty(slots)
+
+    # The lookahead window of every cache tier (see native/cache_index.h): the batches expected
+    # after the one made resident next.
+    @_locked
+    def window_push(self, unique: torch.Tensor) -> None:
+        for t in self.tiers:
+            t.index.window_push(unique)
+
+    @_locked
+    def window_pop(self) -> None:
+        for t in self.tiers:
+            t.index.window_pop()
+
+    @_locked
+    def window_clear(self) -> None:
+        for t in self.tiers:
+            t.index.window_clear()
+
+    @_locked
     def read(self, ids: torch.Tensor) -> torch.Tensor:
         """Current rows (weights ‖ state) of ids: float32 [N, width], CPU. Changes nothing."""
-        unique, inverse = _C.dedup(_ids(ids), self.num_embeddings)
-        unique, inverse = torch.from_numpy(unique), torch.from_numpy(inverse)
+        unique, inverse = self.dedup(ids)
         rows = torch.empty(len(unique), self.width, dtype=torch.float32)
         if len(unique):
             self.tier0.peek(unique, rows)
         return rows[inverse]
 
+    @_locked
     def write(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
         """Sets whole rows of unique ids, where they live."""
         if len(ids):
             self.tier0.update(_ids(ids), rows.to(torch.float32).contiguous())
 
+    @_locked
     def flush(self) -> None:
         """Returns when every update made before it is in the bottom (durable for SSD)."""
         self.tier0.flush()
 
+    @_locked
     def written_ids(self, start: int, limit: int) -> torch.Tensor:
         """Sorted ids >= start of rows ever written (flush first), at most limit."""
         if isinstance(self.bottom, Tier):
@@ -341,16 +410,19 @@ class TableStore:
             return torch.from_numpy(self.bottom.index.dirty_ids(start, limit))
         return self.bottom.written_ids(start, limit)
 
+    @_locked
     def stats(self) -> dict:
         out = {t.name: t.stats() for t in self.tiers}
         if self.backing is not None:
             out["ssd"] = self.backing.stats()
         return out
 
+    @_locked
     def reset_stats(self) -> None:
         for t in self.tiers:
             t.reset_stats()
 
+    @_locked
     def close(self) -> None:
         self.flush()
         if self.backing is not None:

@@ -1,0 +1,388 @@
+"""Prefetch: module.prefetch() and PrefetchLoader train to the same outputs and weights as
+training without prefetch (bit for bit on the CPU), through a tiny cache over an SSD table;
+forwards of prefetched batches read nothing themselves; background errors surface on the
+training thread with their traceback; threads stop on exhaustion, break and exception."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import traceback
+
+import pytest
+import torch
+
+import tieredemb
+from tieredemb.prefetch import PrefetchOrderError
+
+NUM, DIM, BAGS, LEN, STEPS = 3000, 8, 16, 6, 200
+CACHE = 400  # tier 0: a few batches' rows (< 100 unique each), far below the rows touched
+
+
+def make_batches(steps=STEPS, seed=0):
+    """(ids [BAGS * LEN], offsets [BAGS], grad [BAGS, DIM]) per step. Ids are skewed (hot rows
+    repeat within and across batches: a row updated by batch t is read again by t + 1) and every
+    batch repeats its first id at its end."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        ids = (torch.rand(BAGS * LEN - 1, generator=g) ** 4 * NUM).long()
+        ids = torch.cat([ids, ids[:1]])
+        out.append((ids, torch.arange(0, BAGS * LEN, LEN), torch.randn(BAGS, DIM, generator=g)))
+    return out
+
+
+def make_table(tmp_path=None, name="t", **tiers):
+    ssd = {} if tmp_path is None else dict(ssd_path=tmp_path / name)
+    return tieredemb.TieredEmbeddingBag(NUM, DIM, mode="sum", optimizer=tieredemb.Adam(lr=0.01), seed=3,
+                                        **ssd, **tiers)
+
+
+def train_manual(emb, batches, depth):
+    """Each step registers the batch `depth` ahead of the one it trains, then trains."""
+    outs = []
+    for ids, offsets, _ in batches[:depth]:
+        emb.prefetch(ids, offsets)
+    for t, (ids, offsets, grad) in enumerate(batches):
+        if depth and t + depth < len(batches):
+            emb.prefetch(*batches[t + depth][:2])
+        out = emb(ids, offsets)
+        out.backward(grad)
+        outs.append(out.detach())
+    return outs
+
+
+def rows_and_state(emb):
+    ids = torch.arange(NUM)
+    return torch.cat([emb.read_rows(ids), emb.read_optimizer_state(ids)], 1)
+
+
+@pytest.fixture(scope="module")
+def batches():
+    b = make_batches()
+    # The workload has what the tests claim: rows of batch t read again by t + 1, duplicates.
+    assert all(len(set(b[t][0].tolist()) & set(b[t + 1][0].tolist())) > 0 for t in range(STEPS - 1))
+    assert all(len(torch.unique(ids)) < len(ids) for ids, _, _ in b)
+    return b
+
+
+@pytest.fixture(scope="module")
+def reference(batches):
+    """Outputs and final rows of the whole table in tier 0, no prefetch."""
+    emb = make_table()
+    outs = train_manual(emb, batches, depth=0)
+    return outs, rows_and_state(emb)
+
+
+# -- module.prefetch --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("depth", [1, 3])
+def test_manual_prefetch_trains_bit_for_bit_through_a_tiny_cache_over_ssd(tmp_path, batches, reference, depth):
+    emb = make_table(tmp_path, cache_rows=CACHE)
+    outs = train_manual(emb, batches, depth)
+    s = emb.stats()
+    assert s["tier0"]["evictions"] > 1000 and s["ssd"]["rows_found"] > 1000  # rows really went down and came back
+    p = s["prefetch"]
+    assert p["registered"] == STEPS and p["forwards"] == STEPS
+    assert p["demand_misses"] == 0  # every forward's rows were made resident by the prefetch worker
+    assert p["prefetched_rows"] + p["late_rows"] == s["tier0"]["misses"]
+    ref_outs, ref_rows = reference
+    assert all(torch.equal(a, b) for a, b in zip(outs, ref_outs))
+    assert torch.equal(rows_and_state(emb), ref_rows)
+    assert emb._store.tier0.index.pinned == 0
+    emb.close()
+
+
+def test_forward_waits_for_nothing_once_its_batch_is_resident(batches):
+    """With the worker done before each forward (the test waits for it), all misses count as
+    prefetched and no time is spent waiting."""
+    emb = make_table(cache_rows=CACHE)
+    done = threading.Semaphore(0)
+    store = emb._store
+    make_resident = store.make_resident
+
+    def instrumented(unique):
+        result = make_resident(unique)
+        if threading.current_thread() is not threading.main_thread():
+            done.release()
+        return result
+
+    store.make_resident = instrumented
+    for ids, offsets, grad in batches[:30]:
+        emb.prefetch(ids, offsets)
+        assert done.acquire(timeout=30)
+        emb(ids, offsets).backward(grad)
+    p = emb.stats()["prefetch"]
+    assert p["late_rows"] == 0 and p["demand_misses"] == 0 and p["wait_seconds"] < 30
+    assert p["prefetched_rows"] == emb.stats()["tier0"]["misses"] > 0
+
+
+def test_prefetched_rows_stay_pinned_until_backward(batches):
+    emb = make_table(cache_rows=CACHE)
+    ids, offsets, grad = batches[0]
+    emb.prefetch(ids, offsets)
+    out = emb(ids, offsets)
+    unique = torch.unique(ids)
+    assert emb._store.tier0.index.pinned == len(unique)
+    out.backward(grad)
+    assert emb._store.tier0.index.pinned == 0
+    with torch.no_grad():  # a forward without grad releases at once
+        emb.prefetch(ids, offsets)
+        emb(ids, offsets)
+    assert emb._store.tier0.index.pinned == 0
+    emb.prefetch(ids, offsets)
+    out = emb(ids, offsets)
+    assert emb._store.tier0.index.pinned == len(unique)
+    del out  # the graph freed without backward releases too
+    assert emb._store.tier0.index.pinned == 0
+
+
+def test_forward_out_of_order_is_refused_and_changes_nothing(batches):
+    emb = make_table(cache_rows=CACHE)
+    (a, off, grad), (b, _, _) = batches[0], batches[1]
+    emb.prefetch(a, off)
+    emb.prefetch(b, off)
+    with pytest.raises(PrefetchOrderError, match=r"expected prefetched batch #0 \(96 ids"):
+        emb(b, off)
+    emb(a, off).backward(grad)  # the right order still works
+    with pytest.raises(PrefetchOrderError, match="#1"):
+        emb(a, off)
+    emb(b, off).backward(grad)
+
+
+def test_bad_ids_raise_at_prefetch_and_change_nothing(batches):
+    emb = make_table(cache_rows=CACHE)
+    ids, offsets, grad = batches[0]
+    with pytest.raises(IndexError, match=f"{NUM}"):
+        emb.prefetch(torch.cat([ids[:-1], torch.tensor([NUM])]), offsets)
+    assert emb.stats()["prefetch"]["registered"] == 0
+    emb(ids, offsets).backward(grad)  # nothing registered: an ordinary forward
+    assert emb.stats()["prefetch"]["demand_misses"] == len(torch.unique(ids))
+
+
+def test_embedding_prefetch(tmp_path):
+    ref = tieredemb.TieredEmbedding(500, 4, optimizer=tieredemb.SGD(lr=0.1))
+    emb = tieredemb.TieredEmbedding(500, 4, cache_rows=40, ssd_path=tmp_path / "e", optimizer=tieredemb.SGD(lr=0.1))
+    g = torch.Generator().manual_seed(1)
+    steps = [torch.randint(0, 500, (3, 5), generator=g) for _ in range(20)]
+    emb.prefetch(steps[0])
+    for t, ids in enumerate(steps):
+        if t + 1 < len(steps):
+            emb.prefetch(steps[t + 1])
+        out, want = emb(ids), ref(ids)
+        assert torch.equal(out, want)
+        out.sum().backward()
+        want.sum().backward()
+    assert torch.equal(emb.read_rows(torch.arange(500)), ref.read_rows(torch.arange(500)))
+    emb.close()
+
+
+# -- errors in the background -----------------------------------------------------------------
+
+def test_background_error_surfaces_with_its_traceback_and_prefetch_recovers(tmp_path, batches):
+    emb = make_table(tmp_path, cache_rows=CACHE)
+    train_manual(emb, batches[:5], depth=1)
+    backing = emb._store.backing
+    real_read = backing.read
+
+    def failing_ssd_read(ids, out):
+        raise OSError("simulated SSD failure")
+
+    backing.read = failing_ssd_read
+    ids, offsets, grad = batches[5]
+    emb.prefetch(ids, offsets)
+    with pytest.raises(OSError, match="simulated SSD failure") as info:
+        emb(ids, offsets)  # the next call after the failure
+    frames = [f.name for f in traceback.extract_tb(info.value.__traceback__)]
+    assert "failing_ssd_read" in frames and "_work" in frames  # the worker's own frames
+    assert emb._store.tier0.index.pinned == 0  # nothing left pinned
+    backing.read = real_read
+    train_manual(emb, batches[5:10], depth=2)  # prefetch works again
+    assert emb.stats()["prefetch"]["registered"] == 1 + 10
+    emb.close()
+
+
+# -- PrefetchLoader ---------------------------------------------------------------------------
+
+@pytest.fixture(autouse=True)
+def deadline():
+    """Nothing may hang: a test still running after 120 s fails (SIGALRM interrupts the waits)."""
+    def expired(signum, frame):
+        raise TimeoutError("test still running after 120 s: a prefetch wait hangs")
+
+    old = signal.signal(signal.SIGALRM, expired)
+    signal.alarm(120)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, old)
+
+
+def stopped(*modules) -> bool:
+    """Whether the modules' prefetch workers were stopped (joined)."""
+    return all(m._prefetch.thread is None for m in modules)
+
+
+def train_loader(emb, batches, depth, lookahead=None):
+    outs = []
+    ids_fn = lambda b: {emb: (b[0], b[1])}  # noqa: E731
+    with tieredemb.PrefetchLoader(batches, [emb], depth=depth, lookahead=lookahead, ids_fn=ids_fn) as loader:
+        for ids, offsets, grad in loader:
+            out = emb(ids, offsets)
+            out.backward(grad)
+            outs.append(out.detach())
+    return outs
+
+
+@pytest.mark.parametrize("depth, lookahead", [(0, 0), (1, None), (2, 3)])
+def test_loader_trains_bit_for_bit_through_a_tiny_cache_over_ssd(tmp_path, batches, reference, depth, lookahead):
+    emb = make_table(tmp_path, cache_rows=CACHE)
+    outs = train_loader(emb, batches, depth, lookahead)
+    ref_outs, ref_rows = reference
+    assert all(torch.equal(a, b) for a, b in zip(outs, ref_outs)) and len(outs) == STEPS
+    assert torch.equal(rows_and_state(emb), ref_rows)
+    s = emb.stats()
+    assert s["tier0"]["evictions"] > 1000 and s["ssd"]["rows_found"] > 1000
+    assert s["prefetch"]["demand_misses"] == 0 and s["prefetch"]["forwards"] == STEPS
+    assert emb._store.tier0.index.pinned == 0 and emb.prefetch_lookahead == 0
+    assert stopped(emb)
+    emb.close()
+
+
+def test_loader_serves_several_modules_from_a_dataloader(tmp_path, batches):
+    """Two tables (a bag over SSD, an Embedding with a host tier) on batches from a DataLoader."""
+    def two_tables(prefix=None):
+        bag = make_table(prefix, "bag", cache_rows=CACHE) if prefix else make_table()
+        emb = tieredemb.TieredEmbedding(NUM, 4, optimizer=tieredemb.SGD(lr=0.1),
+                                        **(dict(cache_rows=150, host_rows=300) if prefix else {}))
+        return bag, emb
+
+    def step(bag, emb, ids, offsets, grad):
+        out = bag(ids, offsets)
+        vec = emb(ids[:BAGS].reshape(4, -1))
+        (out * grad).sum().add_(vec.square().sum()).backward()
+        return out.detach(), vec.detach()
+
+    ref = two_tables()
+    want = [step(*ref, *b) for b in batches[:80]]
+    bag, emb = two_tables(tmp_path)
+    data = torch.utils.data.DataLoader(batches[:80], batch_size=None)
+    loader = tieredemb.PrefetchLoader(data, [bag, emb], depth=2,
+                                      ids_fn=lambda b: {bag: (b[0], b[1]), emb: (b[0][:BAGS].reshape(4, -1), None)})
+    got = [step(bag, emb, *b) for b in loader]
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(got, want)) and len(got) == 80
+    assert torch.equal(rows_and_state(bag), rows_and_state(ref[0]))
+    assert torch.equal(emb.read_rows(torch.arange(NUM)), ref[1].read_rows(torch.arange(NUM)))
+    assert emb.stats()["prefetch"]["demand_misses"] == bag.stats()["prefetch"]["demand_misses"] == 0
+    assert stopped(bag, emb)
+
+
+def test_break_releases_untrained_batches_and_stops_the_workers(batches):
+    emb = make_table(cache_rows=CACHE)
+    loader = tieredemb.PrefetchLoader(batches, [emb], depth=2, ids_fn=lambda b: {emb: (b[0], b[1])})
+    for k, (ids, offsets, grad) in enumerate(loader):
+        emb(ids, offsets).backward(grad)
+        if k == 10:
+            worker = emb._prefetch.thread
+            assert emb._store.tier0.index.pinned > 0 and worker.is_alive()
+            break
+    assert emb._store.tier0.index.pinned == 0 and stopped(emb) and not worker.is_alive()
+    assert emb.stats()["prefetch"]["registered"] == 11 + 2 + 2  # depth and lookahead beyond the 11 trained
+    # Iterating again starts over from the first batch.
+    assert train_loader(emb, batches[:5], depth=1)[0].shape == (BAGS, DIM)
+
+
+@pytest.mark.parametrize("where", ["training", "source", "ids_fn"])
+def test_exceptions_end_the_iteration_cleanly(batches, where):
+    emb = make_table(cache_rows=CACHE)
+
+    def source():
+        for k, b in enumerate(batches):
+            if where == "source" and k == 7:
+                raise KeyError("bad record")
+            yield b
+
+    def ids_fn(b):
+        if where == "ids_fn" and b is batches[9]:
+            raise KeyError("bad record")
+        return {emb: (b[0], b[1])}
+
+    with pytest.raises(KeyError, match="bad record"):
+        with tieredemb.PrefetchLoader(source(), [emb], depth=2, ids_fn=ids_fn) as loader:
+            for k, (ids, offsets, grad) in enumerate(loader):
+                emb(ids, offsets).backward(grad)
+                if where == "training" and k == 5:
+                    raise KeyError("bad record")
+    assert emb._store.tier0.index.pinned == 0 and stopped(emb)
+    assert train_loader(emb, batches[:5], depth=1)[0].shape == (BAGS, DIM)  # usable afterwards
+
+
+def test_background_error_surfaces_through_the_loader(tmp_path, batches):
+    emb = make_table(tmp_path, cache_rows=CACHE)
+    backing = emb._store.backing
+    real_read, calls = backing.read, []
+
+    def failing_ssd_read(ids, out):
+        calls.append(len(ids))
+        if len(calls) == 12:
+            raise OSError("simulated SSD failure")
+        real_read(ids, out)
+
+    backing.read = failing_ssd_read
+    with pytest.raises(OSError, match="simulated SSD failure") as info:
+        train_loader(emb, batches, depth=2)
+    frames = [f.name for f in traceback.extract_tb(info.value.__traceback__)]
+    assert "failing_ssd_read" in frames and "_work" in frames
+    assert emb._store.tier0.index.pinned == 0 and stopped(emb)
+
+
+def test_loader_argument_errors(batches):
+    emb = make_table(cache_rows=CACHE)
+    with pytest.raises(ValueError, match="depth must be an int >= 0, got -1"):
+        tieredemb.PrefetchLoader(batches, [emb], depth=-1, ids_fn=lambda b: {})
+    with pytest.raises(TypeError, match="modules must be tiered modules"):
+        tieredemb.PrefetchLoader(batches, [torch.nn.Linear(2, 2)], ids_fn=lambda b: {})
+    with pytest.raises(ValueError, match="missing"):
+        list(tieredemb.PrefetchLoader(batches, [emb], ids_fn=lambda b: {}))
+    emb.prefetch(*batches[0][:2])
+    with pytest.raises(RuntimeError, match="already has 1 batches registered"):
+        list(tieredemb.PrefetchLoader(batches, [emb], ids_fn=lambda b: {emb: (b[0], b[1])}))
+
+
+@pytest.mark.slow
+def test_rss_stays_flat_over_10k_steps(tmp_path):
+    """Staging blocks, windows and queues are reused: after warm-up, resident memory does not
+    grow with the number of steps (within 5 % over 9,000 more steps)."""
+    import gc
+
+    import psutil
+
+    signal.alarm(900)
+    # RocksDB's memtable holds written rows until it is flushed: without a write-ahead log,
+    # flush() (every 1,000 steps, as a training loop would checkpoint) writes it to a file.
+    emb = tieredemb.TieredEmbeddingBag(NUM, DIM, mode="sum", optimizer=tieredemb.Adam(lr=0.01), seed=3,
+                                       cache_rows=CACHE, ssd_path=tmp_path / "t", ssd_options={"wal": False})
+    stream = (b for k in range(10_000) for b in make_batches(1, seed=k))
+    proc = psutil.Process()
+    rss = {}
+    with tieredemb.PrefetchLoader(stream, [emb], depth=2, ids_fn=lambda b: {emb: (b[0], b[1])}) as loader:
+        for k, (ids, offsets, grad) in enumerate(loader):
+            emb(ids, offsets).backward(grad)
+            if (k + 1) % 1_000 == 0:
+                emb.flush()
+            if k + 1 in (1_000, 10_000):
+                gc.collect()
+                rss[k + 1] = proc.memory_info().rss
+    assert emb.stats()["prefetch"]["demand_misses"] == 0
+    assert rss[10_000] <= 1.05 * rss[1_000], rss
+    emb.close()
+
+
+def test_tier0_holding_exactly_depth_plus_one_batches_is_enough_to_the_end():
+    """Disjoint batches of 10 rows, tier 0 of 30 rows, depth 2: three batches pinned at once at
+    most, also at the end of the stream (when the lookahead window can no longer fill)."""
+    emb = tieredemb.TieredEmbeddingBag(1000, 4, mode="sum", cache_rows=30, optimizer=tieredemb.SGD(lr=0.1))
+    data = [(torch.arange(10 * k, 10 * k + 10), torch.tensor([0, 5])) for k in range(40)]
+    with tieredemb.PrefetchLoader(data, [emb], depth=2, lookahead=5, ids_fn=lambda b: {emb: b}) as loader:
+        for ids, offsets in loader:
+            emb(ids, offsets).sum().backward()
+    assert emb.stats()["prefetch"]["forwards"] == 40 and emb.stats()["tier0"]["misses"] == 400

@@ -1,0 +1,390 @@
+"""Prefetch: batches registered ahead of their forward are made resident in tier 0 by a
+background worker, and stay pinned until their backward.
+
+Ordering, and why training gives bit for bit the results it gives without prefetch:
+- One worker thread per table makes registered batches resident in registration order (FIFO),
+  one at a time, under the table's store lock (as every other row move is), so residencies never
+  interleave. A backward's unpin and mark_dirty touch only its own pinned slots, under tier 0's
+  index lock, which plan and commit hold too: no two index calls interleave.
+- A batch's rows are pinned from its residency until its backward has applied its update (or
+  its forward ran under no_grad, or its graph was freed). The worker evicts unpinned rows only:
+  it never moves a row that a batch in flight reads or updates, and it writes a dirty row back
+  only after the backward that dirtied it released it (under the index lock: the update
+  happens-before the write-back).
+- A row updated by batch t and read by batch t+1 is pinned by both, so it stays in its tier-0
+  slot, and t+1's forward runs after t's backward on the training thread (program order).
+- The forward of a registered batch must be the oldest registered batch (its ids and offsets
+  are compared). Values never depend on when the worker ran: only which rows were evicted can.
+
+Lookahead window: with lookahead L, batch j is made resident once batch j + L is registered
+(or when its forward asks for it, or the stream ended: advance()), and every cache tier
+plans its evictions with exactly the registered batches j+1 .. j+L as its window (the rule of
+native/cache_index.h: rows no window batch uses go first, in the policy's order; then the
+farthest next use first). The window does not depend on timing. The pins do, slightly: a
+batch's rows are unpinned at its backward, which may come before or after a later batch's
+residency; such rows are the most recently used, so they matter only to a tier too small for
+the batches in flight.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+import weakref
+from collections import deque
+
+import torch
+
+_REGISTERED, _PLANNING, _RESIDENT, _FAILED = range(4)
+_IDLE_EXIT_S = 1.0  # a worker with nothing to do for this long exits (a later batch restarts one)
+
+
+class PrefetchOrderError(ValueError):
+    """A forward whose batch is not the oldest registered one."""
+
+
+class _Registered:
+    """A batch registered by prefetch(): its ids, dedup, and (once resident) pinned slots."""
+
+    __slots__ = ("seq", "ids", "offsets", "unique", "inverse", "slots", "misses", "state", "forced")
+
+    def __init__(self, seq: int, ids: torch.Tensor, offsets: torch.Tensor, unique: torch.Tensor,
+                 inverse: torch.Tensor):
+        self.seq, self.ids, self.offsets, self.unique, self.inverse = seq, ids, offsets, unique, inverse
+        self.slots = None
+        self.misses = 0
+        self.state = _REGISTERED
+        self.forced = False  # its forward is waiting: made resident whatever the window
+
+
+class Prefetcher:
+    """One table's registered batches and the worker that makes them resident.
+
+    Threading: register / take / shutdown from the training thread; the worker thread only
+    makes batches resident. `cond` guards the queue and counters; the store's locks guard the
+    tiers. Lock order: cond, then the store's (never the other way)."""
+
+    def __init__(self, store):
+        self.store = store
+        self.cond = threading.Condition()
+        self.queue: deque[_Registered] = deque()  # registered, not yet taken by a forward
+        self.next_seq = 0
+        self.error: BaseException | None = None
+        self.thread: threading.Thread | None = None
+        self.stopping = False
+        self.lookahead = 0
+        self.phantoms = 0  # advance() calls: batches that count as registered for readiness
+        self.windowed: deque[int] = deque()  # sequence numbers of the batches in the tiers' windows
+        self.reset_stats()
+
+    def set_lookahead(self, k: int) -> None:
+        """Batch j is made resident once j + k is registered, with j+1 .. j+k as its window."""
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+            raise ValueError(f"lookahead must be an int >= 0, got {k!r}")
+        with self.cond:
+            if self.queue:
+                raise RuntimeError(f"lookahead cannot change while {len(self.queue)} batches are registered")
+            self.lookahead = k
+
+    def advance(self, n: int) -> None:
+        """Counts n batches as registered, for readiness only: the stream ended, and the batch
+        that would have been registered now (letting batch j + 1 - lookahead in) does not exist.
+        The registered batches keep being made resident at the pace of training."""
+        with self.cond:
+            self.phantoms += n
+            self.cond.notify_all()
+
+    # -- training thread ----------------------------------------------------------------------
+    def register(self, ids: torch.Tensor, offsets: torch.Tensor) -> None:
+        """Queues a batch (flat ids [N], bag boundaries [B + 1]) for residency. IndexError for
+        an id out of range, before anything changes."""
+        ids = ids.to("cpu", torch.int64).contiguous().clone()  # the caller may reuse its tensor
+        unique, inverse = self.store.dedup(ids)
+        with self.cond:
+            self._raise_error()
+            self.queue.append(_Registered(self.next_seq, ids, offsets.clone(), unique, inverse))
+            self.next_seq += 1
+            self.counters["registered"] += 1
+            self._ensure_worker()
+
+    def take(self, ids: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A forward's batch, resident and pinned: (unique [U], inverse [N], slots [U]). The
+        oldest registered batch (checked), waited for; else (nothing registered) made resident
+        here. A background error surfaces here."""
+        ids = ids.to("cpu", torch.int64)
+        start = time.perf_counter()
+        with self.cond:
+            self._raise_error()
+            if self.queue:
+                p = self.queue[0]
+                self._check_order(p, ids, offsets)
+                found = p.state
+                if found == _REGISTERED:  # not started: the worker takes it now, whatever the window
+                    p.forced = True
+                    self._ensure_worker()
+                while p.state != _RESIDENT and self.error is None:
+                    self.cond.wait()
+                self._raise_error()
+                self.queue.popleft()
+                self._count(p.misses, "prefetched_rows" if found == _RESIDENT else "late_rows", start)
+                return p.unique, p.inverse, p.slots
+        unique, inverse = self.store.dedup(ids)
+        slots, misses = self.store.make_resident(unique)
+        with self.cond:
+            self._count(misses, "demand_misses", start)
+        return unique, inverse, slots
+
+    def shutdown(self) -> None:
+        """Stops the worker and forgets every registered batch not yet taken (unpins them).
+        A pending background error is dropped. Safe to call at any time, and twice."""
+        with self.cond:
+            self.stopping = True
+            thread = self.thread
+            self.cond.notify_all()
+        if thread is not None:
+            thread.join()
+        with self.cond:
+            self.stopping = False
+            self.thread = None
+            self.error = None
+            self._forget_all()
+
+    def stats(self) -> dict:
+        """registered: batches registered; forwards: forwards run; prefetched_rows: tier-0
+        misses of a forward's batch that the worker had made resident before the forward asked;
+        late_rows: misses the forward waited on the worker for; demand_misses: misses of forwards
+        of batches never registered (made resident by the forward itself); wait_seconds: time
+        forwards spent waiting for their rows (late or demand)."""
+        with self.cond:
+            return dict(self.counters)
+
+    def reset_stats(self) -> None:
+        with self.cond:
+            self.counters = dict(registered=0, forwards=0, prefetched_rows=0, late_rows=0, demand_misses=0,
+                                 wait_seconds=0.0)
+
+    # -- worker thread ------------------------------------------------------------------------
+    def _work(self) -> None:
+        while True:
+            with self.cond:
+                idle_since = time.monotonic()
+                while True:
+                    if self.stopping:
+                        return
+                    p = self._next_ready() if self.error is None else None
+                    if p is not None:
+                        break
+                    if time.monotonic() - idle_since > _IDLE_EXIT_S and not self._waiting():
+                        self.thread = None
+                        return
+                    self.cond.wait(_IDLE_EXIT_S)
+                p.state = _PLANNING
+                # Its window: p.seq+1 .. upto; the tiers already hold it up to _windowed_upto().
+                upto = min(p.seq + self.lookahead, self.next_seq - 1)
+                window = [q.unique for q in self.queue if max(p.seq, self._windowed_upto()) < q.seq <= upto]
+            try:
+                self._make_resident(p, window)
+            except BaseException as e:  # surfaces on the training thread at its next call
+                with self.cond:
+                    p.state = _FAILED
+                    self.error = e
+                    self.cond.notify_all()
+                continue
+            with self.cond:
+                p.state = _RESIDENT
+                self.cond.notify_all()
+
+    def _make_resident(self, p: _Registered, window: list[torch.Tensor]) -> None:
+        """Slides the tiers' windows past p (drops p and older, appends window: the unique ids
+        of the next batches), then makes p resident."""
+        with self.store.lock:
+            while self.windowed and self.windowed[0] <= p.seq:
+                self.store.window_pop()
+                self.windowed.popleft()
+            for unique in window:
+                self.store.window_push(unique)
+                self.windowed.append(self._windowed_upto(p.seq) + 1)
+            p.slots, p.misses = self.store.make_resident(p.unique)
+
+    # -- helpers (cond held) ------------------------------------------------------------------
+    def _next_ready(self) -> _Registered | None:
+        """The oldest batch not yet made resident, if it may be now."""
+        for p in self.queue:
+            if p.state == _REGISTERED:
+                ready = p.forced or self.next_seq - 1 + self.phantoms >= p.seq + self.lookahead
+                return p if ready else None
+        return None
+
+    def _windowed_upto(self, seq: int = -1) -> int:
+        """The last batch in the tiers' windows (seq when they are empty)."""
+        return self.windowed[-1] if self.windowed else seq
+
+    def _waiting(self) -> bool:
+        """Whether a registered batch still waits for residency."""
+        return any(p.state == _REGISTERED for p in self.queue)
+
+    def _ensure_worker(self) -> None:
+        if self.thread is None:
+            self.thread = threading.Thread(target=self._work, name="tieredemb-prefetch", daemon=True)
+            self.thread.start()
+        self.cond.notify_all()
+
+    def _check_order(self, p: _Registered, ids: torch.Tensor, offsets: torch.Tensor) -> None:
+        if torch.equal(p.ids, ids) and torch.equal(p.offsets, offsets):
+            return
+        raise PrefetchOrderError(
+            f"forward of a batch that is not the oldest prefetched one: expected prefetched batch #{p.seq} "
+            f"({len(p.ids)} ids {_head(p.ids)}, {len(p.offsets) - 1} bags), got {len(ids)} ids {_head(ids)}, "
+            f"{len(offsets) - 1} bags. Run forwards in the order the batches were prefetched "
+            f"({len(self.queue)} registered)")
+
+    def _raise_error(self) -> None:
+        """Raises the worker's error (the original exception, with its traceback) after
+        forgetting every registered batch."""
+        if self.error is None:
+            return
+        err, self.error = self.error, None
+        self._forget_all()
+        raise err
+
+    def _forget_all(self) -> None:
+        """Unpins the resident registered batches and empties the queue. No batch is being made
+        resident: the worker stopped, or waits after an error."""
+        for p in self.queue:
+            if p.state == _RESIDENT:
+                self.store.release(p.slots)
+        self.queue.clear()
+        self.store.window_clear()
+        self.windowed.clear()
+        self.phantoms = 0
+
+    def _count(self, misses: int, key: str, start: float) -> None:
+        self.counters["forwards"] += 1
+        self.counters[key] += misses
+        if key != "prefetched_rows":
+            self.counters["wait_seconds"] += time.perf_counter() - start
+
+
+def _head(ids: torch.Tensor, k: int = 4) -> str:
+    return "[" + ", ".join(str(int(i)) for i in ids[:k]) + (", ...]" if len(ids) > k else "]")
+
+
+class PrefetchLoader:
+    """Wraps an iterable of batches (e.g. a torch DataLoader) and keeps `depth` batches
+    prefetched ahead of the one being trained, for one or more tiered modules.
+
+    ids_fn(batch) -> {module: (input, offsets)}: what each module's forward will get for that
+    batch (offsets None for 2-D input; a TieredEmbedding takes (input, None)). Every module
+    must appear for every batch, and each module's forwards must come in batch order.
+
+    While batch s is yielded, batches s .. s+depth+lookahead are registered: s+1 .. s+depth are
+    being made resident (pinned), and the `lookahead` after them are the eviction window (see
+    module.prefetch_lookahead; default lookahead = depth). Tier 0 must hold depth + 1 batches'
+    rows at once (depth + 2 if a batch's graph outlives the next call to next()).
+
+        with PrefetchLoader(loader, [emb], ids_fn=lambda b: {emb: (b[0], b[1])}, depth=2) as batches:
+            for ids, offsets, y in batches:
+                loss_fn(head(emb(ids, offsets)), y).backward()
+
+    Iterating again starts over (a new iterator of `loader`). The background workers stop when
+    the iteration ends: exhaustion, break (the generator is closed), an exception, or close();
+    registered batches not trained are released then. Errors of the background work surface
+    at the next call on the training thread (next() or a forward), as the original exception."""
+
+    def __init__(self, loader, modules, depth: int = 1, *, ids_fn, lookahead: int | None = None):
+        modules = list(modules)
+        if not modules or any(not hasattr(m, "_prefetch") for m in modules):
+            raise TypeError(f"modules must be tiered modules (TieredEmbeddingBag / TieredEmbedding), got {modules!r}")
+        for name, v in (("depth", depth), ("lookahead", depth if lookahead is None else lookahead)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {v!r}")
+        if not callable(ids_fn):
+            raise TypeError(f"ids_fn must be callable (batch -> {{module: (input, offsets)}}), got {ids_fn!r}")
+        self.loader = loader
+        self.modules = modules
+        self.depth = depth
+        self.lookahead = depth if lookahead is None else lookahead
+        self.ids_fn = ids_fn
+        # The current iteration's generator, weakly: a `break` drops the last strong reference,
+        # which closes it (CPython) and so stops the workers.
+        self._running = None
+
+    def __iter__(self):
+        self.close()
+        running = self._iterate()
+        self._running = weakref.ref(running)
+        return running
+
+    def __enter__(self) -> "PrefetchLoader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Ends the current iteration (if any): stops the workers, releases untrained batches."""
+        running = self._running() if self._running is not None else None
+        self._running = None
+        if running is not None:
+            running.close()
+
+    def _iterate(self):
+        for m in self.modules:
+            if m._prefetch.queue:
+                raise RuntimeError(f"{type(m).__name__} already has {len(m._prefetch.queue)} batches registered "
+                                   "by prefetch(): train them before iterating a PrefetchLoader over it")
+        previous = [m.prefetch_lookahead for m in self.modules]
+        source = None
+        ahead: deque = deque()  # registered batches not yet yielded, oldest first
+        try:
+            for m in self.modules:
+                m.prefetch_lookahead = self.lookahead
+            source = iter(self.loader)
+            counted = 0  # batches registered, or counted as registered once the source ran out
+            for yielded in itertools.count():
+                # Before batch s is yielded, s .. s+depth+lookahead count as registered.
+                while counted <= yielded + self.depth + self.lookahead:
+                    batch = next(source, _END) if source is not None else _END
+                    if batch is _END:
+                        source = _close(source)
+                        for m in self.modules:
+                            m._prefetch.advance(1)
+                    else:
+                        self._register(batch)
+                        ahead.append(batch)
+                    counted += 1
+                if not ahead:
+                    return
+                yield ahead.popleft()
+        finally:
+            for m in self.modules:
+                m._prefetch.shutdown()
+            for m, k in zip(self.modules, previous):
+                m.prefetch_lookahead = k
+            _close(source)
+
+    def _register(self, batch) -> None:
+        inputs = self.ids_fn(batch)
+        if not isinstance(inputs, dict):
+            raise TypeError(f"ids_fn must return {{module: (input, offsets)}}, got {type(inputs).__name__}")
+        missing = [m for m in self.modules if m not in inputs]
+        extra = [m for m in inputs if all(m is not n for n in self.modules)]
+        if missing or extra:
+            raise ValueError(f"ids_fn must return exactly the loader's modules: missing {missing}, unknown {extra}")
+        for m in self.modules:
+            input, offsets = inputs[m]
+            if offsets is None:
+                m.prefetch(input)
+            else:
+                m.prefetch(input, offsets)
+
+
+_END = object()
+
+
+def _close(source) -> None:
+    """Closes an iterator that can be closed (a generator); returns None."""
+    close = getattr(source, "close", None)
+    if close is not None:
+        close()
