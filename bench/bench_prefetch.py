@@ -13,7 +13,7 @@ hit rate and the prefetch counters of the last run; whether every depth produced
 (bit for bit) as depth 0.
 
     python bench/bench_prefetch.py --ssd-path /tmp/pfbench                    # the issue's workload
-    python bench/bench_prefetch.py --ssd-path /tmp/pfbench --ssd-backend slots
+    python bench/bench_prefetch.py --ssd-path /tmp/pfbench --ssd-backend rocksdb   # or slots
     python bench/bench_prefetch.py --ssd-path /tmp/pfbench --quick            # smoke test, < 2 min
 """
 
@@ -106,7 +106,7 @@ def main(argv=None) -> int:
     add_workload_args(p, ISSUE)
     p.add_argument("--quick", action="store_true", help=f"smoke test: {QUICK.rows} rows, {QUICK.bags} bags")
     p.add_argument("--ssd-path", required=True, help="the SSD tables go in subdirectories of this")
-    p.add_argument("--ssd-backend", default="rocksdb", choices=["rocksdb", "slots"])
+    p.add_argument("--ssd-backend", default="log", choices=["rocksdb", "slots", "log"])
     p.add_argument("--depths", default=",".join(map(str, DEPTHS)), help="prefetch depths (0: no prefetch)")
     p.add_argument("--no-fbgemm", action="store_true", help="skip the FBGEMM peer")
     p.add_argument("--warmup", type=int, default=None, help="warm-up batches per system (default 60; quick 10)")

@@ -128,9 +128,12 @@ def initialize(path: str, initializer, ids_np: np.ndarray, positions: np.ndarray
     if k == out.shape[0]:
         initializer(torch.from_numpy(ids_np), out)
     else:
+        from tieredemb import _C  # a native row copy: torch's indexing spins its thread pool
+
         tmp = torch.empty(k, out.shape[1], dtype=torch.float32)
         initializer(torch.from_numpy(ids_np[positions]), tmp)
-        out[torch.from_numpy(positions)] = tmp
+        _C.copy_rows(tmp, torch.from_numpy(np.arange(k, dtype=np.int64)), out,
+                     torch.from_numpy(positions.astype(np.int64, copy=False)))
     return k
 
 

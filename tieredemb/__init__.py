@@ -12,5 +12,14 @@ from .prefetch import PrefetchLoader, PrefetchOrderError
 _C.set_num_threads(_torch.get_num_threads())
 
 __all__ = ["TieredEmbeddingBag", "TieredEmbedding", "SGD", "Adagrad", "RowWiseAdagrad", "Adam", "Init",
-           "parse_bytes", "PrefetchLoader", "PrefetchOrderError"]
+           "parse_bytes", "PrefetchLoader", "PrefetchOrderError", "record"]
+
+
+def __getattr__(name):
+    # tieredemb.record (tieredemb.trace.record), imported on first use: the trace tools pull
+    # in numba, which the modules do not need.
+    if name == "record":
+        from .trace import record
+        return record
+    raise AttributeError(f"module 'tieredemb' has no attribute {name!r}")
 __version__ = "0.1.0"
