@@ -1,0 +1,75 @@
+"""`tieredemb trace convert | inspect | synth`, in process and once through the installed command."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tieredemb.trace import TableInfo, TraceWriter, open_trace
+from tieredemb.trace.cli import trace
+
+
+def test_synth_inspect_convert(tmp_path, capsys):
+    out = tmp_path / "z.trace"
+    assert trace(["synth", str(out), "--zipf", "1.1", "--rows", "1000", "50", "--batches", "40",
+                  "--lookups", "30", "5", "--reuse", "0.2", "--seed", "3"]) == 0
+    assert "40 batches, 1,400 lookups over 2 table(s)" in capsys.readouterr().out
+    assert trace(["inspect", str(out), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["num_batches"] == 40 and info["num_lookups"] == 1400
+    assert [(t["name"], t["rows"], t["lookups"]) for t in info["tables"]] == [("table0", 1000, 1200), ("table1", 50, 200)]
+    with open_trace(out) as r:
+        keys = r.read_all().keys
+    assert info["unique_rows"] == np.unique(keys).size
+    assert sum(t["unique"] for t in info["tables"]) == info["unique_rows"]
+    reuse = info["reuse"]
+    assert reuse["first_use"] == info["unique_rows"]
+    cache_lookups = 1400 - reuse["repeat_in_batch"]
+    assert reuse["first_use"] + sum(b["lookups"] for b in reuse["buckets"]) == cache_lookups
+    assert [b["lo"] for b in reuse["buckets"]][:4] == [0, 1, 2, 4]
+    assert trace(["inspect", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "unique rows:" in text and "LRU hit ratio" in text and "table1" in text
+
+    assert trace(["convert", str(out), str(tmp_path / "z.csv")]) == 0
+    assert trace(["convert", str(tmp_path / "z.csv"), str(tmp_path / "back.trace"), "--rows", "1000", "50"]) == 0
+    assert "tables table0 (1,000 rows), table1 (50 rows)" in capsys.readouterr().out
+    with open_trace(tmp_path / "back.trace") as r:
+        np.testing.assert_array_equal(r.read_all().keys, keys)
+    assert trace(["convert", str(out), str(tmp_path / "dist_{}.log")]) == 0
+    assert trace(["synth", str(tmp_path / "l.trace"), "--logs", str(tmp_path / "dist_0.log"),
+                  str(tmp_path / "dist_1.log"), "--batches", "10", "--lookups", "7"]) == 0
+    assert open_trace(tmp_path / "l.trace").header.num_lookups == 140
+    assert trace(["convert", str(out), str(tmp_path / "z.bin"), "--to", "oracle", "--obj-size", "64"]) == 0
+    assert (tmp_path / "z.bin").stat().st_size == 1400 * 24
+    assert trace(["convert", str(tmp_path / "z.bin"), str(tmp_path / "o.trace"), "--from", "oracle",
+                  "--batch-size", "100"]) == 0
+    assert open_trace(tmp_path / "o.trace").header.num_batches == 14
+
+
+def test_errors_return_1_with_the_reason(tmp_path, capsys):
+    assert trace(["inspect", str(tmp_path / "missing.trace")]) == 2
+    assert "missing.trace" in capsys.readouterr().err
+    (tmp_path / "bad.trace").write_bytes(b"TEMBTRC\0" + b"\0" * 10)
+    assert trace(["inspect", str(tmp_path / "bad.trace")]) == 2
+    assert "truncated header" in capsys.readouterr().err
+    with TraceWriter(tmp_path / "t.trace", [TableInfo("t", 10)]) as w:
+        w.write_batch([1, 2])
+    assert trace(["convert", str(tmp_path / "t.trace"), str(tmp_path / "t.xyz")]) == 2
+    assert "cannot tell the format" in capsys.readouterr().err
+    assert trace(["synth", str(tmp_path / "s.trace"), "--zipf", "1", "--batches", "2", "--lookups", "3"]) == 2
+    assert "--zipf needs --rows" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        trace(["synth", str(tmp_path / "s.trace"), "--batches", "2", "--lookups", "3"])  # neither --zipf nor --logs
+
+
+def test_the_installed_command_dispatches_to_trace(tmp_path):
+    with TraceWriter(tmp_path / "t.trace", [TableInfo("t", 10)]) as w:
+        w.write_batch([1, 2, 1])
+    run = subprocess.run([sys.executable, "-m", "tieredemb.cli", "trace", "inspect", str(tmp_path / "t.trace"),
+                          "--json"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    info = json.loads(run.stdout)
+    assert info["num_lookups"] == 3 and info["reuse"]["repeat_in_batch"] == 1

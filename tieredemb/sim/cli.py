@@ -1,0 +1,168 @@
+"""`tieredemb simulate` and `tieredemb mrc`: hit ratios and miss-ratio curves of a trace file
+(tieredemb.trace format). Bad input exits with status 2 and one line naming the value."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import numpy as np
+
+from .keys import SimError
+from .state import POLICIES
+
+
+def _rows(text: str, total: int) -> int:
+    """'4096' -> 4096; '1%' / '0.5%' -> that fraction of the trace's total rows (at least 1)."""
+    t = text.strip()
+    try:
+        if t.endswith("%"):
+            pct = float(t[:-1])
+            if not 0 < pct <= 100:
+                raise ValueError
+            return max(1, round(total * pct / 100))
+        rows = int(t)
+    except ValueError:
+        raise SimError(f"capacity {text!r}: give rows (an integer > 0) or a percentage of the trace's "
+                       f"{total:,} rows in (0, 100], e.g. 1%") from None
+    if rows <= 0:
+        raise SimError(f"capacity {text!r}: rows must be > 0")
+    return rows
+
+
+def _header(path: str):
+    from tieredemb.trace import open_trace
+
+    with open_trace(path) as r:
+        return r.header
+
+
+def _run(name: str, body, argv: list[str], parser: argparse.ArgumentParser) -> int:
+    a = parser.parse_args(argv)
+    try:
+        return body(a)
+    except (ValueError, OSError) as e:  # SimError, TraceError and missing files
+        print(f"tieredemb {name}: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _progress_wanted(a) -> bool:
+    return not a.json and sys.stderr.isatty()
+
+
+# -- simulate ----------------------------------------------------------------------------------------
+def _simulate_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tieredemb simulate", description="hit ratios of policies and tier sizes on a trace")
+    p.add_argument("trace", help="trace file (tieredemb format; see `tieredemb trace convert`)")
+    p.add_argument("--policy", action="append",
+                   help=f"{', '.join(POLICIES)} or lookahead-K; repeat to compare policies; 'lru,lfu' gives "
+                        f"one policy per tier (default lru)")
+    p.add_argument("--capacity", action="append", required=True,
+                   help="rows of a tier (or N%% of the trace's rows); repeat for a stack, top tier first")
+    p.add_argument("--mode", choices=["batch", "request"], default="batch",
+                   help="batch: the engine (per-batch dedup); request: every lookup a request (libCacheSim)")
+    p.add_argument("--train", action="store_true", help="every looked-up row becomes dirty (write-backs)")
+    p.add_argument("--lookahead", type=int, default=None, help="K for policy lookahead")
+    p.add_argument("--json", action="store_true", help="print JSON (one object per policy, in a list)")
+    return p
+
+
+def _simulate(a) -> int:
+    from .simulate import simulate as run
+
+    total = _header(a.trace).total_rows
+    caps = [_rows(c, total) for c in a.capacity]
+    results = []
+    for policy in a.policy or ["lru"]:
+        names = policy.split(",")
+        r = run(a.trace, None, names if len(names) > 1 else names[0], caps, mode=a.mode, train=a.train,
+                lookahead=a.lookahead, progress=_progress_wanted(a))
+        results.append(r)
+    if a.json:
+        print(json.dumps([r.to_dict() for r in results], indent=1))
+        return 0
+    print(f"{a.trace}: {results[0].lookups:,} lookups in {results[0].batches:,} batches, {total:,} rows; "
+          f"mode {a.mode}{', training' if a.train else ''}")
+    print(f"{'policy':14s} {'tier':6s} {'capacity':>12s} {'hit ratio':>9s} {'hits':>12s} {'misses':>12s} "
+          f"{'rows in':>12s} {'evictions':>12s} {'write-backs':>12s}")
+    for r in results:
+        for t in r.tiers:
+            print(f"{t.policy:14s} {t.name:6s} {t.capacity:>12,} {t.hit_ratio:>9.4f} {t.hits:>12,} {t.misses:>12,} "
+                  f"{t.rows_in:>12,} {t.evictions:>12,} {t.dirty_writebacks:>12,}")
+            for pt in t.per_table or []:
+                print(f"{'':14s}   {pt['table'][:20]:20s} hit ratio {pt['hit_ratio']:.4f}  "
+                      f"hits {pt['hits']:,}  misses {pt['misses']:,}")
+        print(f"{'':14s} bottom: {r.bottom_reads:,} rows read, {r.bottom_writes:,} rows written")
+    return 0
+
+
+def simulate(argv: list[str]) -> int:
+    """Entry point of `tieredemb simulate`."""
+    return _run("simulate", _simulate, argv, _simulate_parser())
+
+
+# -- mrc ---------------------------------------------------------------------------------------------
+def _mrc_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tieredemb mrc", description="miss-ratio curve of a trace")
+    p.add_argument("trace", help="trace file (tieredemb format)")
+    p.add_argument("--policy", default="lru", help=f"{', '.join(POLICIES)} or lookahead-K (default lru: exact, one pass)")
+    p.add_argument("--sizes", nargs="+", help="cache sizes: rows or N%% of the trace's rows")
+    p.add_argument("--points", type=int, default=100, help="log-spaced sizes when --sizes is not given (default 100)")
+    p.add_argument("--sample-rate", type=float, default=None, help="SHARDS sampling rate in (0, 1] for big traces")
+    p.add_argument("--mode", choices=["batch", "request"], default="batch")
+    p.add_argument("--lookahead", type=int, default=None, help="K for policy lookahead")
+    p.add_argument("--png", default=None, help="write a plot to this PNG file")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    return p
+
+
+def _plot(curve, total: int, path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    ax.plot(curve.sizes, curve.miss_ratio, marker=".", lw=1.2)
+    ax.set_xscale("log")
+    ax.set_xlabel("cache size (rows)")
+    ax.set_ylabel("miss ratio")
+    ax.set_ylim(0, 1.02)
+    ax.grid(True, which="both", alpha=0.3)
+    sec = ax.secondary_xaxis("top", functions=(lambda s: 100 * s / total, lambda p: p * total / 100))
+    sec.set_xlabel("% of the trace's rows")
+    ax.set_title(title, fontsize=10, pad=32)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _mrc(a) -> int:
+    from .mrc import mrc as curve_of
+
+    if a.points <= 0:
+        raise SimError(f"--points {a.points}: must be > 0")
+    total = _header(a.trace).total_rows
+    sizes = None if a.sizes is None else np.array([_rows(s, total) for s in a.sizes], np.int64)
+    c = curve_of(a.trace, None, sizes, policy=a.policy, mode=a.mode, points=a.points, sample_rate=a.sample_rate,
+                 lookahead=a.lookahead, progress=_progress_wanted(a))
+    if a.png:
+        rate = f", SHARDS rate {c.sample_rate:g}" if c.sample_rate else ""
+        _plot(c, total, a.png, f"{a.trace}: {c.policy}, {c.mode} mode{rate}")
+    if a.json:
+        print(json.dumps(c.to_dict(), indent=1))
+        return 0
+    print(f"{a.trace}: {c.policy} miss-ratio curve over {c.lookups:,} lookups ({c.mode} mode"
+          f"{f', SHARDS rate {c.sample_rate:g}' if c.sample_rate else ''})")
+    print(f"{'size (rows)':>14s} {'% rows':>8s} {'miss ratio':>10s} {'hit ratio':>10s}")
+    for s, m in zip(c.sizes, c.miss_ratio):
+        print(f"{int(s):>14,} {100 * s / total:>8.3f} {m:>10.4f} {1 - m:>10.4f}")
+    if a.png:
+        print(f"plot: {a.png}")
+    return 0
+
+
+def mrc(argv: list[str]) -> int:
+    """Entry point of `tieredemb mrc`."""
+    return _run("mrc", _mrc, argv, _mrc_parser())

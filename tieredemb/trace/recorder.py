@@ -1,0 +1,119 @@
+"""Recording the lookups that embedding modules perform, into a trace file.
+
+    with tieredemb.record({"user": user_emb, "item": item_emb}, "run.trace") as rec:
+        for batch in loader:
+            loss = model(batch); loss.backward(); opt.step()
+
+Every module is one table of the trace (num_rows = its num_embeddings; named by the dict key,
+else table0, table1, ... in the order given). A call records all ids of its `input`, flattened
+in order (the ids the module looks up, padding_idx included), after the forward returns: a call
+that raises looked nothing up and records nothing.
+Batches: a batch is the lookups of consecutive calls; a new batch starts when a module already
+in the current batch is called again, or at rec.next_batch(). (One call per table per training
+step, the usual case, makes one batch per step.) Leaving the block, normally or by an exception,
+removes the hooks and closes the trace with every lookup recorded so far.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .format import TableInfo, TraceError, TraceWriter
+
+_KINDS = (torch.nn.Embedding, torch.nn.EmbeddingBag)
+
+
+def _tables(modules) -> list[tuple[str, torch.nn.Module]]:
+    if isinstance(modules, torch.nn.Module):
+        named = [("table0", modules)]
+    elif isinstance(modules, dict):
+        named = [(str(k), m) for k, m in modules.items()]
+    else:
+        named = [(f"table{i}", m) for i, m in enumerate(modules)]
+    if not named:
+        raise TraceError("record needs at least one module")
+    from tieredemb import TieredEmbedding, TieredEmbeddingBag
+
+    seen = set()
+    for name, m in named:
+        if not isinstance(m, _KINDS + (TieredEmbedding, TieredEmbeddingBag)):
+            raise TraceError(f"module {name!r} is a {type(m).__name__}: record takes TieredEmbeddingBag, "
+                             f"TieredEmbedding, torch.nn.EmbeddingBag or torch.nn.Embedding")
+        if id(m) in seen:
+            raise TraceError(f"module {name!r} is given twice")
+        seen.add(id(m))
+    return named
+
+
+class Recorder:
+    """Hooks modules and writes their lookups to a trace; use through record()."""
+
+    def __init__(self, modules, path, *, chunk_lookups: int = 1 << 20):
+        named = _tables(modules)
+        self._writer = TraceWriter(path, [TableInfo(n, int(m.num_embeddings)) for n, m in named],
+                                   chunk_lookups=chunk_lookups, meta={"generator": "record"})
+        self._base = self._writer.header.table_base
+        self._current: list[np.ndarray] = []
+        self._in_batch: set[int] = set()
+        self._hooks = []
+        try:
+            for t, (_, m) in enumerate(named):
+                self._hooks.append(m.register_forward_hook(self._hook(t), with_kwargs=True))
+        except BaseException:
+            self._remove()
+            self._writer.abort()
+            raise
+
+    def _hook(self, table: int):
+        def hook(module, args, kwargs, output):
+            ids = args[0] if args else kwargs["input"]
+            self._record(table, ids)
+        return hook
+
+    def _record(self, table: int, ids: torch.Tensor) -> None:
+        if table in self._in_batch:
+            self.next_batch()
+        flat = ids.detach().reshape(-1).to("cpu", torch.int64).numpy()  # in range: forward checked them
+        self._current.append(flat + self._base[table])
+        self._in_batch.add(table)
+
+    def next_batch(self) -> None:
+        """Ends the current batch (no-op when it is empty)."""
+        if self._current:
+            self._writer.write_batch(np.concatenate(self._current))
+        self._current, self._in_batch = [], set()
+
+    @property
+    def num_batches(self) -> int:
+        """Batches written so far (the current one not included)."""
+        return self._writer.header.num_batches
+
+    @property
+    def num_lookups(self) -> int:
+        return self._writer.header.num_lookups + sum(a.size for a in self._current)
+
+    def _remove(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    def close(self) -> None:
+        """Removes the hooks, writes the current batch and closes the trace."""
+        self._remove()
+        try:
+            self.next_batch()
+        finally:
+            self._writer.close()
+
+    def __enter__(self) -> Recorder:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def record(modules, path, *, chunk_lookups: int = 1 << 20) -> Recorder:
+    """Context manager: records every lookup of `modules` (a module, a list, or a dict name ->
+    module) into the trace at `path`; see the module docstring for tables and batches."""
+    return Recorder(modules, path, chunk_lookups=chunk_lookups)
