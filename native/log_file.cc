@@ -89,6 +89,7 @@ Status LogFile::Open(const std::string& dir, int64_t num_rows, int64_t row_bytes
     // A creation cut short may have left files: a new table starts from nothing.
     for (uint32_t seq : seqs) ::unlink((dir + "/" + segment_name(seq)).c_str());
     ::unlink(mark_path.c_str());
+    f->writer_ = std::thread([p = f.get()] { p->writer_loop(); });
     *out = std::move(f);
     return Status::Ok();
   }
@@ -123,6 +124,7 @@ Status LogFile::Open(const std::string& dir, int64_t num_rows, int64_t row_bytes
     Status s = f->Sync();
     if (!s.ok()) return s;
   }
+  f->writer_ = std::thread([p = f.get()] { p->writer_loop(); });
   *out = std::move(f);
   return Status::Ok();
 }
@@ -130,6 +132,16 @@ Status LogFile::Open(const std::string& dir, int64_t num_rows, int64_t row_bytes
 LogFile::~LogFile() { Close(); }
 
 Status LogFile::Close() {
+  Status s = Status::Ok();
+  if (writer_.joinable()) {
+    s = drain();
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    writer_.join();
+  }
   for (auto& seg : segments_) {
     if (!seg) continue;
     if (seg->map != nullptr) ::munmap(seg->map, static_cast<size_t>(seg->mapped));
@@ -142,7 +154,35 @@ Status LogFile::Close() {
     ::munmap(loc_, static_cast<size_t>(num_rows_) * 8);
     loc_ = nullptr;
   }
-  return Status::Ok();
+  return s;
+}
+
+void LogFile::writer_loop() {
+  std::unique_lock<std::mutex> lock(mutex_);
+  for (;;) {
+    cv_.wait(lock, [&] { return stop_ || staged_busy_; });
+    if (!staged_busy_) return;
+    lock.unlock();
+    // The checksum is computed here too, off the caller's thread.
+    auto* h = reinterpret_cast<LogHeader*>(staged_.data());
+    const int64_t n = static_cast<int64_t>(h->n);
+    const uint8_t* payload = staged_.data() + sizeof(LogHeader);
+    h->checksum = checksum(payload + n * 8, static_cast<size_t>(n * row_bytes_),
+                           checksum(payload, static_cast<size_t>(n) * 8, h->n));
+    int err = pwrite_full(staged_seg_->fd, staged_.data(), static_cast<int64_t>(staged_.size()), staged_off_);
+    lock.lock();
+    if (err != 0 && writer_error_.ok())
+      writer_error_ = Status::RuntimeError("cannot write " + staged_seg_->path + " at offset " +
+                                           std::to_string(staged_off_) + ": " + errno_text(err));
+    staged_busy_ = false;
+    cv_.notify_all();
+  }
+}
+
+Status LogFile::drain() {
+  std::unique_lock<std::mutex> lock(mutex_);
+  cv_.wait(lock, [&] { return !staged_busy_; });
+  return writer_error_;
 }
 
 Status LogFile::check_ids(const int64_t* ids, int64_t n) const {
@@ -286,7 +326,29 @@ Status LogFile::append(const int64_t* ids, int64_t n, const uint8_t* rows) {
 Status LogFile::Write(const int64_t* ids, int64_t n, const uint8_t* rows) {
   Status s = check_ids(ids, n);
   if (!s.ok() || n == 0) return s;
-  s = append(ids, n, rows);
+  s = drain();  // one append in flight at a time; the staging block is reused
+  if (!s.ok()) return s;
+  const int64_t rec = record_bytes(n, row_bytes_);
+  if (n > max_record_rows_ || current_ == nullptr || current_->end + rec > current_->capacity) {
+    s = append(ids, n, rows);  // a new segment, or several records: synchronously
+  } else {
+    const size_t id_bytes = static_cast<size_t>(n) * 8;
+    staged_.resize(static_cast<size_t>(rec));
+    LogHeader h{kLogMagic, static_cast<uint64_t>(n), static_cast<uint64_t>(row_bytes_), 0};
+    std::memcpy(staged_.data(), &h, sizeof h);
+    std::memcpy(staged_.data() + sizeof h, ids, id_bytes);
+    std::memcpy(staged_.data() + sizeof h + id_bytes, rows, static_cast<size_t>(n * row_bytes_));
+    staged_seg_ = current_;
+    staged_off_ = current_->end;
+    const int64_t first_row = current_->end + record_bytes(0, row_bytes_) + n * 8;
+    for (int64_t k = 0; k < n; ++k) place(ids[k], current_, first_row + k * row_bytes_);
+    current_->end += rec;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      staged_busy_ = true;
+    }
+    cv_.notify_all();
+  }
   if (!s.ok()) return s;
   return maybe_compact();
 }
@@ -320,7 +382,9 @@ Status LogFile::maybe_compact() {
       }
     }
     if (victim == nullptr) return Status::Ok();
-    Status s = compact(victim);
+    Status s = drain();
+    if (!s.ok()) return s;
+    s = compact(victim);
     if (!s.ok()) return s;
   }
 }
@@ -378,6 +442,7 @@ void LogFile::drop_segment(Segment* seg) {
   if (seg->direct_fd >= 0) ::close(seg->direct_fd);
   ::unlink(seg->path.c_str());
   if (current_ == seg) current_ = nullptr;
+  if (staged_seg_ == seg) staged_seg_ = nullptr;
   segments_[seq].reset();
 }
 
@@ -398,6 +463,10 @@ Status LogFile::write_mark(const std::string& dir, uint32_t seq, int64_t offset)
 
 Status LogFile::Sync() {
   if (loc_ == nullptr) return Status::RuntimeError(dir_ + ": the log store is closed");
+  if (writer_.joinable()) {
+    Status s = drain();
+    if (!s.ok()) return s;
+  }
   bool created = false;
   const Segment* last = nullptr;
   for (auto& seg : segments_) {
@@ -460,6 +529,11 @@ Status LogFile::Read(const int64_t* ids, int64_t n, uint8_t* out, uint8_t* found
       const Segment* seg = segment_of(loc - 1);
       const int64_t off = static_cast<int64_t>((loc - 1) & kOffsetMask);
       uint8_t* dst = out + k * row_bytes_;
+      if (seg == staged_seg_ && off >= staged_off_ && off < staged_off_ + static_cast<int64_t>(staged_.size())) {
+        // Staged by the last Write: read from the staging block (it may not be in the file yet).
+        std::memcpy(dst, staged_.data() + (off - staged_off_), static_cast<size_t>(row_bytes_));
+        continue;
+      }
       if (!direct_) {
         std::memcpy(dst, seg->map + off, static_cast<size_t>(row_bytes_));
         continue;

@@ -23,12 +23,19 @@
 // Checkpoint: Sync, then hard links to every segment plus a `flushed` mark in a new
 // directory (copies across filesystems); the table then appends to a new segment, so no
 // linked file is ever written again.
+// Write-behind: a Write that fits in the current segment as one record is staged in memory
+// (its rows readable at once) and appended by a background thread while the caller goes on;
+// the next Write, Sync, Checkpoint or Close waits for it. An append that fails makes every
+// later call return its error (the rows it held may be lost; what was synced is intact).
 // Thread-safety: one call at a time; each Read runs its copies on this object's I/O threads.
 #pragma once
 
+#include <condition_variable>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "common.h"
@@ -79,6 +86,8 @@ class LogFile {
   Status maybe_compact();
   Status compact(Segment* seg);
   Status write_mark(const std::string& dir, uint32_t seq, int64_t offset) const;
+  Status drain();           // waits for the staged append; its error, if any (sticky)
+  void writer_loop();
   void drop_segment(Segment* seg);
   Status seal(Segment* seg);
   void place(int64_t id, Segment* seg, int64_t row_offset);
@@ -93,6 +102,15 @@ class LogFile {
   Segment* current_ = nullptr;                        // the segment appended to (null: none yet)
   uint32_t next_seq_ = 1;
   int64_t num_written_ = 0, live_bytes_ = 0, replayed_ = 0, compactions_ = 0, rows_compacted_ = 0;
+  // The staged append: record bytes `staged_` for segment staged_seg_ at staged_off_.
+  std::vector<uint8_t> staged_;
+  Segment* staged_seg_ = nullptr;
+  int64_t staged_off_ = -1;
+  bool staged_busy_ = false, stop_ = false;
+  Status writer_error_;
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  std::thread writer_;
   IoThreads io_;
 };
 

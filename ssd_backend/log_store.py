@@ -38,8 +38,11 @@ _OWN = {"flushed", "flushed.tmp"}
 class LogStore(NativeStore):
     """An embedding table's rows in append-only segment files: the SSD tier for training.
     Arguments: NativeStore's, plus segment_bytes (the size of a segment file, for a new table;
-    default: an eighth of the table's bytes, between 1 MiB and 256 MiB). A write that fails
-    (disk full) may have stored some of its rows, each one whole."""
+    default: an eighth of the table's bytes, between 1 MiB and 256 MiB).
+    Write-behind: write() stages the batch in memory (readable at once) and a native thread
+    appends it while the caller goes on; the next write/flush waits for it. A failed append
+    (disk full) raises StoreWriteError from that next call and from every call after it (the
+    rows of unflushed writes may be lost; data flushed before is intact)."""
 
     FORMAT = FORMAT
     META_FILE = META_FILE

@@ -110,14 +110,17 @@ class NativeStore(StoreBase):
         self._lock_fd = fd
 
     def _release(self) -> None:
-        if self._file is not None:
-            try:
-                self._file.close()
-            finally:
-                self._file = None
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)  # releases the flock
-            self._lock_fd = None
+        """Closes the files, then releases the lock, even when closing the files fails."""
+        try:
+            if self._file is not None:
+                try:
+                    self._file.close()
+                finally:
+                    self._file = None
+        finally:
+            if self._lock_fd is not None:
+                os.close(self._lock_fd)  # releases the flock
+                self._lock_fd = None
 
     def _classify(self, what: str, exc: Exception) -> Exception:
         msg = str(exc)

@@ -178,13 +178,26 @@ def test_full_disk_error_reaches_caller_and_flushed_rows_survive(small_disk):
     with pytest.raises(StoreWriteError, match="No space left on device"):
         for k in range(1, 1000):
             ids = torch.arange(k * 1000, (k + 1) * 1000)
-            s.write(ids, rows_for(ids, 1.0))
+            s.write(ids, rows_for(ids, 1.0))  # appended behind: the error comes from a later call
+    with pytest.raises(StoreWriteError):  # sticky: unflushed rows may be lost, the caller knows
+        s.flush()
     assert torch.equal(read(s, flushed), rows_for(flushed))
-    s.flush()  # what was stored before the error is made durable; the store stays usable
-    s.close()
+    with pytest.raises(StoreWriteError):
+        s.close()
     subprocess.run(["mount", "-o", "remount,size=64m", str(small_disk)], check=True)
     with LogStore(path, WIDTH, init_rows, meta) as s:
         assert torch.equal(read(s, flushed), rows_for(flushed))
+
+
+def test_rows_of_a_write_in_flight_read_back_at_once(tmp_path):
+    """Write-behind: the batch staged for the background append is what reads return."""
+    with make(tmp_path / "t") as s:
+        for step in range(20):
+            ids = torch.arange(step % 5, N, 5)
+            s.write(ids, rows_for(ids, float(step)))
+            assert torch.equal(read(s, ids), rows_for(ids, float(step)))
+        s.flush()
+        assert torch.equal(read(s, torch.arange(4, N, 5)), rows_for(torch.arange(4, N, 5), 19.0))
 
 
 def test_damaged_files_and_foreign_directories(tmp_path):
