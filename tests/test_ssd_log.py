@@ -16,25 +16,8 @@ import torch
 
 import tieredemb
 from ssd_backend import LogStore, StoreCorruptedError, StoreLockedError, StoreWriteError, open_store
+from native_store_rows import META, N, WIDTH, init_rows, read, rows_for
 from test_ssd_store import small_disk  # noqa: F401 - a fixture: a real 3 MiB tmpfs
-
-WIDTH = 12
-N = 5000
-META = {"num_embeddings": N, "embedding_dim": 4, "seed": 3, "optimizer": "adagrad"}
-
-
-def init_rows(ids: torch.Tensor, out: torch.Tensor) -> None:
-    out.copy_(-(ids[:, None].float() + torch.arange(WIDTH) / 100))
-
-
-def rows_for(ids: torch.Tensor, tag: float = 0.0) -> torch.Tensor:
-    return ids[:, None].float() + torch.arange(WIDTH) / 16 + tag
-
-
-def read(store, ids: torch.Tensor) -> torch.Tensor:
-    out = torch.empty(len(ids), store.width)
-    store.read(ids, out)
-    return out
 
 
 def make(path, meta=META, **kw) -> LogStore:

@@ -15,27 +15,10 @@ import threading
 import pytest
 import torch
 
+from native_store_rows import META, N, WIDTH, init_rows, read, rows_for
 from test_ssd_store import small_disk  # noqa: F401 - a fixture: a real 3 MiB tmpfs
 from ssd_backend import (RocksDBStore, SlotFileStore, StoreCorruptedError, StoreLockedError,
                          StoreWriteError, detect_backend, open_store)
-
-WIDTH = 12
-N = 5000
-META = {"num_embeddings": N, "embedding_dim": 4, "seed": 3, "optimizer": "adagrad"}
-
-
-def init_rows(ids: torch.Tensor, out: torch.Tensor) -> None:
-    out.copy_(-(ids[:, None].float() + torch.arange(WIDTH) / 100))
-
-
-def rows_for(ids: torch.Tensor, tag: float = 0.0) -> torch.Tensor:
-    return ids[:, None].float() + torch.arange(WIDTH) / 16 + tag
-
-
-def read(store, ids: torch.Tensor) -> torch.Tensor:
-    out = torch.empty(len(ids), store.width)
-    store.read(ids, out)
-    return out
 
 
 def make(path, meta=META, **kw) -> SlotFileStore:

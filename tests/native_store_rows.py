@@ -1,0 +1,24 @@
+"""Rows and helpers shared by the native SSD store tests (test_ssd_slots.py, test_ssd_log.py):
+a small table whose rows and initial values are easy to recognize."""
+
+from __future__ import annotations
+
+import torch
+
+WIDTH = 12
+N = 5000
+META = {"num_embeddings": N, "embedding_dim": 4, "seed": 3, "optimizer": "adagrad"}
+
+
+def init_rows(ids: torch.Tensor, out: torch.Tensor) -> None:
+    out.copy_(-(ids[:, None].float() + torch.arange(WIDTH) / 100))
+
+
+def rows_for(ids: torch.Tensor, tag: float = 0.0) -> torch.Tensor:
+    return ids[:, None].float() + torch.arange(WIDTH) / 16 + tag
+
+
+def read(store, ids: torch.Tensor) -> torch.Tensor:
+    out = torch.empty(len(ids), store.width)
+    store.read(ids, out)
+    return out
