@@ -127,6 +127,9 @@ def initialize(path: str, initializer, ids_np: np.ndarray, positions: np.ndarray
     k = positions.size
     if k == out.shape[0]:
         initializer(torch.from_numpy(ids_np), out)
+    elif hasattr(initializer, "fill_rows"):  # the engine's RowInit: straight into out[positions]
+        initializer.fill_rows(torch.from_numpy(ids_np[positions]), out,
+                              torch.from_numpy(positions.astype(np.int64, copy=False)))
     else:
         from tieredemb import _C  # a native row copy: torch's indexing spins its thread pool
 

@@ -59,6 +59,12 @@ class RowInit:
         if len(ids):
             _C.init_rows(ids, out, *self.args)
 
+    def fill_rows(self, ids: torch.Tensor, out: torch.Tensor, rows: torch.Tensor) -> None:
+        """The rows of ids into out[rows] (no temporary: a store calls this for the rows of a
+        read it did not find)."""
+        if len(ids):
+            _C.read_or_init(out, torch.full((len(ids),), -1, dtype=torch.int64), ids, out, rows, *self.args)
+
 
 class Tier:
     """A tier: a native index (ids → slots, pins, dirty bits, policy) and a pool of rows.
