@@ -35,6 +35,8 @@ def demo(argv: list[str]) -> int:
     p.add_argument("--cache-rows", type=int, default=None, help="tier 0 rows (default: rows // 20)")
     p.add_argument("--host-rows", type=int, default=None, help="host cache rows (default: none)")
     p.add_argument("--ssd-path", default=None, help="put the backing store on SSD at this directory")
+    p.add_argument("--ssd-backend", default=None, choices=["log", "rocksdb", "slots"],
+                   help="SSD store for a new table (default rocksdb; log is the fast one for training)")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--batch", type=int, default=2048, help="bags per batch")
     p.add_argument("--bag-len", type=int, default=20)
@@ -46,6 +48,7 @@ def demo(argv: list[str]) -> int:
     torch.manual_seed(0)
     emb = tieredemb.TieredEmbeddingBag(args.rows, args.dim, mode="sum", cache_rows=cache_rows,
                                        host_rows=args.host_rows, ssd_path=args.ssd_path, policy=args.policy,
+                                       ssd_options={"backend": args.ssd_backend} if args.ssd_backend else None,
                                        optimizer=tieredemb.RowWiseAdagrad(lr=0.05))
     # A two-tower-ish toy: pooled embedding -> MLP -> click logit; the label depends on the ids.
     mlp = torch.nn.Sequential(torch.nn.Linear(args.dim, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
@@ -78,7 +81,10 @@ def demo(argv: list[str]) -> int:
     print(f"final loss (moving average): {loss_avg:.4f}")
     print("per-tier statistics:")
     for tier, s in emb.stats().items():
-        if "hit_rate" in s:
+        if tier == "prefetch":
+            print(f"  prefetch: {s['registered']} batches registered, {s['prefetched_rows']:,} rows prefetched, "
+                  f"{s['demand_misses']:,} rows read on demand, forwards waited {s['wait_seconds']:.2f} s")
+        elif "hit_rate" in s:
             print(f"  {tier:6s} hit rate {s['hit_rate']:.3f}  hits {s['hits']:,}  misses {s['misses']:,}  "
                   f"evictions {s['evictions']:,} (dirty write-backs {s['dirty_writebacks']:,}, "
                   f"clean drops {s['clean_drops']:,})  moved {s['bytes_moved'] / 2**20:,.1f} MiB")
