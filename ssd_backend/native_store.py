@@ -16,7 +16,6 @@ import errno
 import fcntl
 import json
 import os
-import shutil
 
 import torch
 
