@@ -264,3 +264,18 @@ def test_lookahead_saves_misses_over_lru():
     lru = engine_and_model(trace, 30, 1, 0)[0]["misses"]
     ahead = engine_and_model(trace, 30, 1, 4)[0]["misses"]
     assert ahead < 0.95 * lru, (ahead, lru)
+
+
+@pytest.mark.parametrize("lookahead", [1, 4])
+def test_engine_window_equals_the_simulators_lookahead_policy(lookahead):
+    """With nothing prefetched ahead (depth 0), a batch's plan sees exactly the next `lookahead`
+    registered batches and no other batch is pinned: the simulator's lookahead-k (batch mode)."""
+    from tieredemb.sim import simulate
+
+    rng = np.random.default_rng(5)
+    trace = [(rng.random(rng.integers(3, 10)) ** 2 * 120).astype(np.int64).tolist() for _ in range(150)]
+    stats = engine_and_model(trace, 40, 0, lookahead)[0]
+    keys = np.concatenate([np.asarray(b, dtype=np.int64) for b in trace])
+    offsets = np.concatenate([[0], np.cumsum([len(b) for b in trace])]).astype(np.int64)
+    sim = simulate(keys, offsets, "lookahead", [40], lookahead=lookahead).tiers[0]
+    assert (stats["hits"], stats["misses"], stats["evictions"]) == (sim.hits, sim.misses, sim.evictions)
