@@ -188,8 +188,9 @@ def test_train_crash_kill9_loses_no_flushed_update(tmp_path, fork_ctx, backend):
 
 
 @pytest.mark.slow
-def test_train_crash_soak(tmp_path, fork_ctx):
-    reports = _run_lives(fork_ctx, str(tmp_path), kills=300, seed=101)
+@pytest.mark.parametrize("backend", ["rocksdb", "log"])
+def test_train_crash_soak(tmp_path, fork_ctx, backend):
+    reports = _run_lives(fork_ctx, str(tmp_path), kills=300, seed=101, backend=backend)
     assert len(reports) >= 280
 
 
