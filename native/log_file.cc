@@ -324,20 +324,35 @@ Status LogFile::append(const int64_t* ids, int64_t n, const uint8_t* rows) {
 }
 
 Status LogFile::Write(const int64_t* ids, int64_t n, const uint8_t* rows) {
+  return WriteFrom(ids, n, rows, row_bytes_, nullptr);
+}
+
+Status LogFile::WriteFrom(const int64_t* ids, int64_t n, const uint8_t* src, int64_t src_stride,
+                          const int64_t* src_rows) {
   Status s = check_ids(ids, n);
   if (!s.ok() || n == 0) return s;
+  auto row = [&](int64_t k) { return src + (src_rows ? src_rows[k] : k) * src_stride; };
   s = drain();  // one append in flight at a time; the staging block is reused
   if (!s.ok()) return s;
   const int64_t rec = record_bytes(n, row_bytes_);
   if (n > max_record_rows_ || current_ == nullptr || current_->end + rec > current_->capacity) {
-    s = append(ids, n, rows);  // a new segment, or several records: synchronously
+    // A new segment, or several records: synchronously, from contiguous rows.
+    std::vector<uint8_t> gathered;
+    const uint8_t* rows = src;
+    if (src_rows != nullptr || src_stride != row_bytes_) {
+      gathered.resize(static_cast<size_t>(n * row_bytes_));
+      for (int64_t k = 0; k < n; ++k) std::memcpy(gathered.data() + k * row_bytes_, row(k), static_cast<size_t>(row_bytes_));
+      rows = gathered.data();
+    }
+    s = append(ids, n, rows);
   } else {
     const size_t id_bytes = static_cast<size_t>(n) * 8;
     staged_.resize(static_cast<size_t>(rec));
     LogHeader h{kLogMagic, static_cast<uint64_t>(n), static_cast<uint64_t>(row_bytes_), 0};
     std::memcpy(staged_.data(), &h, sizeof h);
     std::memcpy(staged_.data() + sizeof h, ids, id_bytes);
-    std::memcpy(staged_.data() + sizeof h + id_bytes, rows, static_cast<size_t>(n * row_bytes_));
+    uint8_t* dst = staged_.data() + sizeof h + id_bytes;
+    for (int64_t k = 0; k < n; ++k) std::memcpy(dst + k * row_bytes_, row(k), static_cast<size_t>(row_bytes_));
     staged_seg_ = current_;
     staged_off_ = current_->end;
     const int64_t first_row = current_->end + record_bytes(0, row_bytes_) + n * 8;

@@ -53,6 +53,8 @@ class LogFile {
   // at all (a batch split over segments may be stored in part).
   Status Read(const int64_t* ids, int64_t n, uint8_t* out, uint8_t* found);
   Status Write(const int64_t* ids, int64_t n, const uint8_t* rows);
+  // Write with row k at src + src_rows[k] * src_stride (rows of a cache tier's pool, no gather).
+  Status WriteFrom(const int64_t* ids, int64_t n, const uint8_t* src, int64_t src_stride, const int64_t* src_rows);
   Status Sync();
   // Sync, then a table at dst_dir (a new, empty directory) made of links to the segments.
   Status Checkpoint(const std::string& dst_dir);

@@ -178,6 +178,27 @@ void register_ssd(nb::module_& m) {
             }
             raise_status(s);
           }, "dst_dir"_a, "syncs, then links every segment into dst_dir (an empty directory) with a flush mark")
+      .def("write_from", [](PyLogFile& self, Ids ids, ConstBytes src, Ids src_rows) {
+            LogFile& f = self.get();
+            const int64_t n = static_cast<int64_t>(ids.shape(0));
+            if (static_cast<int64_t>(src.shape(1)) != f.row_bytes())
+              throw nb::value_error(("write_from: src rows are " + std::to_string(src.shape(1)) + " bytes, the table's " +
+                                     std::to_string(f.row_bytes())).c_str());
+            if (static_cast<int64_t>(src_rows.shape(0)) != n) throw nb::value_error("write_from: ids and src_rows differ in length");
+            const int64_t limit = static_cast<int64_t>(src.shape(0));
+            for (int64_t k = 0; k < n; ++k) {
+              if (src_rows.data()[k] < 0 || src_rows.data()[k] >= limit)
+                throw nb::index_error(("write_from: src row " + std::to_string(src_rows.data()[k]) + " out of range [0, " +
+                                       std::to_string(limit) + ")").c_str());
+            }
+            Status s;
+            {
+              nb::gil_scoped_release release;
+              s = f.WriteFrom(ids.data(), n, src.data(), f.row_bytes(), src_rows.data());
+            }
+            raise_status(s);
+          }, "ids"_a.noconvert(), "src"_a.noconvert(), "src_rows"_a.noconvert(),
+          "writes rows src[src_rows[k]] as the rows of ids[k] (no gather)")
       .def("log_stats", [](PyLogFile& self) {
             LogFile& f = self.get();
             nb::dict d;

@@ -26,6 +26,8 @@ import os
 import re
 import shutil
 
+import torch
+
 from .common import StoreError, fsync_dir
 from .native_store import NativeStore, native
 
@@ -89,6 +91,32 @@ class LogStore(NativeStore):
             raise self._classify("write checkpoint " + str(path), e) from None
         except OSError as e:
             raise StoreError(f"ssd_path {self.path}: cannot write checkpoint {path}: {e}") from None
+
+    def write_from(self, ids: torch.Tensor, src: torch.Tensor, src_rows: torch.Tensor) -> None:
+        """Takes rows src[src_rows] (a float32 host pool, e.g. a cache tier's) as the new values of
+        unique ids: write() without gathering them first."""
+        self._check_open()
+        if not isinstance(src, torch.Tensor) or src.dtype != torch.float32 or src.dim() != 2 \
+                or src.shape[1] != self.width or not src.is_contiguous() or src.device.type != "cpu":
+            raise ValueError(f"src must be a contiguous float32 [rows, {self.width}] CPU tensor, got "
+                             f"{getattr(src, 'dtype', type(src))} {tuple(getattr(src, 'shape', ()))}")
+        rows_np = src_rows.contiguous().numpy()
+        if rows_np.size and (rows_np.min() < 0 or rows_np.max() >= src.shape[0]):
+            bad = int(rows_np.min()) if rows_np.min() < 0 else int(rows_np.max())
+            raise IndexError(f"src row {bad} out of range [0, {src.shape[0]})")
+        if self.storage_dtype != torch.float32:
+            self.write(ids, src[src_rows])  # converted on the way: no bytes to copy as they are
+            return
+        ids_np = self._check_ids(ids)
+        if ids_np.size == 0:
+            return
+        try:
+            self._file.write_from(ids_np, src.view(torch.uint8), rows_np)
+        except RuntimeError as e:
+            raise self._classify("write rows", e) from None
+        self._stats["writes"] += 1
+        self._stats["rows_written"] += ids_np.size
+        self._stats["bytes_written"] += ids_np.size * self._row_bytes
 
     def stats(self) -> dict:
         s = super().stats()

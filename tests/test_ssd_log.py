@@ -244,3 +244,16 @@ def test_training_through_the_engine_matches_an_in_memory_table(tmp_path):
     reopened = table(cache_rows=300, ssd_path=tmp_path / "t")
     assert torch.equal(reopened.read_rows(everything), ref.read_rows(everything))
     reopened.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_from_a_pool_equals_write(tmp_path, dtype):
+    pool = torch.randn(300, WIDTH)
+    slots = torch.tensor([7, 250, 3, 99])
+    ids = torch.tensor([10, 4000, 11, 2])
+    with make(tmp_path / "a", storage_dtype=dtype) as a, make(tmp_path / "b", storage_dtype=dtype) as b:
+        a.write_from(ids, pool, slots)
+        b.write(ids, pool[slots])
+        assert torch.equal(read(a, ids), read(b, ids))
+        with pytest.raises(IndexError, match="src row 300 out of range"):
+            a.write_from(ids[:1], pool, torch.tensor([300]))
