@@ -70,6 +70,37 @@ def open_store(table: str, backend: str | None = None, **kw):
     return open_table(table, WIDTH, initializer, META, backend=backend, **kw)
 
 
+def first_step(workdir: str) -> int:
+    """The step a new life starts at: one past the last step a life began."""
+    done = read_steps(os.path.join(workdir, "PROGRESS"))
+    return (done[-1] if done else 0) + 1
+
+
+def run_steps(a, first: int, table, step) -> None:
+    """The life of a child once its table is open (a store or a tiered module: both have
+    flush, checkpoint and close). Writes READY, then for each step: PROGRESS before it,
+    step(step), a checkpoint at --checkpoint-at (CHECKPOINTED once it is complete), and a
+    flush every --flush-every steps, acknowledged in ACKS once flush() returned."""
+    progress = os.open(os.path.join(a.dir, "PROGRESS"), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    acks = os.open(os.path.join(a.dir, "ACKS"), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    with open(os.path.join(a.dir, "READY"), "w") as f:
+        f.write(str(os.getpid()))
+    for s in range(first, first + a.max_steps):
+        os.write(progress, f"{s}\n".encode())
+        step(s)
+        if s == a.checkpoint_at:
+            table.checkpoint(os.path.join(a.dir, "checkpoint"))
+            with open(os.path.join(a.dir, "CHECKPOINTED"), "w") as f:
+                f.write(f"{s}\n")
+                f.flush()
+                os.fsync(f.fileno())
+        if s % a.flush_every == 0:
+            table.flush()
+            os.write(acks, f"{s}\n".encode())
+            os.fsync(acks)
+    table.close()
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("dir")
@@ -80,34 +111,17 @@ def main(argv=None) -> None:
     ap.add_argument("--backend", default="rocksdb", choices=["rocksdb", "slots", "log"])
     ap.add_argument("--max-steps", type=int, default=10**6)
     a = ap.parse_args(argv)
-    progress_path = os.path.join(a.dir, "PROGRESS")
-    acks_path = os.path.join(a.dir, "ACKS")
-    done = read_steps(progress_path)
-    step = (done[-1] if done else 0) + 1
-    # RocksDB: a small write queue, so write()'s backpressure is exercised too (the slot file
-    # has no queue: its writes are synchronous).
+    first = first_step(a.dir)
+    # RocksDB: a small write queue, so write()'s backpressure is exercised too (the native
+    # stores have no queue: their writes are synchronous or staged).
     kw = {"wal": bool(a.wal), "write_queue_rows": 1024} if a.backend == "rocksdb" else {}
     store = open_store(os.path.join(a.dir, "table"), a.backend, **kw)
-    progress = os.open(progress_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    acks = os.open(acks_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    os.write(progress, b"")  # the parent watches for the table being open via READY
-    with open(os.path.join(a.dir, "READY"), "w") as f:
-        f.write(str(os.getpid()))
-    for step in range(step, step + a.max_steps):
-        os.write(progress, f"{step}\n".encode())
-        ids = ids_for_step(a.seed, step)
-        store.write(torch.from_numpy(ids), make_rows(step, ids))
-        if step == a.checkpoint_at:
-            store.checkpoint(os.path.join(a.dir, "checkpoint"))
-            with open(os.path.join(a.dir, "CHECKPOINTED"), "w") as f:
-                f.write(f"{step}\n")
-                f.flush()
-                os.fsync(f.fileno())
-        if step % a.flush_every == 0:
-            store.flush()
-            os.write(acks, f"{step}\n".encode())
-            os.fsync(acks)
-    store.close()
+
+    def step(s: int) -> None:
+        ids = ids_for_step(a.seed, s)
+        store.write(torch.from_numpy(ids), make_rows(s, ids))
+
+    run_steps(a, first, store, step)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 import tieredemb  # not preloaded by the fork server: see _PRELOAD in the test
-from ssd_crash_child import read_steps
+from ssd_crash_child import first_step, run_steps
 
 NUM_ROWS = 4096
 DIM = 8
@@ -81,29 +81,9 @@ def main(argv=None) -> None:
     ap.add_argument("--max-steps", type=int, default=10**6)
     ap.add_argument("--backend", default="rocksdb", choices=sorted(SSD_OPTIONS))
     a = ap.parse_args(argv)
-    progress_path = os.path.join(a.dir, "PROGRESS")
-    acks_path = os.path.join(a.dir, "ACKS")
-    done = read_steps(progress_path)
-    first = (done[-1] if done else 0) + 1
+    first = first_step(a.dir)
     emb = make_table(os.path.join(a.dir, "table"), a.cache_rows, a.host_rows or None, backend=a.backend)
-    progress = os.open(progress_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    acks = os.open(acks_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    with open(os.path.join(a.dir, "READY"), "w") as f:
-        f.write(str(os.getpid()))
-    for step in range(first, first + a.max_steps):
-        os.write(progress, f"{step}\n".encode())
-        train_step(emb, step)
-        if step == a.checkpoint_at:
-            emb.checkpoint(os.path.join(a.dir, "checkpoint"))
-            with open(os.path.join(a.dir, "CHECKPOINTED"), "w") as f:
-                f.write(f"{step}\n")
-                f.flush()
-                os.fsync(f.fileno())
-        if step % a.flush_every == 0:
-            emb.flush()
-            os.write(acks, f"{step}\n".encode())
-            os.fsync(acks)
-    emb.close()
+    run_steps(a, first, emb, lambda s: train_step(emb, s))
 
 
 if __name__ == "__main__":
