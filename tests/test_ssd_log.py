@@ -17,6 +17,7 @@ import torch
 import tieredemb
 from ssd_backend import LogStore, StoreCorruptedError, StoreLockedError, StoreWriteError, open_store
 from native_store_rows import META, N, WIDTH, init_rows, read, rows_for
+from store_holder import held_by_another_process
 from test_ssd_store import small_disk  # noqa: F401 - a fixture: a real 3 MiB tmpfs
 
 
@@ -212,17 +213,10 @@ def test_damaged_files_and_foreign_directories(tmp_path):
 def test_table_held_by_another_process(tmp_path):
     path = tmp_path / "t"
     make(path).close()
-    holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, ssd_backend; s = ssd_backend.LogStore(sys.argv[1], None, None, None); "
-         "print('open', flush=True); sys.stdin.read()", str(path)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
-    try:
-        assert holder.stdout.readline().strip() == "open"
+    with held_by_another_process("LogStore", path):
         with pytest.raises(StoreLockedError, match="LOCK"):
             make(path)
-    finally:
-        holder.stdin.close()
-        holder.wait(30)
+    make(path).close()  # released when the holder closed
 
 
 def test_training_through_the_engine_matches_an_in_memory_table(tmp_path):

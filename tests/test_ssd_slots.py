@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from native_store_rows import META, N, WIDTH, init_rows, read, rows_for
+from store_holder import held_by_another_process
 from test_ssd_store import small_disk  # noqa: F401 - a fixture: a real 3 MiB tmpfs
 from ssd_backend import (RocksDBStore, SlotFileStore, StoreCorruptedError, StoreLockedError,
                          StoreWriteError, detect_backend, open_store)
@@ -151,30 +152,13 @@ def test_width_dtype_and_argument_errors(tmp_path):
         make(tmp_path / "other")
 
 
-_HOLDER = textwrap.dedent("""
-    import sys
-    from ssd_backend import SlotFileStore
-    s = SlotFileStore(sys.argv[1], None, None, None)
-    print("open", flush=True)
-    sys.stdin.readline()
-    s.close()
-""")
-
-
 def test_table_held_by_another_process(tmp_path):
     path = str(tmp_path / "t")
     make(path).close()
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    holder = subprocess.Popen([sys.executable, "-c", _HOLDER, path], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True, env=env)
-    try:
-        assert holder.stdout.readline().strip() == "open"
+    with held_by_another_process("SlotFileStore", path):
         with pytest.raises(StoreLockedError, match=r"lock file .*/t/LOCK is held by another"):
             make(path)
         assert SlotFileStore.read_meta(path)["width"] == WIDTH  # no lock needed
-    finally:
-        holder.communicate("\n", timeout=30)
-    assert holder.returncode == 0
     s = make(path)  # released when the holder closed
     with pytest.raises(StoreLockedError, match="LOCK"):  # same process, still open
         make(path)

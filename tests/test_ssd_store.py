@@ -6,14 +6,13 @@ import glob
 import os
 import shutil
 import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from store_holder import held_by_another_process
 from ssd_backend import (RocksDBStore, StoreCorruptedError, StoreLockedError,
                          StoreWriteError)
 
@@ -177,31 +176,14 @@ def test_bad_arguments_name_the_value(tmp_path):
         open_store(tmp_path / "u", compression="zstd")
 
 
-_HOLDER = textwrap.dedent("""
-    import sys, torch
-    from ssd_backend import RocksDBStore
-    s = RocksDBStore(sys.argv[1], 12, lambda ids, out: out.zero_(), None)
-    print("open", flush=True)
-    sys.stdin.readline()
-    s.close()
-""")
-
-
 def test_table_held_by_another_process(tmp_path):
     path = str(tmp_path / "t")
     open_store(path, meta=None).close()
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    holder = subprocess.Popen([sys.executable, "-c", _HOLDER, path], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True, env=env)
-    try:
-        assert holder.stdout.readline().strip() == "open"
+    with held_by_another_process("RocksDBStore", path):
         with pytest.raises(StoreLockedError, match=r"lock file .*/t/LOCK.* held by another"):
             open_store(path, meta=None)
         # Reading the metadata does not need the lock.
         assert RocksDBStore.read_meta(path)["width"] == WIDTH
-    finally:
-        holder.communicate("\n", timeout=30)
-    assert holder.returncode == 0
     open_store(path, meta=None).close()  # released when the holder closed
 
 
