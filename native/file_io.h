@@ -97,6 +97,21 @@ inline int pwrite_full(int fd, const uint8_t* buf, int64_t len, int64_t off) {
 inline std::string errno_text(int err) { return std::string(strerror(err)) + " (errno " + std::to_string(err) + ")"; }
 
 
+// Reads the row_bytes at byte `off` through an O_DIRECT descriptor into dst: the 512-byte
+// sectors that enclose them go to this thread's aligned buffer (the last row of an unpadded
+// file asks for sectors past its end and gets a short read). Returns 0 or an errno.
+inline int pread_row_direct(int fd, int64_t off, int64_t row_bytes, uint8_t* dst) {
+  constexpr int64_t kSector = 512;
+  thread_local AlignedBuffer buffer;
+  const int64_t start = off & ~(kSector - 1);
+  const int64_t len = ((off + row_bytes + kSector - 1) & ~(kSector - 1)) - start;
+  uint8_t* buf = buffer.get(static_cast<size_t>(len));
+  if (buf == nullptr) return ENOMEM;
+  if (int err = pread_full(fd, buf, len, start, off + row_bytes - start)) return err;
+  std::memcpy(dst, buf + (off - start), static_cast<size_t>(row_bytes));
+  return 0;
+}
+
 // Writes one batch record (header, ids, rows) at offset `off` as one gathered write, resumed
 // where a partial write stopped. Returns 0 or an errno.
 inline int write_record(int fd, int64_t off, const int64_t* ids, int64_t n, const uint8_t* rows, int64_t row_bytes) {

@@ -17,7 +17,6 @@ namespace tieredemb {
 
 namespace {
 
-constexpr int64_t kSector = 512;
 constexpr int64_t kReadTask = 8;  // ids per read task: many reads in flight
 constexpr uint64_t kMarkMagic = 0x316b72616d676f6cULL;  // "logmark1"
 constexpr uint64_t kOffsetBits = 40;
@@ -535,7 +534,6 @@ Status LogFile::Read(const int64_t* ids, int64_t n, uint8_t* out, uint8_t* found
   if (!s.ok()) return s;
   std::mutex err_mutex;
   io_.run((n + kReadTask - 1) / kReadTask, [&](int64_t task) {
-    thread_local AlignedBuffer buffer;
     const int64_t end = std::min(n, (task + 1) * kReadTask);
     for (int64_t k = task * kReadTask; k < end; ++k) {
       const uint64_t loc = loc_[ids[k]];
@@ -553,17 +551,12 @@ Status LogFile::Read(const int64_t* ids, int64_t n, uint8_t* out, uint8_t* found
         std::memcpy(dst, seg->map + off, static_cast<size_t>(row_bytes_));
         continue;
       }
-      const int64_t start = off & ~(kSector - 1);
-      const int64_t len = ((off + row_bytes_ + kSector - 1) & ~(kSector - 1)) - start;
-      uint8_t* buf = buffer.get(static_cast<size_t>(len));
-      int err = buf ? pread_full(seg->direct_fd, buf, len, start, off + row_bytes_ - start) : ENOMEM;
-      if (err) {
+      if (int err = pread_row_direct(seg->direct_fd, off, row_bytes_, dst)) {
         std::lock_guard<std::mutex> lock(err_mutex);
         if (s.ok()) s = Status::RuntimeError("cannot read (O_DIRECT) " + seg->path + " at offset " + std::to_string(off) +
                                              ": " + errno_text(err));
         return;
       }
-      std::memcpy(dst, buf + (off - start), static_cast<size_t>(row_bytes_));
     }
   });
   return s;

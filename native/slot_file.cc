@@ -18,7 +18,6 @@ namespace tieredemb {
 
 namespace {
 
-constexpr int64_t kSector = 512;             // O_DIRECT alignment of offsets, lengths, buffers
 constexpr int64_t kBitmapPage = 4096;        // bitmap bytes written back as one unit
 constexpr int64_t kReadTask = 8;             // ids per read task: many reads in flight
 constexpr int64_t kCopyTask = 512;           // rows per task of a copy into the mapping
@@ -228,7 +227,6 @@ Status SlotFile::Read(const int64_t* ids, int64_t n, uint8_t* out, uint8_t* foun
   std::mutex err_mutex;
   const int64_t num_tasks = (n + kReadTask - 1) / kReadTask;
   io_.run(num_tasks, [&](int64_t task) {
-    thread_local AlignedBuffer buffer;
     const int64_t end = std::min(n, (task + 1) * kReadTask);
     for (int64_t k = task * kReadTask; k < end; ++k) {
       const int64_t id = ids[k];
@@ -236,16 +234,11 @@ Status SlotFile::Read(const int64_t* ids, int64_t n, uint8_t* out, uint8_t* foun
       if (!found[k]) continue;
       const int64_t off = id * slot_bytes_;
       uint8_t* dst = out + k * row_bytes_;
-      int err;
+      int err = 0;
       if (direct_) {
-        const int64_t start = off & ~(kSector - 1);
-        const int64_t len = ((off + row_bytes_ + kSector - 1) & ~(kSector - 1)) - start;
-        uint8_t* buf = buffer.get(static_cast<size_t>(len));
-        err = buf ? pread_full(direct_fd_, buf, len, start, off + row_bytes_ - start) : ENOMEM;
-        if (!err) std::memcpy(dst, buf + (off - start), static_cast<size_t>(row_bytes_));
+        err = pread_row_direct(direct_fd_, off, row_bytes_, dst);
       } else {
         std::memcpy(dst, map_ + off, static_cast<size_t>(row_bytes_));
-        err = 0;
       }
       if (err) {
         std::lock_guard<std::mutex> lock(err_mutex);

@@ -101,12 +101,13 @@ class LogStore(NativeStore):
             raise ValueError(f"src must be a contiguous float32 [rows, {self.width}] CPU tensor, got "
                              f"{getattr(src, 'dtype', type(src))} {tuple(getattr(src, 'shape', ()))}")
         rows_np = src_rows.contiguous().numpy()
-        if rows_np.size and (rows_np.min() < 0 or rows_np.max() >= src.shape[0]):
-            bad = int(rows_np.min()) if rows_np.min() < 0 else int(rows_np.max())
-            raise IndexError(f"src row {bad} out of range [0, {src.shape[0]})")
-        if self.storage_dtype != torch.float32:
-            self.write(ids, src[src_rows])  # converted on the way: no bytes to copy as they are
+        if self.storage_dtype != torch.float32:  # converted on the way: no bytes to copy as they are
+            if rows_np.size and (rows_np.min() < 0 or rows_np.max() >= src.shape[0]):
+                bad = int(rows_np.min()) if rows_np.min() < 0 else int(rows_np.max())
+                raise IndexError(f"src row {bad} out of range [0, {src.shape[0]})")
+            self.write(ids, src[src_rows])
             return
+        # float32: the native call checks the source rows (the same IndexError) and copies them.
         ids_np = self._check_ids(ids)
         if ids_np.size == 0:
             return

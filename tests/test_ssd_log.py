@@ -251,3 +251,22 @@ def test_write_from_a_pool_equals_write(tmp_path, dtype):
         assert torch.equal(read(a, ids), read(b, ids))
         with pytest.raises(IndexError, match="src row 300 out of range"):
             a.write_from(ids[:1], pool, torch.tensor([300]))
+
+
+def test_o_direct_reads_return_the_rows(tmp_path):
+    probe = tmp_path / "probe"
+    probe.write_bytes(b"\0" * 4096)
+    try:
+        os.close(os.open(probe, os.O_RDONLY | os.O_DIRECT))
+    except OSError:
+        pytest.skip(f"the filesystem of {tmp_path} refuses O_DIRECT")
+    ids = torch.randperm(N)[:700]
+    with make(tmp_path / "t") as s:
+        s.write(ids, rows_for(ids))
+    with make(tmp_path / "t", direct_reads=True, io_threads=8) as s:
+        expected = torch.empty(N, WIDTH)
+        init_rows(torch.arange(N), expected)
+        expected[ids] = rows_for(ids)
+        assert torch.equal(read(s, torch.arange(N)), expected)
+        s.write(ids[:5], rows_for(ids[:5], 3.0))  # staged, then appended: read back either way
+        assert torch.equal(read(s, ids[:5]), rows_for(ids[:5], 3.0))
