@@ -111,13 +111,7 @@ class LogStore(NativeStore):
         ids_np = self._check_ids(ids)
         if ids_np.size == 0:
             return
-        try:
-            self._file.write_from(ids_np, src.view(torch.uint8), rows_np)
-        except RuntimeError as e:
-            raise self._classify("write rows", e) from None
-        self._stats["writes"] += 1
-        self._stats["rows_written"] += ids_np.size
-        self._stats["bytes_written"] += ids_np.size * self._row_bytes
+        self._write_native(lambda: self._file.write_from(ids_np, src.view(torch.uint8), rows_np), ids_np.size)
 
     def stats(self) -> dict:
         s = super().stats()

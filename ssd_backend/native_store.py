@@ -246,8 +246,12 @@ class NativeStore(StoreBase):
         if n == 0:
             return
         stored = rows.to(self.storage_dtype).contiguous()
+        self._write_native(lambda: self._file.write(ids_np, stored.view(torch.uint8)), n)
+
+    def _write_native(self, call, n: int) -> None:
+        """Runs a native write of n rows: its error as a StoreError, then the counters."""
         try:
-            self._file.write(ids_np, stored.view(torch.uint8))
+            call()
         except RuntimeError as e:
             raise self._classify("write rows", e) from None
         self._stats["writes"] += 1

@@ -164,7 +164,7 @@ class Tier:
             self.read_below(torch.from_numpy(plan.miss_ids), staging)
         if plan.num_dirty:
             dirty_ids, dirty_slots = torch.from_numpy(plan.dirty_ids), torch.from_numpy(plan.dirty_slots)
-            if self._in_place or (self._host and hasattr(self.lower, "write_from")):
+            if self._host and hasattr(self.lower, "write_from"):  # a host Tier or the log store
                 self.lower.write_from(dirty_ids, self.pool, dirty_slots)  # straight from the pool
             else:
                 self.lower.write(dirty_ids, self.gather(dirty_slots, self._staging(plan.num_dirty, "write")))
