@@ -286,6 +286,8 @@ NB_MODULE(_C, m) {
             }
             raise(s);
           }, "ids"_a.noconvert(), "plan"_a, "pin"_a, "dirty"_a)
+      .def("evict", [](TierIndex& t, const PyPlan& p) { raise(t.evict(p.plan)); }, "plan"_a,
+           "applies only the plan's evictions (its victims leave; their slots become free)")
       .def("lookup", [](const TierIndex& t, Ids ids) {
             std::vector<int64_t> slots(ids.shape(0));
             {

@@ -115,6 +115,24 @@ Status CacheIndex::commit(const int64_t* ids, int64_t n, const Plan& plan, bool 
   return Status::Ok();
 }
 
+Status CacheIndex::evict(const Plan& plan) {
+  if (plan.version != version_) {
+    return Status::RuntimeError("stale batch plan: the tier changed between plan and evict");
+  }
+  ++version_;
+  for (size_t v = 0; v < plan.victim_slots.size(); ++v) {
+    const int64_t s = plan.victim_slots[v];
+    map_.erase(plan.victim_ids[v]);
+    policy_->remove(s);
+    slot_id_[s] = -1;
+    dirty_[s] = 0;
+    free_.push_back(s);
+    ++stats_.evictions;
+    if (plan.victim_dirty[v]) ++stats_.dirty_writebacks; else ++stats_.clean_drops;
+  }
+  return Status::Ok();
+}
+
 void CacheIndex::lookup(const int64_t* ids, int64_t n, int64_t* slots) const {
   for (int64_t i = 0; i < n; ++i) slots[i] = map_.find(ids[i]);
 }

@@ -48,6 +48,10 @@ class TierIndex {
   // Applies a plan made by the last plan() call. pin: pin every row of the batch.
   // dirty: mark every row of the batch dirty (the caller writes whole rows into the slots).
   virtual Status commit(const int64_t* ids, int64_t n, const Plan& plan, bool pin, bool dirty) = 0;
+  // Applies only the evictions of a plan made by the last plan() call: its victims leave the
+  // tier and their slots become free (for a caller whose data move failed after it had written
+  // the dirty victims down and reused their slots). The plan cannot be committed after.
+  virtual Status evict(const Plan& plan) = 0;
   // slot of each id, or -1. Changes nothing.
   virtual void lookup(const int64_t* ids, int64_t n, int64_t* slots) const = 0;
   virtual void unpin(const int64_t* slots, int64_t n) = 0;
@@ -83,6 +87,7 @@ class CacheIndex final : public TierIndex {
   int64_t size() const override { return map_.size(); }
   Status plan(const int64_t* ids, int64_t n, Plan* plan) override;
   Status commit(const int64_t* ids, int64_t n, const Plan& plan, bool pin, bool dirty) override;
+  Status evict(const Plan& plan) override;
   void lookup(const int64_t* ids, int64_t n, int64_t* slots) const override;
   void unpin(const int64_t* slots, int64_t n) override;
   void mark_dirty(const int64_t* slots, int64_t n) override;
@@ -125,6 +130,7 @@ class DirectIndex final : public TierIndex {
   int64_t size() const override { return resident_count_; }
   Status plan(const int64_t* ids, int64_t n, Plan* plan) override;
   Status commit(const int64_t* ids, int64_t n, const Plan& plan, bool pin, bool dirty) override;
+  Status evict(const Plan&) override { return Status::Ok(); }  // it never evicts
   void lookup(const int64_t* ids, int64_t n, int64_t* slots) const override;
   void unpin(const int64_t*, int64_t) override {}
   void mark_dirty(const int64_t* slots, int64_t n) override;

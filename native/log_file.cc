@@ -529,7 +529,7 @@ Status LogFile::Checkpoint(const std::string& dst_dir) {
   return Status::Ok();
 }
 
-Status LogFile::Read(const int64_t* ids, int64_t n, uint8_t* out, uint8_t* found) {
+Status LogFile::Read(const int64_t* ids, int64_t n, uint8_t* out, const int64_t* out_rows, uint8_t* found) {
   Status s = check_ids(ids, n);
   if (!s.ok()) return s;
   std::mutex err_mutex;
@@ -541,7 +541,7 @@ Status LogFile::Read(const int64_t* ids, int64_t n, uint8_t* out, uint8_t* found
       if (loc == 0) continue;
       const Segment* seg = segment_of(loc - 1);
       const int64_t off = static_cast<int64_t>((loc - 1) & kOffsetMask);
-      uint8_t* dst = out + k * row_bytes_;
+      uint8_t* dst = out + (out_rows ? out_rows[k] : k) * row_bytes_;
       if (seg == staged_seg_ && off >= staged_off_ && off < staged_off_ + static_cast<int64_t>(staged_.size())) {
         // Staged by the last Write: read from the staging block (it may not be in the file yet).
         std::memcpy(dst, staged_.data() + (off - staged_off_), static_cast<size_t>(row_bytes_));

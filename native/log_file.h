@@ -51,7 +51,7 @@ class LogFile {
 
   // Same contracts as SlotFile's. Write: on an error every row is either stored whole or not
   // at all (a batch split over segments may be stored in part).
-  Status Read(const int64_t* ids, int64_t n, uint8_t* out, uint8_t* found);
+  Status Read(const int64_t* ids, int64_t n, uint8_t* out, const int64_t* out_rows, uint8_t* found);
   Status Write(const int64_t* ids, int64_t n, const uint8_t* rows);
   // Write with row k at src + src_rows[k] * src_stride (rows of a cache tier's pool, no gather).
   Status WriteFrom(const int64_t* ids, int64_t n, const uint8_t* src, int64_t src_stride, const int64_t* src_rows);

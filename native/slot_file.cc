@@ -221,7 +221,7 @@ Status SlotFile::check_ids(const int64_t* ids, int64_t n) const {
   return Status::Ok();
 }
 
-Status SlotFile::Read(const int64_t* ids, int64_t n, uint8_t* out, uint8_t* found) {
+Status SlotFile::Read(const int64_t* ids, int64_t n, uint8_t* out, const int64_t* out_rows, uint8_t* found) {
   Status s = check_ids(ids, n);
   if (!s.ok()) return s;
   std::mutex err_mutex;
@@ -233,7 +233,7 @@ Status SlotFile::Read(const int64_t* ids, int64_t n, uint8_t* out, uint8_t* foun
       found[k] = is_written(id);
       if (!found[k]) continue;
       const int64_t off = id * slot_bytes_;
-      uint8_t* dst = out + k * row_bytes_;
+      uint8_t* dst = out + (out_rows ? out_rows[k] : k) * row_bytes_;
       int err = 0;
       if (direct_) {
         err = pread_row_direct(direct_fd_, off, row_bytes_, dst);

@@ -76,9 +76,10 @@ class SlotFile {
                      int io_threads, std::unique_ptr<SlotFile>* out);
   ~SlotFile();
 
-  // Copies the rows of ids into out[k * row_bytes ...]; found[k] = 1 if row ids[k] was ever
-  // written, else 0 and out's row is left as it was. Returns: Ok, IndexError, RuntimeError.
-  Status Read(const int64_t* ids, int64_t n, uint8_t* out, uint8_t* found);
+  // Copies the rows of ids into out[r * row_bytes ...] with r = out_rows[k] (k when out_rows is
+  // null; the caller checks the rows); found[k] = 1 if row ids[k] was ever written, else 0 and
+  // out's row is left as it was. Returns: Ok, IndexError, RuntimeError.
+  Status Read(const int64_t* ids, int64_t n, uint8_t* out, const int64_t* out_rows, uint8_t* found);
   // Writes rows[k * row_bytes ...] to the slot of ids[k] and marks them written. On an error
   // (no space for the slots or the redo log, an I/O error) no slot has changed.
   Status Write(const int64_t* ids, int64_t n, const uint8_t* rows);

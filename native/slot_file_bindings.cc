@@ -76,12 +76,37 @@ void add_common(Cls& cls) {
             Status s;
             {
               nb::gil_scoped_release release;
-              s = f.Read(ids.data(), n, out.data(), found.data());
+              s = f.Read(ids.data(), n, out.data(), nullptr, found.data());
             }
             raise_status(s);
             return vector_to_numpy(std::move(found));
           }, "ids"_a.noconvert(), "out"_a.noconvert(),
           "fills out[k] with row ids[k] where it was written; returns found uint8 [n] (0: never written, out[k] untouched)")
+      .def("read_to", [](Py& self, Ids ids, Bytes out, Ids out_rows) {
+            F& f = self.get();
+            const int64_t n = static_cast<int64_t>(ids.shape(0));
+            if (static_cast<int64_t>(out.shape(1)) != f.row_bytes())
+              throw nb::value_error(("out: expected rows of " + std::to_string(f.row_bytes()) + " bytes, got " +
+                                     std::to_string(out.shape(1))).c_str());
+            if (static_cast<int64_t>(out_rows.shape(0)) != n)
+              throw nb::value_error(("out_rows: expected " + std::to_string(n) + " rows, got " +
+                                     std::to_string(out_rows.shape(0))).c_str());
+            const int64_t limit = static_cast<int64_t>(out.shape(0));
+            for (int64_t k = 0; k < n; ++k) {
+              if (out_rows.data()[k] < 0 || out_rows.data()[k] >= limit)
+                throw nb::index_error(("out row " + std::to_string(out_rows.data()[k]) + " out of range [0, " +
+                                       std::to_string(limit) + ")").c_str());
+            }
+            std::vector<uint8_t> found(static_cast<size_t>(n));
+            Status s;
+            {
+              nb::gil_scoped_release release;
+              s = f.Read(ids.data(), n, out.data(), out_rows.data(), found.data());
+            }
+            raise_status(s);
+            return vector_to_numpy(std::move(found));
+          }, "ids"_a.noconvert(), "out"_a.noconvert(), "out_rows"_a.noconvert(),
+          "read, with row ids[k] into out[out_rows[k]] (e.g. a cache tier's pool: no staging copy)")
       .def("write", [](Py& self, Ids ids, ConstBytes rows) {
             F& f = self.get();
             const int64_t n = static_cast<int64_t>(ids.shape(0));

@@ -119,24 +119,24 @@ def check_rows(rows: torch.Tensor, n: int, width: int, name: str) -> None:
 
 
 def initialize(path: str, initializer, ids_np: np.ndarray, positions: np.ndarray,
-               out: torch.Tensor) -> int:
-    """Fills out[positions] with initializer(ids[positions]); returns how many rows."""
+               out: torch.Tensor, out_rows: np.ndarray | None = None) -> int:
+    """Fills out[r] with initializer(ids[p]) for each p in positions, r = out_rows[p] (p when
+    out_rows is None); returns how many rows."""
     if initializer is None:
         raise RuntimeError(f"ssd_path {path}: {positions.size} rows were never written "
                            f"and the store has no initializer")
     k = positions.size
-    if k == out.shape[0]:
+    dst = torch.from_numpy((positions if out_rows is None else out_rows[positions]).astype(np.int64, copy=False))
+    if out_rows is None and k == out.shape[0]:
         initializer(torch.from_numpy(ids_np), out)
-    elif hasattr(initializer, "fill_rows"):  # the engine's RowInit: straight into out[positions]
-        initializer.fill_rows(torch.from_numpy(ids_np[positions]), out,
-                              torch.from_numpy(positions.astype(np.int64, copy=False)))
+    elif hasattr(initializer, "fill_rows"):  # the engine's RowInit: straight into out[dst]
+        initializer.fill_rows(torch.from_numpy(ids_np[positions]), out, dst)
     else:
         from tieredemb import _C  # a native row copy: torch's indexing spins its thread pool
 
         tmp = torch.empty(k, out.shape[1], dtype=torch.float32)
         initializer(torch.from_numpy(ids_np[positions]), tmp)
-        _C.copy_rows(tmp, torch.from_numpy(np.arange(k, dtype=np.int64)), out,
-                     torch.from_numpy(positions.astype(np.int64, copy=False)))
+        _C.copy_rows(tmp, torch.from_numpy(np.arange(k, dtype=np.int64)), out, dst)
     return k
 
 

@@ -17,6 +17,7 @@ import fcntl
 import json
 import os
 
+import numpy as np
 import torch
 
 from .common import (DTYPE_BY_NAME, STORAGE_DTYPES, StoreBase, StoreCorruptedError, StoreError,
@@ -215,10 +216,7 @@ class NativeStore(StoreBase):
             return
         direct_out = self.storage_dtype == torch.float32
         buf = out if direct_out else torch.empty(n, self.width, dtype=self.storage_dtype)
-        try:
-            found = self._file.read(ids_np, buf.view(torch.uint8)).view(bool)
-        except RuntimeError as e:
-            raise self._classify("read rows", e) from None
+        found = self._read_native(lambda: self._file.read(ids_np, buf.view(torch.uint8)))
         nfound = int(found.sum())
         if not direct_out and nfound:
             if nfound == n:
@@ -226,9 +224,45 @@ class NativeStore(StoreBase):
             else:
                 f = torch.from_numpy(found)
                 out[f] = buf[f].to(torch.float32)
+        self._count_read(ids_np, found, out, None)
+
+    def read_to(self, ids: torch.Tensor, dst: torch.Tensor, dst_rows: torch.Tensor) -> None:
+        """Rows of unique ids into dst[dst_rows] (a float32 [rows, width] CPU block, e.g. a cache
+        tier's pool): read() without a block in between. On an error some of those dst rows
+        may have been overwritten."""
+        self._check_open()
+        ids_np = self._check_ids(ids)
+        if not isinstance(dst, torch.Tensor) or dst.dtype != torch.float32 or dst.dim() != 2 \
+                or dst.shape[1] != self.width or not dst.is_contiguous() or dst.device.type != "cpu":
+            raise ValueError(f"dst must be a contiguous float32 [rows, {self.width}] CPU tensor, got "
+                             f"{getattr(dst, 'dtype', type(dst))} {tuple(getattr(dst, 'shape', ()))}")
+        rows_np = dst_rows.to(torch.int64).contiguous().numpy()
+        if rows_np.shape != ids_np.shape:
+            raise ValueError(f"dst_rows has {rows_np.size} entries for {ids_np.size} ids")
+        if ids_np.size == 0:
+            return
+        if self.storage_dtype != torch.float32:  # converted on the way: through a block
+            rows = torch.empty(ids_np.size, self.width, dtype=torch.float32)
+            self.read(ids, rows)
+            native().copy_rows(rows, torch.from_numpy(np.arange(ids_np.size, dtype=np.int64)), dst,
+                               torch.from_numpy(rows_np))
+            return
+        found = self._read_native(lambda: self._file.read_to(ids_np, dst.view(torch.uint8), rows_np))
+        self._count_read(ids_np, found, dst, rows_np)
+
+    def _read_native(self, call) -> np.ndarray:
+        """Runs a native read; returns found (bool [n]); its error as a StoreError."""
+        try:
+            return call().view(bool)
+        except RuntimeError as e:
+            raise self._classify("read rows", e) from None
+
+    def _count_read(self, ids_np: np.ndarray, found: np.ndarray, out: torch.Tensor, out_rows) -> None:
+        """Initializes the rows a read did not find (in out, at out_rows if given), then the counters."""
+        n, nfound = ids_np.size, int(found.sum())
         if nfound < n:
             self._stats["rows_initialized"] += initialize(
-                self.path, self.initializer, ids_np, (~found).nonzero()[0], out)
+                self.path, self.initializer, ids_np, (~found).nonzero()[0], out, out_rows)
         self._stats["rows_found"] += nfound
         self._stats["bytes_read"] += nfound * self._row_bytes
         self._stats["reads"] += n

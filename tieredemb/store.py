@@ -154,12 +154,15 @@ class Tier:
         fill(slots) given: it writes the rows' new values into those slots (a write: the rows
         become dirty); else missing rows are read from below. Dirty victims are written down
         before their slots are reused. Reads that can fail (a BackingStore, a GPU copy) happen
-        before the index changes."""
+        before the index changes, through a staging block; a store with read_to (the native
+        SSD stores) reads straight into the slots after the write-backs instead, and if that
+        fails the plan's victims leave the tier (written down already, so no value is lost)."""
         with self.index_lock:
             plan = self.index.plan(ids)
         num_misses = plan.num_misses if fill is None else 0
         staging = None
-        if num_misses and not self._in_place:
+        into_slots = num_misses and not self._in_place and self._host and hasattr(self.lower, "read_to")
+        if num_misses and not self._in_place and not into_slots:
             staging = self._staging(num_misses)
             self.read_below(torch.from_numpy(plan.miss_ids), staging)
         if plan.num_dirty:
@@ -169,6 +172,13 @@ class Tier:
             else:
                 self.lower.write(dirty_ids, self.gather(dirty_slots, self._staging(plan.num_dirty, "write")))
             self.bytes_out += plan.num_dirty * self.row_bytes
+        if into_slots:
+            try:
+                self.lower.read_to(torch.from_numpy(plan.miss_ids), self.pool, torch.from_numpy(plan.miss_slots))
+            except BaseException:
+                with self.index_lock:
+                    self.index.evict(plan)
+                raise
         with self.index_lock:
             self.index.commit(ids, plan, pin, fill is not None)
         slots = torch.from_numpy(plan.slots)
@@ -182,7 +192,7 @@ class Tier:
             elif self.lower is None:
                 _C.read_or_init(self.pool, torch.full((num_misses,), -1, dtype=torch.int64), miss_ids, self.pool,
                                 miss_slots, *self.init.args)
-            else:
+            elif self._in_place:  # a host tier below (into_slots: read above already)
                 self.lower.read_to(miss_ids, self.pool, miss_slots)
             self.bytes_in += num_misses * self.row_bytes
         return slots
