@@ -4,6 +4,10 @@
 
 namespace tieredemb {
 
+// Slots and map buckets are random over the tier: each loop below starts loading what it will
+// touch this many entries ahead, so that many cache misses are in flight at once.
+constexpr int64_t kAhead = 16;
+
 CacheIndex::CacheIndex(int64_t capacity, std::unique_ptr<EvictionPolicy> policy)
     : capacity_(capacity), policy_(std::move(policy)), map_(capacity), slot_id_(capacity, -1),
       pins_(capacity, 0), dirty_(capacity, 0), batch_mark_(capacity, 0) {
@@ -20,6 +24,7 @@ Status CacheIndex::plan(const int64_t* ids, int64_t n, Plan* plan) {
   plan->victim_dirty.clear();
   plan->version = version_;
   for (int64_t i = 0; i < n; ++i) {
+    if (i + kAhead < n) map_.prefetch(ids[i + kAhead]);
     int64_t slot = map_.find(ids[i]);
     plan->slots[i] = slot;
     if (slot == FlatMap::kEmpty) {
@@ -82,7 +87,9 @@ Status CacheIndex::commit(const int64_t* ids, int64_t n, const Plan& plan, bool 
   int64_t misses = static_cast<int64_t>(plan.miss_index.size());
   int64_t from_free = misses - static_cast<int64_t>(plan.victim_slots.size());
   free_.resize(free_.size() - from_free);
-  for (size_t v = 0; v < plan.victim_slots.size(); ++v) {
+  const size_t victims = plan.victim_slots.size();
+  for (size_t v = 0; v < victims; ++v) {
+    if (v + kAhead < victims) map_.prefetch(plan.victim_ids[v + kAhead]);
     map_.erase(plan.victim_ids[v]);
     ++stats_.evictions;
     if (plan.victim_dirty[v]) ++stats_.dirty_writebacks; else ++stats_.clean_drops;
@@ -94,6 +101,10 @@ Status CacheIndex::commit(const int64_t* ids, int64_t n, const Plan& plan, bool 
   used_fresh_.assign(static_cast<size_t>(n), 0);
   size_t next_miss = 0;
   for (int64_t i = 0; i < n; ++i) {
+    if (i + kAhead < n) {
+      map_.prefetch(ids[i + kAhead]);
+      __builtin_prefetch(&pins_[plan.slots[i + kAhead]], 1);
+    }
     int64_t slot = plan.slots[i];
     if (next_miss < plan.miss_index.size() && plan.miss_index[next_miss] == i) {
       ++next_miss;

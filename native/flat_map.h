@@ -20,39 +20,40 @@ class FlatMap {
   void reserve(int64_t expected) {
     uint64_t want = 16;
     while (want < static_cast<uint64_t>(expected) * 2) want <<= 1;
-    if (want <= keys_.size()) return;
-    std::vector<int64_t> old_keys = std::move(keys_), old_vals = std::move(vals_);
-    keys_.assign(want, kEmpty);
-    vals_.assign(want, 0);
+    if (want <= slots_.size()) return;
+    std::vector<Entry> old = std::move(slots_);
+    slots_.assign(want, Entry{});
     mask_ = want - 1;
     size_ = 0;
-    for (size_t i = 0; i < old_keys.size(); ++i)
-      if (old_keys[i] != kEmpty) insert(old_keys[i], old_vals[i]);
+    for (const Entry& e : old)
+      if (e.key != kEmpty) insert(e.key, e.val);
   }
 
   void clear() {
-    std::fill(keys_.begin(), keys_.end(), kEmpty);
+    std::fill(slots_.begin(), slots_.end(), Entry{});
     size_ = 0;
   }
 
   int64_t size() const { return size_; }
 
+  // Starts loading key's home bucket (a caller about to look up keys at random, some ahead).
+  void prefetch(int64_t key) const { __builtin_prefetch(&slots_[hash(key) & mask_]); }
+
   // Returns the value of key, or kEmpty.
   int64_t find(int64_t key) const {
     for (uint64_t i = hash(key) & mask_;; i = (i + 1) & mask_) {
-      if (keys_[i] == key) return vals_[i];
-      if (keys_[i] == kEmpty) return kEmpty;
+      if (slots_[i].key == key) return slots_[i].val;
+      if (slots_[i].key == kEmpty) return kEmpty;
     }
   }
 
   // Inserts key -> val if absent. Returns the value now stored and whether it was inserted.
   std::pair<int64_t, bool> insert(int64_t key, int64_t val) {
-    if ((size_ + 1) * 2 > static_cast<int64_t>(keys_.size())) reserve(static_cast<int64_t>(keys_.size()));
+    if ((size_ + 1) * 2 > static_cast<int64_t>(slots_.size())) reserve(static_cast<int64_t>(slots_.size()));
     for (uint64_t i = hash(key) & mask_;; i = (i + 1) & mask_) {
-      if (keys_[i] == key) return {vals_[i], false};
-      if (keys_[i] == kEmpty) {
-        keys_[i] = key;
-        vals_[i] = val;
+      if (slots_[i].key == key) return {slots_[i].val, false};
+      if (slots_[i].key == kEmpty) {
+        slots_[i] = Entry{key, val};
         ++size_;
         return {val, true};
       }
@@ -61,16 +62,11 @@ class FlatMap {
 
   // Sets key -> val, inserting key if absent.
   void assign(int64_t key, int64_t val) {
-    if ((size_ + 1) * 2 > static_cast<int64_t>(keys_.size())) reserve(static_cast<int64_t>(keys_.size()));
+    if ((size_ + 1) * 2 > static_cast<int64_t>(slots_.size())) reserve(static_cast<int64_t>(slots_.size()));
     for (uint64_t i = hash(key) & mask_;; i = (i + 1) & mask_) {
-      if (keys_[i] == key) {
-        vals_[i] = val;
-        return;
-      }
-      if (keys_[i] == kEmpty) {
-        keys_[i] = key;
-        vals_[i] = val;
-        ++size_;
+      if (slots_[i].key == key || slots_[i].key == kEmpty) {
+        if (slots_[i].key == kEmpty) ++size_;
+        slots_[i] = Entry{key, val};
         return;
       }
     }
@@ -79,22 +75,21 @@ class FlatMap {
   // Removes key if present. Returns whether it was present.
   bool erase(int64_t key) {
     uint64_t i = hash(key) & mask_;
-    while (keys_[i] != key) {
-      if (keys_[i] == kEmpty) return false;
+    while (slots_[i].key != key) {
+      if (slots_[i].key == kEmpty) return false;
       i = (i + 1) & mask_;
     }
     // Backward-shift: pull later members of the probe run into the hole.
     uint64_t hole = i;
-    for (uint64_t j = (hole + 1) & mask_; keys_[j] != kEmpty; j = (j + 1) & mask_) {
-      uint64_t home = hash(keys_[j]) & mask_;
+    for (uint64_t j = (hole + 1) & mask_; slots_[j].key != kEmpty; j = (j + 1) & mask_) {
+      uint64_t home = hash(slots_[j].key) & mask_;
       bool movable = hole <= j ? (home <= hole || home > j) : (home <= hole && home > j);
       if (movable) {
-        keys_[hole] = keys_[j];
-        vals_[hole] = vals_[j];
+        slots_[hole] = slots_[j];
         hole = j;
       }
     }
-    keys_[hole] = kEmpty;
+    slots_[hole].key = kEmpty;
     --size_;
     return true;
   }
@@ -108,7 +103,12 @@ class FlatMap {
   }
 
  private:
-  std::vector<int64_t> keys_, vals_;
+  // Key and value side by side: a lookup touches one cache line, not two.
+  struct Entry {
+    int64_t key = kEmpty;
+    int64_t val = 0;
+  };
+  std::vector<Entry> slots_;
   uint64_t mask_ = 0;
   int64_t size_ = 0;
 };

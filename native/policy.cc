@@ -11,7 +11,7 @@ namespace {
 // Least recently used: an intrusive doubly linked list over slots, most recent at the head.
 class LruPolicy final : public EvictionPolicy {
  public:
-  explicit LruPolicy(int64_t capacity) : prev_(capacity, -1), next_(capacity, -1), linked_(capacity, 0) {}
+  explicit LruPolicy(int64_t capacity) : links_(capacity) {}
   const char* name() const override { return "lru"; }
 
   void touch(const int64_t* slots, int64_t n) override {
@@ -26,14 +26,11 @@ class LruPolicy final : public EvictionPolicy {
   void use(const int64_t* slots, const uint8_t*, int64_t n) override {
     constexpr int64_t kAhead = 16;
     for (int64_t k = 0; k < n; ++k) {
-      if (k + kAhead < n) {
-        __builtin_prefetch(&prev_[slots[k + kAhead]], 1);
-        __builtin_prefetch(&next_[slots[k + kAhead]], 1);
-      }
+      if (k + kAhead < n) __builtin_prefetch(&links_[slots[k + kAhead]], 1);
       if (k + kAhead / 2 < n) {
-        const int64_t s = slots[k + kAhead / 2];
-        if (prev_[s] >= 0) __builtin_prefetch(&next_[prev_[s]], 1);
-        if (next_[s] >= 0) __builtin_prefetch(&prev_[next_[s]], 1);
+        const Link& l = links_[slots[k + kAhead / 2]];
+        if (l.prev >= 0) __builtin_prefetch(&links_[l.prev], 1);
+        if (l.next >= 0) __builtin_prefetch(&links_[l.next], 1);
       }
       move_to_head(slots[k]);
     }
@@ -41,7 +38,7 @@ class LruPolicy final : public EvictionPolicy {
 
   int64_t select(int64_t n, const SlotFilter& evictable, std::vector<int64_t>* out) override {
     int64_t found = 0;
-    for (int64_t s = tail_; s != -1 && found < n; s = prev_[s]) {
+    for (int64_t s = tail_; s != -1 && found < n; s = links_[s].prev) {
       if (evictable(s)) {
         out->push_back(s);
         ++found;
@@ -55,26 +52,30 @@ class LruPolicy final : public EvictionPolicy {
   }
 
  private:
+  // A slot's two links side by side: a move touches one cache line per slot, not two.
+  // prev == kUnlinked: the slot is not in the list.
+  static constexpr int64_t kUnlinked = -2;
+  struct Link {
+    int64_t prev = kUnlinked, next = -1;
+  };
+
   void unlink(int64_t s) {
-    if (!linked_[s]) return;
-    if (prev_[s] != -1) next_[prev_[s]] = next_[s]; else head_ = next_[s];
-    if (next_[s] != -1) prev_[next_[s]] = prev_[s]; else tail_ = prev_[s];
-    prev_[s] = next_[s] = -1;
-    linked_[s] = 0;
+    Link& l = links_[s];
+    if (l.prev == kUnlinked) return;
+    if (l.prev != -1) links_[l.prev].next = l.next; else head_ = l.next;
+    if (l.next != -1) links_[l.next].prev = l.prev; else tail_ = l.prev;
+    l = Link{};
   }
   void move_to_head(int64_t s) {
     if (head_ == s) return;
     unlink(s);
-    next_[s] = head_;
-    prev_[s] = -1;
-    if (head_ != -1) prev_[head_] = s;
+    links_[s] = Link{-1, head_};
+    if (head_ != -1) links_[head_].prev = s;
     head_ = s;
     if (tail_ == -1) tail_ = s;
-    linked_[s] = 1;
   }
 
-  std::vector<int64_t> prev_, next_;
-  std::vector<uint8_t> linked_;
+  std::vector<Link> links_;
   int64_t head_ = -1, tail_ = -1;
 };
 
