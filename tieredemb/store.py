@@ -73,8 +73,9 @@ class Tier:
     it is a row ever written, which is what export lists.
 
     Rows move between host tiers in place (a lower tier reads straight into the upper tier's
-    slots, and takes write-backs straight from them); a tier on a GPU, or above a BackingStore,
-    moves them through a staging block instead."""
+    slots, and takes write-backs straight from them); so do the native SSD stores (read_to,
+    write_from) under a host tier. A tier on a GPU, or above RocksDB, moves them through a
+    staging block instead."""
 
     def __init__(self, name: str, index, pool: torch.Tensor, lower: Lower, init: RowInit):
         self.name = name
@@ -361,7 +362,8 @@ class TableStore:
     @_locked
     def make_resident(self, unique: torch.Tensor) -> tuple[torch.Tensor, int]:
         """Makes unique ids resident in tier 0, pinned. Returns (slots [U], how many of them
-        were not in tier 0). A failure changes no tier."""
+        were not in tier 0). A failure changes no value; at most some rows leave tier 0
+        (see Tier.resident)."""
         misses = self.tier0.index.stats()["misses"]
         slots = self.tier0.resident(unique, pin=True)
         return slots, self.tier0.index.stats()["misses"] - misses
