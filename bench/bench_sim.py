@@ -35,31 +35,16 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from workload import BatchSource, Workload, ZipfIds
 
 from tieredemb.sim import Simulator, mrc, simulate
+from tieredemb.trace.oracle import write_keys
 
 SPEED_TARGET = 5.0       # ours / libCacheSim, lookups/s
 CURVE_TARGET = 2.0       # 100-size curve time / single-size run time, at most
 LOOKAHEAD_GAP_PP = 0.5   # belady - lookahead-k, percentage points (the prefetch issue's target)
 LOOKAHEADS = (1, 2, 4, 8, 32, 128)  # windows in batches
-ORACLE = np.dtype([("time", "<u4"), ("id", "<u8"), ("size", "<u4"), ("next", "<i8")])
 
 
 def zipf_trace(lookups: int, rows: int, alpha: float, seed: int) -> np.ndarray:
     return ZipfIds(rows, alpha, seed).sample(lookups, np.random.default_rng([seed, 1]))
-
-
-def write_oracle_general(path: str, keys: np.ndarray) -> None:
-    """libCacheSim's oracleGeneral binary (24-byte records; next-access index or -1)."""
-    n = keys.size
-    order = np.argsort(keys, kind="stable")
-    same = keys[order[1:]] == keys[order[:-1]]
-    nxt = np.full(n, -1, np.int64)
-    nxt[order[:-1][same]] = order[1:][same]
-    rec = np.zeros(n, ORACLE)
-    rec["time"] = np.arange(n)
-    rec["id"] = keys + 1
-    rec["size"] = 1
-    rec["next"] = nxt
-    rec.tofile(path)
 
 
 def timed(fn):
@@ -82,7 +67,7 @@ def bench_speed(keys: np.ndarray, cap: int, runs: int) -> dict:
     n = keys.size
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "trace.oracleGeneral")
-        write_oracle_general(path, keys)
+        write_keys(path, keys)
         simulate(keys[:1000], None, "lru", [10], mode="request")  # compile / load the kernels
         times = {"ours": [], "ours_list": [], "libcachesim": []}
         hits = {}

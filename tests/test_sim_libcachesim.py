@@ -6,26 +6,9 @@ import numpy as np
 import pytest
 
 from tieredemb.sim import Simulator, simulate
+from tieredemb.trace.oracle import write_keys
 
 lcs = pytest.importorskip("libcachesim")
-
-RECORD = np.dtype([("time", "<u4"), ("id", "<u8"), ("size", "<u4"), ("next", "<i8")])
-
-
-def write_oracle_general(path, keys):
-    """libCacheSim's oracleGeneral binary: 24-byte records (u32 time, u64 id, u32 size, i64 index of
-    the id's next request or -1)."""
-    n = len(keys)
-    order = np.argsort(keys, kind="stable")
-    same = keys[order[1:]] == keys[order[:-1]]
-    nxt = np.full(n, -1, np.int64)
-    nxt[order[:-1][same]] = order[1:][same]
-    rec = np.zeros(n, RECORD)
-    rec["time"] = np.arange(n)
-    rec["id"] = keys + 1  # ids from 1
-    rec["size"] = 1       # one object = one row: cache sizes in objects
-    rec["next"] = nxt
-    rec.tofile(path)
 
 
 def libcachesim_hits(path, n, cache, size, **params):
@@ -55,7 +38,7 @@ def oracle_files(tmp_path_factory):
     out = {}
     for name, keys in TRACES:
         keys = np.asarray(keys, np.int64)
-        write_oracle_general(d / f"{name}.oracleGeneral", keys)
+        write_keys(d / f"{name}.oracleGeneral", keys)
         out[name] = (d / f"{name}.oracleGeneral", keys)
     return out
 
@@ -87,13 +70,13 @@ def test_lfu_equals_libcachesim_until_aging(tmp_path):
     for i in range(6):
         keys = rng.integers(0, int(rng.integers(60, 400)), 1000)
         path = tmp_path / f"{i}.oracleGeneral"
-        write_oracle_general(path, keys)
+        write_keys(path, keys)
         for size in (20, 50, 100):
             ours = simulate(keys, None, "lfu", [size], mode="request").tiers[0].hits
             assert ours == libcachesim_hits(path, keys.size, lcs.LFU, size)
             agree += 1
     long = (rng.zipf(1.2, 20000) % 3000).astype(np.int64)
-    write_oracle_general(tmp_path / "long.oracleGeneral", long)
+    write_keys(tmp_path / "long.oracleGeneral", long)
     differs = [simulate(long, None, "lfu", [s], mode="request").tiers[0].hits
                != libcachesim_hits(tmp_path / "long.oracleGeneral", long.size, lcs.LFU, s) for s in (20, 100)]
     assert agree == 18 and any(differs)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from tieredemb.trace import TableInfo, TraceError, TraceWriter, convert, open_trace
-from tieredemb.trace.oracle import RECORD
+from tieredemb.trace.oracle import RECORD, write_keys
 
 TABLES = [TableInfo("table0", 500), TableInfo("table1", 40_000), TableInfo("table2", 7)]
 
@@ -214,3 +214,17 @@ def test_unknown_formats_and_missing_files(tmp_path, trace):
     (tmp_path / "b.trace").write_bytes(b"not a trace at all")
     with pytest.raises(TraceError, match="b.trace: not a tieredemb trace"):
         convert(tmp_path / "b.trace", tmp_path / "x.csv")
+
+
+def test_oracle_write_keys_matches_the_export_of_one_lookup_batches(tmp_path):
+    keys = np.array([5, 0, 5, 7, 0, 5], np.int64)
+    write_keys(tmp_path / "k.bin", keys)
+    ours = np.fromfile(tmp_path / "k.bin", RECORD)
+    assert ours["next"].tolist() == [3, 5, 6, -1, -1, -1]  # 1-based, as traceConv writes
+    with TraceWriter(tmp_path / "k.trace", [TableInfo("t", 8)]) as w:
+        for k in keys:
+            w.write_batch(np.array([k]))
+    convert(tmp_path / "k.trace", tmp_path / "k.oracleGeneral")
+    assert (tmp_path / "k.bin").read_bytes() == (tmp_path / "k.oracleGeneral").read_bytes()
+    with pytest.raises(TraceError, match="key -1 is negative"):
+        write_keys(tmp_path / "bad.bin", np.array([3, -1]))

@@ -108,6 +108,27 @@ def _next_access(keys, start, later, out):
         later[k] = start + i + 1
 
 
+def write_keys(path, keys, *, obj_size: int = 1) -> None:
+    """Writes an in-memory key sequence as oracleGeneral, one request per key (clock_time = its
+    position): what export_oracle writes for a trace of one-lookup batches, without the trace."""
+    keys = np.ascontiguousarray(keys, dtype=np.int64)
+    n = keys.size
+    if n >= 2**32:
+        raise TraceError(f"{n} requests do not fit oracleGeneral's u32 clock_time")
+    if n and keys.min() < 0:
+        raise TraceError(f"key {int(keys.min())} is negative (oracleGeneral ids are unsigned)")
+    order = np.argsort(keys, kind="stable")
+    same = keys[order[1:]] == keys[order[:-1]]
+    nxt = np.full(n, -1, np.int64)
+    nxt[order[:-1][same]] = order[1:][same] + 1  # 1-based, as traceConv writes
+    rec = np.zeros(n, RECORD)
+    rec["time"] = np.arange(n)
+    rec["id"] = keys
+    rec["size"] = obj_size
+    rec["next"] = nxt
+    rec.tofile(os.fspath(path))
+
+
 def export_oracle(src, dst, *, obj_size: int = 1, progress: bool = False) -> None:
     from tqdm import tqdm
 
