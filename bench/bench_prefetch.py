@@ -5,8 +5,8 @@ One step = forward of B bags x L ids, backward of a fixed [B, D] upstream gradie
 Adagrad fused in backward (both systems). tieredemb: TieredEmbeddingBag(rows, D) with tier 0 =
 --cache-fraction of the rows in host memory over an SSD store (--ssd-backend), one fresh table
 per depth; depth 0 is plain training (no prefetch), depth k >= 1 iterates a PrefetchLoader(depth=k,
-lookahead=k). Every system trains on the same batches, interleaved run by run in one process;
-each run of a prefetching system is a fresh PrefetchLoader over that run's batches, so the
+lookahead=k, or --lookahead). Every system trains on the same batches, interleaved run by run in
+one process; each run of a prefetching system is a fresh PrefetchLoader over that run's batches, so the
 pipeline fill (the first batch's rows) is inside the timed window. Reported: lookups/s = B * L *
 batches / seconds, median (min, max) over runs, the ratio to FBGEMM and to depth 0; the tier-0
 hit rate and the prefetch counters of the last run; whether every depth produced the same outputs
@@ -45,6 +45,7 @@ class Ours:
         import tieredemb
 
         self.depth = depth
+        self.lookahead = a.lookahead  # None: the loader's default (= depth)
         self.name = f"depth {depth}"
         path = os.path.join(a.ssd_path, f"depth{depth}")
         shutil.rmtree(path, ignore_errors=True)
@@ -64,7 +65,8 @@ class Ours:
                 out = emb(ids, offsets)
                 out.backward(self.grad)
             return out.detach()
-        loader = tieredemb.PrefetchLoader(batches, [emb], depth=self.depth, ids_fn=lambda b: {emb: b})
+        loader = tieredemb.PrefetchLoader(batches, [emb], depth=self.depth, ids_fn=lambda b: {emb: b},
+                                          lookahead=self.lookahead)
         for ids, offsets in loader:
             out = emb(ids, offsets)
             out.backward(self.grad)
@@ -109,6 +111,8 @@ def main(argv=None) -> int:
     p.add_argument("--ssd-backend", default="log", choices=["rocksdb", "slots", "log"])
     p.add_argument("--depths", default=",".join(map(str, DEPTHS)), help="prefetch depths (0: no prefetch)")
     p.add_argument("--no-fbgemm", action="store_true", help="skip the FBGEMM peer")
+    p.add_argument("--lookahead", type=int, default=None,
+                   help="batches in the eviction window past the prefetched ones (default: the depth)")
     p.add_argument("--warmup", type=int, default=None, help="warm-up batches per system (default 60; quick 10)")
     p.add_argument("--runs", type=int, default=3, help="timed runs per system (median reported)")
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads and the native pool")
@@ -127,6 +131,7 @@ def main(argv=None) -> int:
     warnings.filterwarnings("ignore", message="Sparse invariant checks")
 
     print(f"workload: {w}; tier 0 = {a.cache_fraction:.0%} of the rows over SSD ({a.ssd_backend}); "
+          f"lookahead {'= depth' if a.lookahead is None else a.lookahead}; "
           f"warm-up {warmup} batches, {a.runs} runs x {w.batches} batches; threads {a.threads}")
     print(f"machine: {machine()}; load average {os.getloadavg()[0]:.1f} at start")
     src = BatchSource(w)
