@@ -1,8 +1,11 @@
-"""Rows and helpers shared by the native SSD store tests (test_ssd_slots.py, test_ssd_log.py):
-a small table whose rows and initial values are easy to recognize."""
+"""Rows and helpers shared by the native SSD store tests (test_ssd_slots.py, test_ssd_log.py,
+test_ssd_read_to.py): a small table whose rows and initial values are easy to recognize."""
 
 from __future__ import annotations
 
+import os
+
+import pytest
 import torch
 
 WIDTH = 12
@@ -22,3 +25,15 @@ def read(store, ids: torch.Tensor) -> torch.Tensor:
     out = torch.empty(len(ids), store.width)
     store.read(ids, out)
     return out
+
+
+def o_direct_or_skip(path) -> None:
+    """Skips the test when the filesystem of path (a directory) refuses O_DIRECT (e.g. tmpfs)."""
+    probe = path / "o_direct_probe"
+    probe.write_bytes(b"\0" * 4096)
+    try:
+        os.close(os.open(probe, os.O_RDONLY | os.O_DIRECT))
+    except OSError:
+        pytest.skip(f"the filesystem of {path} refuses O_DIRECT")
+    finally:
+        probe.unlink()

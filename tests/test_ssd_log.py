@@ -16,7 +16,7 @@ import torch
 
 import tieredemb
 from ssd_backend import LogStore, StoreCorruptedError, StoreLockedError, StoreWriteError, open_store
-from native_store_rows import META, N, WIDTH, init_rows, read, rows_for
+from native_store_rows import META, N, WIDTH, init_rows, o_direct_or_skip, read, rows_for
 from store_holder import held_by_another_process
 from test_ssd_store import small_disk  # noqa: F401 - a fixture: a real 3 MiB tmpfs
 
@@ -254,12 +254,7 @@ def test_write_from_a_pool_equals_write(tmp_path, dtype):
 
 
 def test_o_direct_reads_return_the_rows(tmp_path):
-    probe = tmp_path / "probe"
-    probe.write_bytes(b"\0" * 4096)
-    try:
-        os.close(os.open(probe, os.O_RDONLY | os.O_DIRECT))
-    except OSError:
-        pytest.skip(f"the filesystem of {tmp_path} refuses O_DIRECT")
+    o_direct_or_skip(tmp_path)
     ids = torch.randperm(N)[:700]
     with make(tmp_path / "t") as s:
         s.write(ids, rows_for(ids))

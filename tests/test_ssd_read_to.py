@@ -12,20 +12,9 @@ import torch
 
 import tieredemb
 from ssd_backend import LogStore, SlotFileStore, StoreError
-from native_store_rows import META, N, WIDTH, init_rows, read, rows_for
+from native_store_rows import META, WIDTH, init_rows, o_direct_or_skip, read, rows_for
 
 STORES = {"log": LogStore, "slots": SlotFileStore}
-
-
-def o_direct_or_skip(path) -> None:
-    probe = path / "probe"
-    probe.write_bytes(b"\0" * 4096)
-    try:
-        os.close(os.open(probe, os.O_RDONLY | os.O_DIRECT))
-    except OSError:
-        pytest.skip(f"the filesystem of {path} refuses O_DIRECT")
-    finally:
-        probe.unlink()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
