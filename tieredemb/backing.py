@@ -11,6 +11,9 @@ Contract shared by every implementation (dense host array, SSD):
 - flush() returns only when every write made before it is durable (for a volatile store:
   visible to read()).
 - A call that raises changes nothing that read() can see.
+- Optional, for a host tier above the store to move rows without a staging block:
+  read_to(ids, dst, dst_rows) reads into dst[dst_rows] and write_from(ids, src, src_rows) stores
+  src[src_rows] (dst, src: float32 host pools). The native SSD stores have them.
 """
 
 from __future__ import annotations
