@@ -60,6 +60,23 @@ class FlatMap {
     }
   }
 
+  // Sets key -> val. Returns the value it replaced, or kEmpty if key was absent (one probe).
+  int64_t exchange(int64_t key, int64_t val) {
+    if ((size_ + 1) * 2 > static_cast<int64_t>(slots_.size())) reserve(static_cast<int64_t>(slots_.size()));
+    for (uint64_t i = hash(key) & mask_;; i = (i + 1) & mask_) {
+      if (slots_[i].key == key) {
+        const int64_t old = slots_[i].val;
+        slots_[i].val = val;
+        return old;
+      }
+      if (slots_[i].key == kEmpty) {
+        slots_[i] = Entry{key, val};
+        ++size_;
+        return kEmpty;
+      }
+    }
+  }
+
   // Sets key -> val, inserting key if absent.
   void assign(int64_t key, int64_t val) {
     if ((size_ + 1) * 2 > static_cast<int64_t>(slots_.size())) reserve(static_cast<int64_t>(slots_.size()));

@@ -7,6 +7,7 @@ namespace tieredemb {
 namespace {
 constexpr int kIndexBits = 32;
 constexpr int64_t kIndexMask = (int64_t{1} << kIndexBits) - 1;
+constexpr int64_t kAhead = 16;  // map buckets loaded this many ids ahead
 }  // namespace
 
 void LookaheadWindow::push(const int64_t* ids, int64_t n) {
@@ -23,10 +24,13 @@ void LookaheadWindow::push(const int64_t* ids, int64_t n) {
   b.ids.assign(ids, ids + n);
   b.next.assign(n, -1);
   for (int64_t i = 0; i < n; ++i) {
-    auto [previous, inserted] = last_.insert(ids[i], (b.seq << kIndexBits) | i);
-    if (!inserted) {
+    if (i + kAhead < n) {  // ids are random over the table: start loading their buckets early
+      last_.prefetch(ids[i + kAhead]);
+      first_.prefetch(ids[i + kAhead]);
+    }
+    const int64_t previous = last_.exchange(ids[i], (b.seq << kIndexBits) | i);
+    if (previous != FlatMap::kEmpty) {
       batch_of(previous >> kIndexBits).next[previous & kIndexMask] = b.seq;
-      last_.assign(ids[i], (b.seq << kIndexBits) | i);
     } else {
       first_.assign(ids[i], b.seq);
     }
@@ -36,7 +40,12 @@ void LookaheadWindow::push(const int64_t* ids, int64_t n) {
 bool LookaheadWindow::pop() {
   if (count_ == 0) return false;
   const Batch& b = ring_[head_];
-  for (size_t i = 0; i < b.ids.size(); ++i) {
+  const size_t n = b.ids.size();
+  for (size_t i = 0; i < n; ++i) {
+    if (i + kAhead < n) {
+      first_.prefetch(b.ids[i + kAhead]);
+      if (b.next[i + kAhead] < 0) last_.prefetch(b.ids[i + kAhead]);
+    }
     if (b.next[i] < 0) {
       first_.erase(b.ids[i]);
       last_.erase(b.ids[i]);
