@@ -294,16 +294,21 @@ void LogFile::place(int64_t id, Segment* seg, int64_t row_offset) {
   live_bytes_ += row_bytes_;
 }
 
+Status LogFile::make_room(int64_t rec) {
+  if (current_ != nullptr && current_->end + rec <= current_->capacity) return Status::Ok();
+  if (current_ != nullptr) current_->capacity = current_->end;  // sealed: its file ends there
+  Segment* seg;
+  Status s = open_segment(next_seq_, true, &seg);
+  if (!s.ok()) return s;
+  ++next_seq_;
+  current_ = seg;
+  return Status::Ok();
+}
+
 Status LogFile::append_record(const int64_t* ids, int64_t n, const uint8_t* rows) {
   const int64_t rec = record_bytes(n, row_bytes_);
-  if (current_ == nullptr || current_->end + rec > current_->capacity) {
-    if (current_ != nullptr) current_->capacity = current_->end;  // sealed: its file ends there
-    Segment* seg;
-    Status s = open_segment(next_seq_, true, &seg);
-    if (!s.ok()) return s;
-    ++next_seq_;
-    current_ = seg;
-  }
+  Status s = make_room(rec);
+  if (!s.ok()) return s;
   if (int err = write_record(current_->fd, current_->end, ids, n, rows, row_bytes_))
     return Status::RuntimeError("cannot write " + current_->path + " at offset " + std::to_string(current_->end) + ": " +
                                 errno_text(err));
@@ -334,8 +339,10 @@ Status LogFile::WriteFrom(const int64_t* ids, int64_t n, const uint8_t* src, int
   s = drain();  // one append in flight at a time; the staging block is reused
   if (!s.ok()) return s;
   const int64_t rec = record_bytes(n, row_bytes_);
-  if (n > max_record_rows_ || current_ == nullptr || current_->end + rec > current_->capacity) {
-    // A new segment, or several records: synchronously, from contiguous rows.
+  if (n <= max_record_rows_) s = make_room(rec);  // a new segment if this one is full
+  if (!s.ok()) return s;
+  if (n > max_record_rows_) {
+    // Several records: synchronously, from contiguous rows.
     std::vector<uint8_t> gathered;
     const uint8_t* rows = src;
     if (src_rows != nullptr || src_stride != row_bytes_) {

@@ -85,6 +85,7 @@ class LogFile {
   Status replay(Segment* seg, uint32_t mark_seq, int64_t mark_offset);
   Status append(const int64_t* ids, int64_t n, const uint8_t* rows);
   Status append_record(const int64_t* ids, int64_t n, const uint8_t* rows);
+  Status make_room(int64_t rec);  // seals the current segment and opens a new one unless rec fits
   Status maybe_compact();
   Status compact(Segment* seg);
   Status write_mark(const std::string& dir, uint32_t seq, int64_t offset) const;
