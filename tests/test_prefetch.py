@@ -150,6 +150,21 @@ def test_forward_out_of_order_is_refused_and_changes_nothing(batches):
     emb(b, off).backward(grad)
 
 
+def test_prefetch_copies_the_callers_tensors_whatever_their_dtype(batches):
+    """A registered batch is a copy (the caller may reuse its tensors) and int32 ids are the same
+    batch as their int64 values."""
+    emb, ref = make_table(cache_rows=CACHE), make_table(cache_rows=CACHE)
+    ids, offsets, grad = batches[0]
+    mine, my_offsets = ids.int().clone(), offsets.clone()
+    emb.prefetch(mine, my_offsets)
+    mine.fill_(0)
+    my_offsets.fill_(0)
+    out = emb(ids.int(), offsets)
+    assert emb.stats()["prefetch"]["prefetched_rows"] + emb.stats()["prefetch"]["late_rows"] > 0
+    assert torch.equal(out, ref(ids, offsets))
+    out.backward(grad)
+
+
 def test_bad_ids_raise_at_prefetch_and_change_nothing(batches):
     emb = make_table(cache_rows=CACHE)
     ids, offsets, grad = batches[0]
