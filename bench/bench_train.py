@@ -498,7 +498,7 @@ def main(argv=None) -> int:
         paired = statistics.median(x / y for x, y in zip(lps, res[BASELINE]["lookups_per_s"])) if base else None
         best = max(lps) / max(res[BASELINE]["lookups_per_s"]) if base else None
         target = SPEED_TARGETS.get(t.name)
-        if t.name == "tieredemb-cached" and "ssd_path=" in t.config:
+        if t.name == "tieredemb-cached" and a.ssd_path is not None:
             target = SSD_TARGET
         hit = r["hit_rate"][-1] if r["hit_rate"] else ""
         verdict = "" if target is None or ratio is None else (f">={target} ok" if ratio >= target else f">={target} MISS")

@@ -78,16 +78,7 @@ class FlatMap {
   }
 
   // Sets key -> val, inserting key if absent.
-  void assign(int64_t key, int64_t val) {
-    if ((size_ + 1) * 2 > static_cast<int64_t>(slots_.size())) reserve(static_cast<int64_t>(slots_.size()));
-    for (uint64_t i = hash(key) & mask_;; i = (i + 1) & mask_) {
-      if (slots_[i].key == key || slots_[i].key == kEmpty) {
-        if (slots_[i].key == kEmpty) ++size_;
-        slots_[i] = Entry{key, val};
-        return;
-      }
-    }
-  }
+  void assign(int64_t key, int64_t val) { exchange(key, val); }
 
   // Removes key if present. Returns whether it was present.
   bool erase(int64_t key) {

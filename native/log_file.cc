@@ -339,8 +339,6 @@ Status LogFile::WriteFrom(const int64_t* ids, int64_t n, const uint8_t* src, int
   s = drain();  // one append in flight at a time; the staging block is reused
   if (!s.ok()) return s;
   const int64_t rec = record_bytes(n, row_bytes_);
-  if (n <= max_record_rows_) s = make_room(rec);  // a new segment if this one is full
-  if (!s.ok()) return s;
   if (n > max_record_rows_) {
     // Several records: synchronously, from contiguous rows.
     std::vector<uint8_t> gathered;
@@ -352,6 +350,8 @@ Status LogFile::WriteFrom(const int64_t* ids, int64_t n, const uint8_t* src, int
     }
     s = append(ids, n, rows);
   } else {
+    s = make_room(rec);  // a new segment if this one is full
+    if (!s.ok()) return s;
     const size_t id_bytes = static_cast<size_t>(n) * 8;
     staged_.resize(static_cast<size_t>(rec));
     LogHeader h{kLogMagic, static_cast<uint64_t>(n), static_cast<uint64_t>(row_bytes_), 0};

@@ -96,10 +96,7 @@ class LogStore(NativeStore):
         """Takes rows src[src_rows] (a float32 host pool, e.g. a cache tier's) as the new values of
         unique ids: write() without gathering them first."""
         self._check_open()
-        if not isinstance(src, torch.Tensor) or src.dtype != torch.float32 or src.dim() != 2 \
-                or src.shape[1] != self.width or not src.is_contiguous() or src.device.type != "cpu":
-            raise ValueError(f"src must be a contiguous float32 [rows, {self.width}] CPU tensor, got "
-                             f"{getattr(src, 'dtype', type(src))} {tuple(getattr(src, 'shape', ()))}")
+        self._check_pool("src", src)
         rows_np = src_rows.contiguous().numpy()
         if self.storage_dtype != torch.float32:  # converted on the way: no bytes to copy as they are
             if rows_np.size and (rows_np.min() < 0 or rows_np.max() >= src.shape[0]):

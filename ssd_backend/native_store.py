@@ -232,10 +232,7 @@ class NativeStore(StoreBase):
         may have been overwritten."""
         self._check_open()
         ids_np = self._check_ids(ids)
-        if not isinstance(dst, torch.Tensor) or dst.dtype != torch.float32 or dst.dim() != 2 \
-                or dst.shape[1] != self.width or not dst.is_contiguous() or dst.device.type != "cpu":
-            raise ValueError(f"dst must be a contiguous float32 [rows, {self.width}] CPU tensor, got "
-                             f"{getattr(dst, 'dtype', type(dst))} {tuple(getattr(dst, 'shape', ()))}")
+        self._check_pool("dst", dst)
         rows_np = dst_rows.to(torch.int64).contiguous().numpy()
         if rows_np.shape != ids_np.shape:
             raise ValueError(f"dst_rows has {rows_np.size} entries for {ids_np.size} ids")
@@ -249,6 +246,13 @@ class NativeStore(StoreBase):
             return
         found = self._read_native(lambda: self._file.read_to(ids_np, dst.view(torch.uint8), rows_np))
         self._count_read(ids_np, found, dst, rows_np)
+
+    def _check_pool(self, name: str, pool) -> None:
+        """read_to's / write_from's block of rows: a contiguous float32 [rows, width] CPU tensor."""
+        if not isinstance(pool, torch.Tensor) or pool.dtype != torch.float32 or pool.dim() != 2 \
+                or pool.shape[1] != self.width or not pool.is_contiguous() or pool.device.type != "cpu":
+            raise ValueError(f"{name} must be a contiguous float32 [rows, {self.width}] CPU tensor, got "
+                             f"{getattr(pool, 'dtype', type(pool))} {tuple(getattr(pool, 'shape', ()))}")
 
     def _read_native(self, call) -> np.ndarray:
         """Runs a native read; returns found (bool [n]); its error as a StoreError."""
