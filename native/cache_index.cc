@@ -90,9 +90,7 @@ Status CacheIndex::commit(const int64_t* ids, int64_t n, const Plan& plan, bool 
   const size_t victims = plan.victim_slots.size();
   for (size_t v = 0; v < victims; ++v) {
     if (v + kAhead < victims) map_.prefetch(plan.victim_ids[v + kAhead]);
-    map_.erase(plan.victim_ids[v]);
-    ++stats_.evictions;
-    if (plan.victim_dirty[v]) ++stats_.dirty_writebacks; else ++stats_.clean_drops;
+    forget_victim(plan, v);
   }
   // The policy sees the batch's rows in batch order, hits and new rows interleaved as they
   // come: with LRU the cache after every batch is then the `capacity` most recently used rows,
@@ -126,6 +124,12 @@ Status CacheIndex::commit(const int64_t* ids, int64_t n, const Plan& plan, bool 
   return Status::Ok();
 }
 
+void CacheIndex::forget_victim(const Plan& plan, size_t v) {
+  map_.erase(plan.victim_ids[v]);
+  ++stats_.evictions;
+  if (plan.victim_dirty[v]) ++stats_.dirty_writebacks; else ++stats_.clean_drops;
+}
+
 Status CacheIndex::evict(const Plan& plan) {
   if (plan.version != version_) {
     return Status::RuntimeError("stale batch plan: the tier changed between plan and evict");
@@ -133,13 +137,11 @@ Status CacheIndex::evict(const Plan& plan) {
   ++version_;
   for (size_t v = 0; v < plan.victim_slots.size(); ++v) {
     const int64_t s = plan.victim_slots[v];
-    map_.erase(plan.victim_ids[v]);
+    forget_victim(plan, v);
     policy_->remove(s);
     slot_id_[s] = -1;
     dirty_[s] = 0;
     free_.push_back(s);
-    ++stats_.evictions;
-    if (plan.victim_dirty[v]) ++stats_.dirty_writebacks; else ++stats_.clean_drops;
   }
   return Status::Ok();
 }

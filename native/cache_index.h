@@ -104,6 +104,7 @@ class CacheIndex final : public TierIndex {
  private:
   // Appends up to need victims among evictable slots, by the window rule. Returns how many.
   int64_t select_victims(int64_t need, const SlotFilter& evictable, std::vector<int64_t>* out);
+  void forget_victim(const Plan& plan, size_t v);  // victim v leaves the map, counted as an eviction
 
   int64_t capacity_;
   std::unique_ptr<EvictionPolicy> policy_;
