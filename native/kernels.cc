@@ -458,17 +458,19 @@ void pool_backward_update(const PoolingArgs& a, float* pool, const float* grad_o
     }
   });
 
-  // Each part takes unique rows of about equal work: the rows' occurrences plus a fixed cost
-  // per row update (its row is a likely cache and TLB miss: measured about 16 occurrences).
+  // The updates are cut into several pieces per thread, each of unique rows of about equal work:
+  // the rows' occurrences plus a fixed cost per row update (its row is a likely cache and TLB
+  // miss: measured about 16 occurrences). Threads take pieces in turn (thread_pool.h).
   constexpr int64_t kRowCost = 16;
   auto work = [&](int64_t u) { return start[u] + kRowCost * u; };
   const bool unit_scale = !weighted && a.mode == PoolingMode::kSum;
-  parallel_for(parts, 1, [&](int64_t p0, int64_t p1) {
+  const int64_t pieces = std::max<int64_t>(1, std::min<int64_t>(num_u, parts * ThreadPool::kChunksPerThread));
+  parallel_for(pieces, 1, [&](int64_t p0, int64_t p1) {
     std::vector<float> buf(dim);
     float* __restrict g = buf.data();
     for (int64_t p = p0; p < p1; ++p) {
-      int64_t u_end = balanced_cut(num_u, parts, p + 1, work);
-      int64_t u_begin = balanced_cut(num_u, parts, p, work);
+      int64_t u_end = balanced_cut(num_u, pieces, p + 1, work);
+      int64_t u_begin = balanced_cut(num_u, pieces, p, work);
       int64_t u_ahead = u_begin, k_ahead = start[u_begin], k_stop = start[u_end];
       for (int64_t u = u_begin; u < u_end; ++u) {
         // Keep the rows of the next few updates, and the gradient rows of the next few

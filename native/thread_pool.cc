@@ -28,12 +28,10 @@ ThreadPool::~ThreadPool() { stop_workers(); }
 void ThreadPool::start_workers(int n) {
   num_threads_ = std::max(1, n);
   stop_ = false;
-  // The calling thread does one share itself, so n threads need n - 1 workers. A worker starts
-  // at the current generation: it must neither rerun the call before it nor miss the next one
-  // (no call can start meanwhile: callers hold call_mutex_ or are the constructor).
+  // The calling thread takes chunks too, so n threads need n - 1 workers. A worker starts at
+  // the current generation, so it never joins a loop that began before it existed.
   int64_t generation = generation_;
-  for (int i = 1; i < num_threads_; ++i)
-    workers_.emplace_back([this, i, generation] { worker_loop(i, generation); });
+  for (int i = 1; i < num_threads_; ++i) workers_.emplace_back([this, generation] { worker_loop(generation); });
 }
 
 void ThreadPool::stop_workers() {
@@ -53,48 +51,58 @@ void ThreadPool::set_num_threads(int n) {
   start_workers(n);
 }
 
-void ThreadPool::worker_loop(int index, int64_t seen) {
+void ThreadPool::run_chunks() {
   for (;;) {
-    const std::function<void(int64_t, int64_t)>* fn;
-    int64_t begin, end;
+    int64_t c = next_chunk_.fetch_add(1, std::memory_order_relaxed);
+    if (c >= num_chunks_) return;
+    int64_t begin = c * chunk_;
+    (*fn_)(begin, std::min(n_, begin + chunk_));
+  }
+}
+
+void ThreadPool::worker_loop(int64_t seen) {
+  for (;;) {
     {
       std::unique_lock<std::mutex> lock(mutex_);
       work_cv_.wait(lock, [&] { return stop_ || generation_ != seen; });
       if (stop_) return;
       seen = generation_;
-      fn = fn_;
-      begin = std::min(n_, index * chunk_);
-      end = std::min(n_, begin + chunk_);
+      if (!open_) continue;  // the caller already ran out of chunks: nothing to join
+      ++active_;
     }
-    if (begin < end) (*fn)(begin, end);
+    run_chunks();
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      if (--pending_ == 0) done_cv_.notify_one();
+      if (--active_ == 0 && !open_) done_cv_.notify_one();
     }
   }
 }
 
 void ThreadPool::parallel_for(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& fn) {
   if (n <= 0) return;
-  std::lock_guard<std::mutex> call(call_mutex_);
-  int64_t threads = std::min<int64_t>(num_threads_, (n + std::max<int64_t>(grain, 1) - 1) / std::max<int64_t>(grain, 1));
-  if (threads <= 1) {
+  grain = std::max<int64_t>(grain, 1);
+  const int64_t most_chunks = (n + grain - 1) / grain;
+  std::unique_lock<std::mutex> call(call_mutex_, std::try_to_lock);
+  if (!call.owns_lock() || num_threads_ <= 1 || most_chunks <= 1) {
     fn(0, n);
     return;
   }
-  int64_t chunk = (n + num_threads_ - 1) / num_threads_;
+  const int64_t num_chunks = std::min<int64_t>(most_chunks, num_threads_ * kChunksPerThread);
   {
     std::lock_guard<std::mutex> lock(mutex_);
     fn_ = &fn;
     n_ = n;
-    chunk_ = chunk;
-    pending_ = num_threads_ - 1;
+    chunk_ = (n + num_chunks - 1) / num_chunks;
+    num_chunks_ = (n + chunk_ - 1) / chunk_;
+    next_chunk_.store(0, std::memory_order_relaxed);
+    open_ = true;
     ++generation_;
   }
   work_cv_.notify_all();
-  fn(0, std::min(n, chunk));
+  run_chunks();
   std::unique_lock<std::mutex> lock(mutex_);
-  done_cv_.wait(lock, [&] { return pending_ == 0; });
+  open_ = false;
+  done_cv_.wait(lock, [&] { return active_ == 0; });
 }
 
 }  // namespace tieredemb

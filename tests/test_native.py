@@ -21,9 +21,25 @@ def _train(threads):
 
 
 def test_results_do_not_depend_on_thread_count_and_pool_restarts():
-    """Also a regression test: workers restarted by set_num_threads once reran a stale call."""
-    one, two, one_again = _train(1), _train(2), _train(1)
-    assert torch.equal(one, two) and torch.equal(one, one_again)
+    """Threads take chunks of a loop in turn, so the cuts move with the thread count (5 threads on
+    this 2-core machine also leaves workers that wake after the chunks ran out). Also a regression
+    test: workers restarted by set_num_threads once reran a stale call."""
+    one, two, five, one_again = _train(1), _train(2), _train(5), _train(1)
+    assert torch.equal(one, two) and torch.equal(one, five) and torch.equal(one, one_again)
+
+
+def test_loops_from_two_threads_at_once_give_the_same_rows():
+    """A loop started while another thread's loop holds the pool runs inline on its own thread."""
+    import threading
+
+    reference = _train(2)
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(_train(2))) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(results) == 3 and all(torch.equal(r, reference) for r in results)
 
 
 def test_dedup_keeps_first_occurrence_order_and_inverse():
