@@ -133,6 +133,7 @@ NB_MODULE(_C, m) {
   // Tables alive at interpreter exit (module globals, autograd graphs) are not leaks.
   nb::set_leak_warnings(false);
 
+  m.attr("MAX_WINDOW_BATCHES") = LookaheadWindow::kMaxBatches;
   m.def("set_num_threads", [](int n) { ThreadPool::instance().set_num_threads(n); }, "n"_a);
   m.def("get_num_threads", [] { return ThreadPool::instance().num_threads(); });
 
@@ -319,8 +320,12 @@ NB_MODULE(_C, m) {
             return to_numpy(std::move(ids));
           }, "start"_a, "limit"_a, "sorted resident ids >= start, at most limit (-1: all)")
       .def("window_push", [](TierIndex& t, Ids ids) {
-            nb::gil_scoped_release release;
-            t.window_push(ids.data(), ids.shape(0));
+            Status s;
+            {
+              nb::gil_scoped_release release;
+              s = t.window_push(ids.data(), ids.shape(0));
+            }
+            raise(s);
           }, "ids"_a.noconvert(), "appends a future batch (unique ids) to the lookahead window")
       .def("window_pop", [](TierIndex& t) {
             nb::gil_scoped_release release;

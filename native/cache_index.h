@@ -67,7 +67,7 @@ class TierIndex {
   // batch) first from rows no window batch uses, in the policy's order; then, if it needs more,
   // the row whose first use in the window is farthest, ties in the policy's order. A tier that
   // never evicts keeps no window.
-  virtual void window_push(const int64_t* /*ids*/, int64_t /*n*/) {}
+  virtual Status window_push(const int64_t* /*ids*/, int64_t /*n*/) { return Status::Ok(); }
   virtual bool window_pop() { return false; }  // drops the oldest batch; false if none
   virtual void window_clear() {}
   virtual int64_t window_batches() const { return 0; }
@@ -95,7 +95,7 @@ class CacheIndex final : public TierIndex {
   void dirty_rows(std::vector<int64_t>* ids, std::vector<int64_t>* slots) const override;
   void resident_ids(int64_t start, int64_t limit, std::vector<int64_t>* ids) const override;
   int64_t pinned() const override { return pinned_; }
-  void window_push(const int64_t* ids, int64_t n) override { window_.push(ids, n); }
+  Status window_push(const int64_t* ids, int64_t n) override { return window_.push(ids, n); }
   bool window_pop() override { return window_.pop(); }
   void window_clear() override { window_.clear(); }
   int64_t window_batches() const override { return window_.batches(); }

@@ -39,42 +39,48 @@ class FlatMap {
   // Starts loading key's home bucket (a caller about to look up keys at random, some ahead).
   void prefetch(int64_t key) const { __builtin_prefetch(&slots_[hash(key) & mask_]); }
 
+  // The value of key, where it is stored (valid until the next insert or erase), or null.
+  int64_t* find_value(int64_t key) {
+    for (uint64_t i = hash(key) & mask_;; i = (i + 1) & mask_) {
+      if (slots_[i].key == key) return &slots_[i].val;
+      if (slots_[i].key == kEmpty) return nullptr;
+    }
+  }
+  const int64_t* find_value(int64_t key) const { return const_cast<FlatMap*>(this)->find_value(key); }
+
+  // Inserts key -> val if absent (one probe). Returns where key's value is stored (valid until
+  // the next insert or erase) and whether it was inserted.
+  std::pair<int64_t*, bool> emplace(int64_t key, int64_t val) {
+    if ((size_ + 1) * 2 > static_cast<int64_t>(slots_.size())) reserve(static_cast<int64_t>(slots_.size()));
+    for (uint64_t i = hash(key) & mask_;; i = (i + 1) & mask_) {
+      if (slots_[i].key == key) return {&slots_[i].val, false};
+      if (slots_[i].key == kEmpty) {
+        slots_[i] = Entry{key, val};
+        ++size_;
+        return {&slots_[i].val, true};
+      }
+    }
+  }
+
   // Returns the value of key, or kEmpty.
   int64_t find(int64_t key) const {
-    for (uint64_t i = hash(key) & mask_;; i = (i + 1) & mask_) {
-      if (slots_[i].key == key) return slots_[i].val;
-      if (slots_[i].key == kEmpty) return kEmpty;
-    }
+    const int64_t* val = find_value(key);
+    return val == nullptr ? kEmpty : *val;
   }
 
   // Inserts key -> val if absent. Returns the value now stored and whether it was inserted.
   std::pair<int64_t, bool> insert(int64_t key, int64_t val) {
-    if ((size_ + 1) * 2 > static_cast<int64_t>(slots_.size())) reserve(static_cast<int64_t>(slots_.size()));
-    for (uint64_t i = hash(key) & mask_;; i = (i + 1) & mask_) {
-      if (slots_[i].key == key) return {slots_[i].val, false};
-      if (slots_[i].key == kEmpty) {
-        slots_[i] = Entry{key, val};
-        ++size_;
-        return {val, true};
-      }
-    }
+    auto [stored, inserted] = emplace(key, val);
+    return {*stored, inserted};
   }
 
   // Sets key -> val. Returns the value it replaced, or kEmpty if key was absent (one probe).
   int64_t exchange(int64_t key, int64_t val) {
-    if ((size_ + 1) * 2 > static_cast<int64_t>(slots_.size())) reserve(static_cast<int64_t>(slots_.size()));
-    for (uint64_t i = hash(key) & mask_;; i = (i + 1) & mask_) {
-      if (slots_[i].key == key) {
-        const int64_t old = slots_[i].val;
-        slots_[i].val = val;
-        return old;
-      }
-      if (slots_[i].key == kEmpty) {
-        slots_[i] = Entry{key, val};
-        ++size_;
-        return kEmpty;
-      }
-    }
+    auto [stored, inserted] = emplace(key, val);
+    if (inserted) return kEmpty;
+    const int64_t old = *stored;
+    *stored = val;
+    return old;
   }
 
   // Sets key -> val, inserting key if absent.

@@ -5,12 +5,15 @@
 namespace tieredemb {
 
 namespace {
-constexpr int kIndexBits = 32;
-constexpr int64_t kIndexMask = (int64_t{1} << kIndexBits) - 1;
 constexpr int64_t kAhead = 16;  // map buckets loaded this many ids ahead
 }  // namespace
 
-void LookaheadWindow::push(const int64_t* ids, int64_t n) {
+Status LookaheadWindow::push(const int64_t* ids, int64_t n) {
+  if (count_ >= kMaxBatches)
+    return Status::ValueError("lookahead window: it holds " + std::to_string(count_) +
+                              " batches, the most it can (" + std::to_string(kMaxBatches) + ")");
+  if (n > int64_t{UINT32_MAX})
+    return Status::ValueError("lookahead window: a batch of " + std::to_string(n) + " ids; at most 2^32 - 1");
   if (count_ == static_cast<int64_t>(ring_.size())) {
     // Full: grow, oldest batch first (batch_of() only needs head_ and the sequence numbers).
     std::vector<Batch> grown(ring_.size() ? 2 * ring_.size() : 4);
@@ -24,17 +27,15 @@ void LookaheadWindow::push(const int64_t* ids, int64_t n) {
   b.ids.assign(ids, ids + n);
   b.next.assign(n, -1);
   for (int64_t i = 0; i < n; ++i) {
-    if (i + kAhead < n) {  // ids are random over the table: start loading their buckets early
-      last_.prefetch(ids[i + kAhead]);
-      first_.prefetch(ids[i + kAhead]);
-    }
-    const int64_t previous = last_.exchange(ids[i], (b.seq << kIndexBits) | i);
-    if (previous != FlatMap::kEmpty) {
-      batch_of(previous >> kIndexBits).next[previous & kIndexMask] = b.seq;
-    } else {
-      first_.assign(ids[i], b.seq);
+    // ids are random over the table: start loading their buckets early
+    if (i + kAhead < n) uses_.prefetch(ids[i + kAhead]);
+    auto [use, inserted] = uses_.emplace(ids[i], pack(b.seq, b.seq, i));
+    if (!inserted) {
+      batch_of(full_seq(last_of(*use))).next[index_of(*use)] = b.seq;
+      *use = pack(first_of(*use), b.seq, i);
     }
   }
+  return Status::Ok();
 }
 
 bool LookaheadWindow::pop() {
@@ -42,15 +43,12 @@ bool LookaheadWindow::pop() {
   const Batch& b = ring_[head_];
   const size_t n = b.ids.size();
   for (size_t i = 0; i < n; ++i) {
-    if (i + kAhead < n) {
-      first_.prefetch(b.ids[i + kAhead]);
-      if (b.next[i + kAhead] < 0) last_.prefetch(b.ids[i + kAhead]);
-    }
+    if (i + kAhead < n) uses_.prefetch(b.ids[i + kAhead]);
     if (b.next[i] < 0) {
-      first_.erase(b.ids[i]);
-      last_.erase(b.ids[i]);
+      uses_.erase(b.ids[i]);  // this oldest batch was its first and last use
     } else {
-      first_.assign(b.ids[i], b.next[i]);
+      int64_t* use = uses_.find_value(b.ids[i]);
+      *use = pack(b.next[i], last_of(*use), index_of(*use));
     }
   }
   head_ = (head_ + 1) % static_cast<int64_t>(ring_.size());
@@ -59,8 +57,7 @@ bool LookaheadWindow::pop() {
 }
 
 void LookaheadWindow::clear() {
-  first_.clear();
-  last_.clear();
+  uses_.clear();
   count_ = 0;
 }
 

@@ -143,6 +143,45 @@ def test_sliding_window_by_push_and_pop_is_the_same_as_rebuilding_it():
         idx.window_push(arr(trace[t + 1 + k]))
 
 
+def test_sliding_window_past_2_to_the_16_batches():
+    """The window keeps batch numbers modulo 2^16: windows that straddle batch 65536 (for 40
+    steps in the middle of the check) rank like the model. The slides before the check make no
+    plans, so the index starts it empty."""
+    rng = np.random.default_rng(3)
+    k, capacity, skip = 40, 20, 65_400
+    one = arr([7])
+    idx, model = _C.CacheIndex(capacity, "lru"), LookaheadLRU(capacity)
+    for _ in range(k):
+        idx.window_push(one)
+    for _ in range(skip):
+        idx.window_pop()
+        idx.window_push(one)
+    trace = [rng.choice(60, size=rng.integers(1, 15), replace=False).tolist() for _ in range(300)]
+    for _ in range(k):  # the window now holds trace[1 .. k]
+        idx.window_pop()
+    for w in trace[1:1 + k]:
+        idx.window_push(arr(w))
+    for t in range(len(trace) - k - 1):
+        model.window = trace[t + 1:t + 1 + k]
+        plan = idx.plan(arr(trace[t]))
+        idx.commit(arr(trace[t]), plan, False, False)
+        assert plan.victim_ids.tolist() == model.access(trace[t]), t
+        idx.window_pop()
+        idx.window_push(arr(trace[t + 1 + k]))
+
+
+def test_a_full_window_refuses_one_more_batch():
+    idx = _C.CacheIndex(10, "lru")
+    one = arr([1])
+    for _ in range(_C.MAX_WINDOW_BATCHES):
+        idx.window_push(one)
+    with pytest.raises(ValueError, match="65535 batches, the most it can"):
+        idx.window_push(arr([2]))
+    assert idx.window_batches == _C.MAX_WINDOW_BATCHES
+    idx.window_pop()
+    idx.window_push(one)  # room again
+
+
 @pytest.mark.parametrize("policy", ["lfu", "clock"])
 def test_other_policies_take_rows_outside_the_window_first(policy):
     rng = np.random.default_rng(1)

@@ -354,6 +354,9 @@ def test_loader_argument_errors(batches):
     emb = make_table(cache_rows=CACHE)
     with pytest.raises(ValueError, match="depth must be an int >= 0, got -1"):
         tieredemb.PrefetchLoader(batches, [emb], depth=-1, ids_fn=lambda b: {})
+    with pytest.raises(ValueError, match="lookahead must be an int from 0 to 65535, got 65536"):
+        emb.prefetch_lookahead = 65536
+    assert emb.prefetch_lookahead == 0
     with pytest.raises(TypeError, match="modules must be tiered modules"):
         tieredemb.PrefetchLoader(batches, [torch.nn.Linear(2, 2)], ids_fn=lambda b: {})
     with pytest.raises(ValueError, match="missing"):

@@ -37,6 +37,8 @@ from collections import deque
 import numpy as np
 import torch
 
+from . import _C
+
 _REGISTERED, _PLANNING, _RESIDENT, _FAILED = range(4)
 _IDLE_EXIT_S = 1.0  # a worker with nothing to do for this long exits (a later batch restarts one)
 
@@ -81,8 +83,8 @@ class Prefetcher:
 
     def set_lookahead(self, k: int) -> None:
         """Batch j is made resident once j + k is registered, with j+1 .. j+k as its window."""
-        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
-            raise ValueError(f"lookahead must be an int >= 0, got {k!r}")
+        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= _C.MAX_WINDOW_BATCHES:
+            raise ValueError(f"lookahead must be an int from 0 to {_C.MAX_WINDOW_BATCHES}, got {k!r}")
         with self.cond:
             if self.queue:
                 raise RuntimeError(f"lookahead cannot change while {len(self.queue)} batches are registered")
