@@ -126,12 +126,10 @@ def test_matches_the_python_model_with_pinned_rows(data):
     run_both(capacity, trace[:n], windows, pins)
 
 
-def test_sliding_window_by_push_and_pop_is_the_same_as_rebuilding_it():
-    """A window kept by pop() + push() (as the engine does) ranks like a fresh one."""
-    rng = np.random.default_rng(0)
-    trace = [rng.choice(60, size=rng.integers(1, 15), replace=False).tolist() for _ in range(400)]
-    k, capacity = 3, 20
-    idx, model = _C.CacheIndex(capacity, "lru"), LookaheadLRU(capacity)
+def slide_and_check(idx, capacity: int, trace: list[list[int]], k: int) -> None:
+    """Runs trace through idx (empty, window empty) with a window of the next k batches kept by
+    pop() + push(), as the engine does, checking each batch's victims against the model."""
+    model = LookaheadLRU(capacity)
     for w in trace[1:1 + k]:
         idx.window_push(arr(w))
     for t in range(len(trace) - k - 1):
@@ -141,6 +139,13 @@ def test_sliding_window_by_push_and_pop_is_the_same_as_rebuilding_it():
         assert plan.victim_ids.tolist() == model.access(trace[t]), t
         idx.window_pop()
         idx.window_push(arr(trace[t + 1 + k]))
+
+
+def test_sliding_window_by_push_and_pop_is_the_same_as_rebuilding_it():
+    """A window kept by pop() + push() ranks like a fresh one."""
+    rng = np.random.default_rng(0)
+    trace = [rng.choice(60, size=rng.integers(1, 15), replace=False).tolist() for _ in range(400)]
+    slide_and_check(_C.CacheIndex(20, "lru"), 20, trace, k=3)
 
 
 def test_sliding_window_past_2_to_the_16_batches():
@@ -148,26 +153,17 @@ def test_sliding_window_past_2_to_the_16_batches():
     steps in the middle of the check) rank like the model. The slides before the check make no
     plans, so the index starts it empty."""
     rng = np.random.default_rng(3)
-    k, capacity, skip = 40, 20, 65_400
-    one = arr([7])
-    idx, model = _C.CacheIndex(capacity, "lru"), LookaheadLRU(capacity)
+    k, capacity = 40, 20
+    idx, one = _C.CacheIndex(capacity, "lru"), arr([7])
     for _ in range(k):
         idx.window_push(one)
-    for _ in range(skip):
+    for _ in range(65_400):
         idx.window_pop()
         idx.window_push(one)
+    for _ in range(k):
+        idx.window_pop()
     trace = [rng.choice(60, size=rng.integers(1, 15), replace=False).tolist() for _ in range(300)]
-    for _ in range(k):  # the window now holds trace[1 .. k]
-        idx.window_pop()
-    for w in trace[1:1 + k]:
-        idx.window_push(arr(w))
-    for t in range(len(trace) - k - 1):
-        model.window = trace[t + 1:t + 1 + k]
-        plan = idx.plan(arr(trace[t]))
-        idx.commit(arr(trace[t]), plan, False, False)
-        assert plan.victim_ids.tolist() == model.access(trace[t]), t
-        idx.window_pop()
-        idx.window_push(arr(trace[t + 1 + k]))
+    slide_and_check(idx, capacity, trace, k)
 
 
 def test_a_full_window_refuses_one_more_batch():
