@@ -12,6 +12,7 @@
 #include <cstring>
 
 #include "file_io.h"
+#include "row_moves.h"
 
 namespace tieredemb {
 
@@ -335,7 +336,6 @@ Status LogFile::WriteFrom(const int64_t* ids, int64_t n, const uint8_t* src, int
                           const int64_t* src_rows) {
   Status s = check_ids(ids, n);
   if (!s.ok() || n == 0) return s;
-  auto row = [&](int64_t k) { return src + (src_rows ? src_rows[k] : k) * src_stride; };
   s = drain();  // one append in flight at a time; the staging block is reused
   if (!s.ok()) return s;
   const int64_t rec = record_bytes(n, row_bytes_);
@@ -345,7 +345,7 @@ Status LogFile::WriteFrom(const int64_t* ids, int64_t n, const uint8_t* src, int
     const uint8_t* rows = src;
     if (src_rows != nullptr || src_stride != row_bytes_) {
       gathered.resize(static_cast<size_t>(n * row_bytes_));
-      for (int64_t k = 0; k < n; ++k) std::memcpy(gathered.data() + k * row_bytes_, row(k), static_cast<size_t>(row_bytes_));
+      gather_rows(src, src_stride, src_rows, n, gathered.data(), row_bytes_);
       rows = gathered.data();
     }
     s = append(ids, n, rows);
@@ -357,8 +357,7 @@ Status LogFile::WriteFrom(const int64_t* ids, int64_t n, const uint8_t* src, int
     LogHeader h{kLogMagic, static_cast<uint64_t>(n), static_cast<uint64_t>(row_bytes_), 0};
     std::memcpy(staged_.data(), &h, sizeof h);
     std::memcpy(staged_.data() + sizeof h, ids, id_bytes);
-    uint8_t* dst = staged_.data() + sizeof h + id_bytes;
-    for (int64_t k = 0; k < n; ++k) std::memcpy(dst + k * row_bytes_, row(k), static_cast<size_t>(row_bytes_));
+    gather_rows(src, src_stride, src_rows, n, staged_.data() + sizeof h + id_bytes, row_bytes_);
     staged_seg_ = current_;
     staged_off_ = current_->end;
     const int64_t first_row = current_->end + record_bytes(0, row_bytes_) + n * 8;

@@ -12,6 +12,11 @@ namespace tieredemb {
 void copy_rows(const float* src, const int64_t* src_rows, float* dst, const int64_t* dst_rows, int64_t n,
                int64_t width);
 
+// Packs n rows of row_bytes each into dst: row k from src + src_rows[k] * src_stride (bytes;
+// src_rows null: k), e.g. a pool's rows on their way into a store's record. In parallel, loading the rows ahead.
+void gather_rows(const uint8_t* src, int64_t src_stride, const int64_t* src_rows, int64_t n, uint8_t* dst,
+                 int64_t row_bytes);
+
 // dst[dst_rows[i]] = src[src_rows[i]] where src_rows[i] >= 0, else the initial row of ids[i].
 // Returns how many rows were copied (the rest were initialized).
 int64_t read_or_init(const float* src, const int64_t* src_rows, const int64_t* ids, float* dst,
