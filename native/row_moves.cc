@@ -67,8 +67,8 @@ int64_t read_or_init(const float* src, const int64_t* src_rows, const int64_t* i
   }
   copy_rows(src, copy_src.data(), dst, copy_dst.data(), static_cast<int64_t>(copy_src.size()), width);
   if (!absent.empty()) {
-    // init_rows is itself parallel (and parallel_for does not nest): initialize into a packed
-    // block, then place the rows.
+    // init_rows is itself parallel (and a loop inside a loop runs on one thread): initialize
+    // into a packed block, then place the rows.
     int64_t m = static_cast<int64_t>(absent.size());
     std::vector<int64_t> absent_ids(m), absent_dst(m), packed(m);
     for (int64_t k = 0; k < m; ++k) {

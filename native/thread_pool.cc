@@ -51,13 +51,21 @@ void ThreadPool::set_num_threads(int n) {
   start_workers(n);
 }
 
+namespace {
+// Set while a thread runs chunks of a loop: a loop started inside one runs inline (and never
+// touches call_mutex_, which this thread may hold).
+thread_local bool t_in_loop = false;
+}  // namespace
+
 void ThreadPool::run_chunks() {
+  t_in_loop = true;
   for (;;) {
     int64_t c = next_chunk_.fetch_add(1, std::memory_order_relaxed);
-    if (c >= num_chunks_) return;
+    if (c >= num_chunks_) break;
     int64_t begin = c * chunk_;
     (*fn_)(begin, std::min(n_, begin + chunk_));
   }
+  t_in_loop = false;
 }
 
 void ThreadPool::worker_loop(int64_t seen) {
@@ -80,10 +88,15 @@ void ThreadPool::worker_loop(int64_t seen) {
 
 void ThreadPool::parallel_for(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& fn) {
   if (n <= 0) return;
+  if (t_in_loop) {
+    fn(0, n);
+    return;
+  }
   grain = std::max<int64_t>(grain, 1);
   const int64_t most_chunks = (n + grain - 1) / grain;
   std::unique_lock<std::mutex> call(call_mutex_, std::try_to_lock);
   if (!call.owns_lock() || num_threads_ <= 1 || most_chunks <= 1) {
+    if (call.owns_lock()) call.unlock();
     fn(0, n);
     return;
   }

@@ -10,7 +10,7 @@
 // chunk, never for one that had not woken up before the chunks ran out.
 // One loop runs on the pool at a time: a call made while another thread's loop holds the pool
 // (the prefetch worker's residency next to the training thread's kernels) runs inline on its
-// own thread instead of waiting.
+// own thread instead of waiting, and so does a loop started inside a loop.
 #pragma once
 
 #include <atomic>
