@@ -108,19 +108,23 @@ def _next_access(keys, start, later, out):
         later[k] = start + i + 1
 
 
+def _check_obj_size(obj_size: int) -> None:
+    if not 0 < obj_size < 2**32:
+        raise TraceError(f"obj_size {obj_size} must lie in [1, 2**32)")
+
+
 def write_keys(path, keys, *, obj_size: int = 1) -> None:
     """Writes an in-memory key sequence as oracleGeneral, one request per key (clock_time = its
     position): what export_oracle writes for a trace of one-lookup batches, without the trace."""
+    _check_obj_size(obj_size)
     keys = np.ascontiguousarray(keys, dtype=np.int64)
     n = keys.size
     if n >= 2**32:
         raise TraceError(f"{n} requests do not fit oracleGeneral's u32 clock_time")
     if n and keys.min() < 0:
         raise TraceError(f"key {int(keys.min())} is negative (oracleGeneral ids are unsigned)")
-    order = np.argsort(keys, kind="stable")
-    same = keys[order[1:]] == keys[order[:-1]]
-    nxt = np.full(n, -1, np.int64)
-    nxt[order[:-1][same]] = order[1:][same] + 1  # 1-based, as traceConv writes
+    nxt = np.empty(n, np.int64)
+    _next_access(keys, 0, Dict.empty(types.int64, types.int64), nxt)
     rec = np.zeros(n, RECORD)
     rec["time"] = np.arange(n)
     rec["id"] = keys
@@ -132,8 +136,7 @@ def write_keys(path, keys, *, obj_size: int = 1) -> None:
 def export_oracle(src, dst, *, obj_size: int = 1, progress: bool = False) -> None:
     from tqdm import tqdm
 
-    if not 0 < obj_size < 2**32:
-        raise TraceError(f"obj_size {obj_size} must lie in [1, 2**32)")
+    _check_obj_size(obj_size)
     with open_trace(src) as r:
         n = r.header.num_lookups
         if r.header.num_batches >= 2**32:
