@@ -191,8 +191,7 @@ class Tier:
             if staging is not None:
                 self.scatter(miss_slots, staging)
             elif self.lower is None:
-                _C.read_or_init(self.pool, torch.full((num_misses,), -1, dtype=torch.int64), miss_ids, self.pool,
-                                miss_slots, *self.init.args)
+                self.init.fill_rows(miss_ids, self.pool, miss_slots)
             elif self._in_place:  # a host tier below (into_slots: read above already)
                 self.lower.read_to(miss_ids, self.pool, miss_slots)
             self.bytes_in += num_misses * self.row_bytes
