@@ -54,6 +54,24 @@ void check_block(const char* what, size_t rows, size_t cols, int64_t n, int64_t 
                            std::to_string(cols) + "]").c_str());
 }
 
+// The rows of a pool named by index (read_to's destination, write_from's source; `what` names
+// the pool): rows of row_bytes, one index per id, each inside the pool.
+void check_pool_rows(const char* what, size_t pool_rows, size_t cols, const Ids& rows, int64_t n, int64_t row_bytes) {
+  const std::string name(what);
+  if (static_cast<int64_t>(cols) != row_bytes)
+    throw nb::value_error((name + ": rows of " + std::to_string(cols) + " bytes, the table's are " +
+                           std::to_string(row_bytes)).c_str());
+  if (static_cast<int64_t>(rows.shape(0)) != n)
+    throw nb::value_error((name + "_rows: " + std::to_string(rows.shape(0)) + " entries for " + std::to_string(n) +
+                           " ids").c_str());
+  const int64_t limit = static_cast<int64_t>(pool_rows);
+  for (int64_t k = 0; k < n; ++k) {
+    if (rows.data()[k] < 0 || rows.data()[k] >= limit)
+      throw nb::index_error((name + " row " + std::to_string(rows.data()[k]) + " out of range [0, " +
+                             std::to_string(limit) + ")").c_str());
+  }
+}
+
 template <typename T>
 nb::ndarray<nb::numpy, T, nb::ndim<1>> vector_to_numpy(std::vector<T>&& v) {
   auto* heap = new std::vector<T>(std::move(v));
@@ -85,18 +103,7 @@ void add_common(Cls& cls) {
       .def("read_to", [](Py& self, Ids ids, Bytes out, Ids out_rows) {
             F& f = self.get();
             const int64_t n = static_cast<int64_t>(ids.shape(0));
-            if (static_cast<int64_t>(out.shape(1)) != f.row_bytes())
-              throw nb::value_error(("out: expected rows of " + std::to_string(f.row_bytes()) + " bytes, got " +
-                                     std::to_string(out.shape(1))).c_str());
-            if (static_cast<int64_t>(out_rows.shape(0)) != n)
-              throw nb::value_error(("out_rows: expected " + std::to_string(n) + " rows, got " +
-                                     std::to_string(out_rows.shape(0))).c_str());
-            const int64_t limit = static_cast<int64_t>(out.shape(0));
-            for (int64_t k = 0; k < n; ++k) {
-              if (out_rows.data()[k] < 0 || out_rows.data()[k] >= limit)
-                throw nb::index_error(("out row " + std::to_string(out_rows.data()[k]) + " out of range [0, " +
-                                       std::to_string(limit) + ")").c_str());
-            }
+            check_pool_rows("out", out.shape(0), out.shape(1), out_rows, n, f.row_bytes());
             std::vector<uint8_t> found(static_cast<size_t>(n));
             Status s;
             {
@@ -206,16 +213,7 @@ void register_ssd(nb::module_& m) {
       .def("write_from", [](PyLogFile& self, Ids ids, ConstBytes src, Ids src_rows) {
             LogFile& f = self.get();
             const int64_t n = static_cast<int64_t>(ids.shape(0));
-            if (static_cast<int64_t>(src.shape(1)) != f.row_bytes())
-              throw nb::value_error(("write_from: src rows are " + std::to_string(src.shape(1)) + " bytes, the table's " +
-                                     std::to_string(f.row_bytes())).c_str());
-            if (static_cast<int64_t>(src_rows.shape(0)) != n) throw nb::value_error("write_from: ids and src_rows differ in length");
-            const int64_t limit = static_cast<int64_t>(src.shape(0));
-            for (int64_t k = 0; k < n; ++k) {
-              if (src_rows.data()[k] < 0 || src_rows.data()[k] >= limit)
-                throw nb::index_error(("write_from: src row " + std::to_string(src_rows.data()[k]) + " out of range [0, " +
-                                       std::to_string(limit) + ")").c_str());
-            }
+            check_pool_rows("src", src.shape(0), src.shape(1), src_rows, n, f.row_bytes());
             Status s;
             {
               nb::gil_scoped_release release;
