@@ -12,10 +12,17 @@
 3. Hit ratio of lookahead-k (k = 1, 2, 4, 8, 32, 128) against belady and lru at 1% and 10% of the rows,
    batch mode, on the engine workload's batches (bench/workload.py; 2048 bags x 20 ids so that a
    batch's unique rows fit in 1% of a 2M-row table).
+4. From the command line, whole processes (start-up included): `tieredemb simulate` on the trace
+   (our format, and the oracleGeneral file itself) against a Python process that imports
+   libcachesim and runs its LRU on the oracleGeneral file (`--libcachesim FILE`, below), in turn.
+
+The trace of 1, 2 and 4 is tieredemb.trace.ZipfSampler's batch 0 (the project's one Zipf sampler).
 
     python bench/bench_sim.py                  # everything, the issue's sizes
     python bench/bench_sim.py --quick          # smoke test (1M lookups, 40 batches)
     python bench/bench_sim.py --json bench/out/sim.json
+    python bench/bench_sim.py --libcachesim z.oracleGeneral.bin --capacity 100000   # libCacheSim alone, one
+                                               # process (what section 4 times; for timing with other tools)
 """
 
 from __future__ import annotations
@@ -25,17 +32,19 @@ import dataclasses
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from workload import BatchSource, Workload, ZipfIds
+# Lazy packages: the names below load numba (and workload.py torch) on first use, so that
+# `--libcachesim` times libCacheSim's process without them.
+import tieredemb.sim as sim
+import tieredemb.trace as trace
 
-from tieredemb.sim import Simulator, mrc, simulate
-from tieredemb.trace.oracle import write_keys
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 SPEED_TARGET = 5.0       # ours / libCacheSim, lookups/s
 CURVE_TARGET = 2.0       # 100-size curve time / single-size run time, at most
@@ -44,7 +53,8 @@ LOOKAHEADS = (1, 2, 4, 8, 32, 128)  # windows in batches
 
 
 def zipf_trace(lookups: int, rows: int, alpha: float, seed: int) -> np.ndarray:
-    return ZipfIds(rows, alpha, seed).sample(lookups, np.random.default_rng([seed, 1]))
+    """int64 [lookups] ids: ZipfSampler(rows, alpha, seed)'s batch 0."""
+    return trace.ZipfSampler(rows, alpha, seed=seed).batch(0, lookups)
 
 
 def timed(fn):
@@ -64,17 +74,19 @@ def fmt(seconds: list[float]) -> str:
 def bench_speed(keys: np.ndarray, cap: int, runs: int) -> dict:
     import libcachesim as lcs
 
+    from tieredemb.trace.oracle import write_keys
+
     n = keys.size
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "trace.oracleGeneral")
         write_keys(path, keys)
-        simulate(keys[:1000], None, "lru", [10], mode="request")  # compile / load the kernels
+        sim.simulate(keys[:1000], None, "lru", [10], mode="request")  # compile / load the kernels
         times = {"ours": [], "ours_list": [], "libcachesim": []}
         hits = {}
         def list_kernel():
-            sim = Simulator("lru", [cap], int(keys.max()) + 1, mode="request")
-            sim.feed(keys)
-            return sim.result()
+            s = sim.Simulator("lru", [cap], int(keys.max()) + 1, mode="request")
+            s.feed(keys)
+            return s.result()
 
         def libcachesim_run():
             reader = lcs.TraceReader(path, lcs.TraceType.ORACLE_GENERAL_TRACE)
@@ -83,7 +95,7 @@ def bench_speed(keys: np.ndarray, cap: int, runs: int) -> dict:
             return t, round((1 - miss_ratio) * n)
 
         for _ in range(runs):
-            t, r = timed(lambda: simulate(keys, None, "lru", [cap], mode="request"))
+            t, r = timed(lambda: sim.simulate(keys, None, "lru", [cap], mode="request"))
             times["ours"].append(t)
             hits["ours"] = r.tiers[0].hits
             t, r = timed(list_kernel)
@@ -108,16 +120,16 @@ def bench_speed(keys: np.ndarray, cap: int, runs: int) -> dict:
 def bench_curve(keys: np.ndarray, cap: int, runs: int) -> dict:
     """The 100-size curve against one simulate() run at one size (lru: the O(1) boundary
     kernel) and one run of the general list kernel."""
-    mrc(keys[:1000], None, mode="request", points=5)
+    sim.mrc(keys[:1000], None, mode="request", points=5)
     one, one_list, curve = [], [], []
     c = None
     for _ in range(runs):
-        one.append(timed(lambda: simulate(keys, None, "lru", [cap], mode="request"))[0])
-        one_list.append(timed(lambda: Simulator("lru", [cap], int(keys.max()) + 1, mode="request").feed(keys))[0])
-        t, c = timed(lambda: mrc(keys, None, mode="request", points=100))
+        one.append(timed(lambda: sim.simulate(keys, None, "lru", [cap], mode="request"))[0])
+        one_list.append(timed(lambda: sim.Simulator("lru", [cap], int(keys.max()) + 1, mode="request").feed(keys))[0])
+        t, c = timed(lambda: sim.mrc(keys, None, mode="request", points=100))
         curve.append(t)
     for size in c.sizes[:: max(1, len(c.sizes) // 4)]:  # spot-check the curve against single runs
-        assert c.miss_ratio[list(c.sizes).index(size)] == simulate(keys, None, "lru", [int(size)],
+        assert c.miss_ratio[list(c.sizes).index(size)] == sim.simulate(keys, None, "lru", [int(size)],
                                                                    mode="request").tiers[0].miss_ratio
     ratio = statistics.median(curve) / statistics.median(one)
     ratio_list = statistics.median(curve) / statistics.median(one_list)
@@ -130,7 +142,10 @@ def bench_curve(keys: np.ndarray, cap: int, runs: int) -> dict:
             "ratio": ratio, "ratio_list_kernel": ratio_list}
 
 
-def bench_lookahead(w: Workload) -> dict:
+def bench_lookahead(w) -> dict:
+    """w: a workload.Workload."""
+    from workload import BatchSource
+
     src = BatchSource(w)
     keys = np.concatenate([src.indices(i).numpy() for i in range(w.batches)])
     offsets = np.arange(0, keys.size + 1, w.lookups_per_batch)
@@ -141,15 +156,74 @@ def bench_lookahead(w: Workload) -> dict:
           + f" {'belady':>7s}  gap belady - la-k (pp)")
     for pct in (1, 10):
         cap = w.rows * pct // 100
-        hit = {p: simulate(keys, offsets, p, [cap]).hit_ratio for p in ("lru", "belady")}
+        hit = {p: sim.simulate(keys, offsets, p, [cap]).hit_ratio for p in ("lru", "belady")}
         for k in LOOKAHEADS:
-            hit[f"lookahead-{k}"] = simulate(keys, offsets, "lookahead", [cap], lookahead=k).hit_ratio
+            hit[f"lookahead-{k}"] = sim.simulate(keys, offsets, "lookahead", [cap], lookahead=k).hit_ratio
         gaps = {k: 100 * (hit["belady"] - hit[f"lookahead-{k}"]) for k in LOOKAHEADS}
         rows[pct] = {"capacity": cap, "hit_ratio": hit, "gap_pp": gaps}
         print(f"  {cap:>10,} ({pct:>2d}%) {hit['lru']:7.4f} " + " ".join(f"{hit[f'lookahead-{k}']:7.4f}" for k in LOOKAHEADS)
               + f" {hit['belady']:7.4f}  " + " ".join(f"{gaps[k]:.2f}" for k in LOOKAHEADS))
     print(f"  (the prefetch issue's target: within {LOOKAHEAD_GAP_PP} pp of belady)")
     return {"workload": dataclasses.asdict(w), "capacities": rows}
+
+
+def run_libcachesim(path: str, capacity: int) -> dict:
+    """libCacheSim's LRU of `capacity` objects over an oracleGeneral file, in this process:
+    {"requests", "hits", "seconds" (process_trace alone)}."""
+    import libcachesim as lcs
+
+    reader = lcs.TraceReader(path, lcs.TraceType.ORACLE_GENERAL_TRACE)
+    n = os.path.getsize(path) // 24
+    t, (miss_ratio, _) = timed(lambda: lcs.LRU(capacity).process_trace(reader))
+    return {"requests": n, "hits": round((1 - miss_ratio) * n), "seconds": t}
+
+
+def bench_commands(keys: np.ndarray, rows: int, cap: int, runs: int) -> dict:
+    """Whole processes, in turn: `tieredemb simulate` (request mode) on our trace and on the
+    oracleGeneral file, and `--libcachesim` on the oracleGeneral file."""
+    from tieredemb.trace.oracle import write_keys
+
+    n = keys.size
+    with tempfile.TemporaryDirectory() as d:
+        trace_path, oracle = os.path.join(d, "z.trace"), os.path.join(d, "z.oracleGeneral.bin")
+        with trace.TraceWriter(trace_path, [trace.TableInfo("table0", rows)]) as w:
+            w.write_batches(keys, np.unique(np.append(np.arange(0, n, 4096), n)))
+        write_keys(oracle, keys)
+        simulate_cmd = [sys.executable, "-m", "tieredemb.cli", "simulate", "--capacity", str(cap), "--mode", "request",
+                        "--json"]
+        commands = {"ours_trace": simulate_cmd + [trace_path], "ours_oracle": simulate_cmd + [oracle],
+                    "libcachesim": [sys.executable, os.path.abspath(__file__), "--libcachesim", oracle,
+                                    "--capacity", str(cap)]}
+        times = {k: [] for k in commands}
+        hits, in_process = {}, []
+        for r in range(runs + 1):  # the first round warms the page cache and numba's cache: not counted
+            for name, cmd in commands.items():
+                t, done = timed(lambda: subprocess.run(cmd, capture_output=True, text=True))
+                if done.returncode:
+                    raise SystemExit(f"{' '.join(cmd)} failed:\n{done.stderr}")
+                out = json.loads(done.stdout)
+                hits[name] = out["hits"] if name == "libcachesim" else out[0]["tiers"][0]["hits"]
+                if r:
+                    times[name].append(t)
+                    if name == "libcachesim":
+                        in_process.append(out["seconds"])
+    if len(set(hits.values())) != 1:
+        raise SystemExit(f"hit counts differ: {hits}")
+    med = {k: statistics.median(v) for k, v in times.items()}
+    print(f"command line (whole processes, start-up included), LRU, {n:,} lookups, cache {cap:,} rows, request "
+          f"mode; {runs} runs each, in turn; hit ratio {hits['ours_trace'] / n:.4f} in all")
+    for name, label in (("ours_trace", "tieredemb simulate z.trace"),
+                        ("ours_oracle", "tieredemb simulate z.oracleGeneral.bin"),
+                        ("libcachesim", "python: libcachesim LRU")):
+        print(f"  {label:40s} {fmt(times[name])}  {n / med[name] / 1e6:7.2f} M lookups/s")
+    lcs_in = statistics.median(in_process)
+    print(f"  libCacheSim's process_trace alone (in process): {lcs_in:.3f} s")
+    print(f"  ratio ours / libCacheSim, whole processes: {med['libcachesim'] / med['ours_trace']:.2f}x (.trace), "
+          f"{med['libcachesim'] / med['ours_oracle']:.2f}x (oracleGeneral); our whole process against libCacheSim "
+          f"in process: {lcs_in / med['ours_trace']:.2f}x")
+    return {"lookups": n, "capacity": cap, "seconds": times, "libcachesim_in_process_seconds": in_process,
+            "ratio_whole_process": med["libcachesim"] / med["ours_trace"],
+            "ratio_against_in_process": lcs_in / med["ours_trace"]}
 
 
 def main(argv=None) -> int:
@@ -161,9 +235,18 @@ def main(argv=None) -> int:
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--batches", type=int, default=200, help="engine-workload batches for lookahead-k")
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--skip", nargs="*", default=[], choices=["speed", "curve", "lookahead"])
+    p.add_argument("--skip", nargs="*", default=[], choices=["speed", "curve", "lookahead", "commands"])
     p.add_argument("--json", default=None, help="write the figures here")
+    p.add_argument("--libcachesim", metavar="ORACLE_FILE", default=None,
+                   help="only run libCacheSim's LRU on this oracleGeneral file (--capacity objects) and print "
+                        "{requests, hits, seconds} as JSON: the peer as a command of its own")
+    p.add_argument("--capacity", type=int, default=None, help="cache size for --libcachesim (objects)")
     a = p.parse_args(argv)
+    if a.libcachesim:
+        if not a.capacity or a.capacity < 1:
+            p.error(f"--libcachesim needs --capacity N (objects, N >= 1), got {a.capacity}")
+        print(json.dumps(run_libcachesim(a.libcachesim, a.capacity)))
+        return 0
     if a.quick:
         a.lookups, a.rows, a.runs, a.batches = 1_000_000, 1_000_000, 3, 40
     keys = zipf_trace(a.lookups, a.rows, a.alpha, seed=0)
@@ -173,7 +256,11 @@ def main(argv=None) -> int:
         out["speed"] = bench_speed(keys, cap, a.runs)
     if "curve" not in a.skip:
         out["curve"] = bench_curve(keys, cap, a.runs)
+    if "commands" not in a.skip:
+        out["commands"] = bench_commands(keys, a.rows, cap, a.runs)
     if "lookahead" not in a.skip:
+        from workload import Workload
+
         out["lookahead"] = bench_lookahead(Workload(bags=2048, batches=a.batches))
     if a.json:
         with open(a.json, "w") as f:

@@ -4,10 +4,11 @@ A batch is B bags of exactly L ids each, torch layout:
     indices: int64 [B * L]   row ids in [0, rows)
     offsets: int64 [B]       bag starts, arange(0, B * L, L)  (include_last_offset=False)
 
-Id distribution: a rank r in [1, rows] is drawn with P(r) ~ 1 / r**alpha, then mapped through a
-fixed random permutation of the row ids, so hot rows are scattered over the table rather than
-packed at its start. Batch i depends only on (rows, alpha, seed, i, B, L): not on how many batches
-are generated, nor in what order, so other benchmarks and tests can regenerate any one of them.
+Id distribution: tieredemb.trace.ZipfSampler, the project's one Zipf sampler: a rank r in
+[1, rows] is drawn with P(r) ~ 1 / r**alpha, then mapped through a fixed pseudo-random
+permutation of the row ids, so hot rows are scattered over the table rather than packed at its
+start. Batch i depends only on (rows, alpha, seed, i, B, L): not on how many batches are
+generated, nor in what order, so other benchmarks and tests can regenerate any one of them.
 
 Reused by bench_train.py and by benchmarks with other sizes (e.g. 10M rows, alpha 1.05).
 """
@@ -21,9 +22,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-# Stream tags for np.random.default_rng([seed, TAG, ...]): independent streams per role.
-_PERMUTATION_STREAM = 0
-_BATCH_STREAM = 1
+from tieredemb.trace.synth import ZipfSampler
+
+# Stream tag for np.random.default_rng([seed, TAG]): the upstream gradient's own stream.
 _GRAD_STREAM = 2
 
 
@@ -45,45 +46,6 @@ class Workload:
 QUICK = Workload(rows=200_000, bags=2048, batches=5)
 
 
-class ZipfIds:
-    """Samples row ids: Zipf(alpha) rank over [1, rows], then a fixed permutation of [0, rows).
-
-    Inverse-CDF sampling: one float64 cumulative array of `rows` entries (8 bytes/row) and one
-    int64 permutation (8 bytes/row); each id costs one binary search.
-    """
-
-    def __init__(self, rows: int, alpha: float, seed: int):
-        if rows <= 0:
-            raise ValueError(f"rows {rows} must be > 0")
-        if alpha <= 0:
-            raise ValueError(f"alpha {alpha} must be > 0")
-        self.rows = rows
-        self.alpha = alpha
-        self.seed = seed
-        weights = np.arange(1, rows + 1, dtype=np.float64)
-        np.power(weights, -alpha, out=weights)
-        cdf = np.cumsum(weights, out=weights)
-        cdf /= cdf[-1]
-        self._cdf = cdf
-        self.permutation = np.random.default_rng([seed, _PERMUTATION_STREAM]).permutation(rows)
-
-    def ranks(self, n: int, rng: np.random.Generator) -> np.ndarray:
-        """0-based ranks (0 = hottest), int64 [n]."""
-        u = rng.random(n)
-        r = np.searchsorted(self._cdf, u, side="right")
-        # cdf[-1] is 1.0 up to rounding; u < 1 so r <= rows - 1 except for rounding below 1.0.
-        np.minimum(r, self.rows - 1, out=r)
-        return r
-
-    def sample(self, n: int, rng: np.random.Generator) -> np.ndarray:
-        """Row ids, int64 [n]."""
-        return self.permutation[self.ranks(n, rng)]
-
-    def hottest(self, k: int) -> np.ndarray:
-        """The k most probable row ids, hottest first, int64 [k]."""
-        return self.permutation[:k].copy()
-
-
 def offsets_for(bags: int, ids_per_bag: int) -> torch.Tensor:
     """Bag starts, int64 [B], for fixed-length bags (torch layout, no trailing total)."""
     return torch.arange(0, bags * ids_per_bag, ids_per_bag, dtype=torch.int64)
@@ -94,14 +56,12 @@ class BatchSource:
 
     def __init__(self, w: Workload):
         self.workload = w
-        self.ids = ZipfIds(w.rows, w.alpha, w.seed)
+        self.ids = ZipfSampler(w.rows, w.alpha, seed=w.seed)
         self.offsets = offsets_for(w.bags, w.ids_per_bag)
 
     def indices(self, i: int) -> torch.Tensor:
         """int64 [B * L] ids of batch i."""
-        w = self.workload
-        rng = np.random.default_rng([w.seed, _BATCH_STREAM, i])
-        return torch.from_numpy(self.ids.sample(w.lookups_per_batch, rng))
+        return torch.from_numpy(self.ids.batch(i, self.workload.lookups_per_batch))
 
     def batch(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(indices int64 [B * L], offsets int64 [B]); offsets is shared by every batch."""

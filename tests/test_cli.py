@@ -1,24 +1,54 @@
 """The `tieredemb` command: the demo (README's main job) runs end to end, in memory and over
-an SSD store; unknown commands and --help behave."""
+an SSD store; unknown commands, --help and --version behave; commands start without what they do
+not need, and a cold numba cache is announced."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import tieredemb
 from tieredemb.cli import main
+from tieredemb.trace import TableInfo, TraceWriter
 
 SMALL = ["--steps", "3", "--rows", "50000", "--cache-rows", "10000", "--batch", "128", "--bag-len", "8"]
 
 
-def test_demo_trains_and_reports(capsys):
+def test_demo_trains_through_prefetch_and_reports(capsys):
     assert main(["demo", *SMALL]) == 0
     out = capsys.readouterr().out
-    assert "3 steps in" in out and "tier0  hit rate" in out
+    assert "3 steps in" in out and "tier0  hit rate" in out and "host store: " in out
+    assert "prefetch (depth 2): " in out and "% of tier-0 misses were made resident before" in out
+    assert main(["demo", *SMALL, "--prefetch-depth", "0"]) == 0
+    assert "prefetch: off" in capsys.readouterr().out
 
 
-def test_demo_over_the_log_store(tmp_path, capsys):
-    assert main(["demo", *SMALL, "--ssd-path", str(tmp_path / "t"), "--ssd-backend", "log"]) == 0
+def test_demo_over_the_log_store_says_when_it_reopens_a_table(tmp_path, capsys):
+    args = ["demo", *SMALL, "--ssd-path", str(tmp_path / "t"), "--ssd-backend", "log"]
+    assert main(args) == 0
     out = capsys.readouterr().out
-    assert "SSD at" in out and "'rows_written'" in out
+    assert "SSD store at" in out and "created a new table at" in out and "rows written back" in out
+    assert "{" not in out  # no raw dicts
     assert (tmp_path / "t" / "log.json").exists()
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "reopened the log table at" in out and "it has trained 3 steps" in out
+    assert "has trained 6 steps in all" in out
+
+
+def test_every_demo_option_has_help_and_a_default(capsys):
+    with pytest.raises(SystemExit):
+        main(["demo", "--help"])
+    text = capsys.readouterr().out
+    text = text[text.index("options:"):]
+    for option in ("--rows", "--dim", "--cache-rows", "--host-rows", "--ssd-path", "--ssd-backend", "--steps",
+                   "--batch", "--bag-len", "--alpha", "--policy", "--prefetch-depth"):
+        line = text[text.index(option):].split("\n  -")[0]
+        assert "default" in line, option
 
 
 def test_usage_and_unknown_command(capsys):
@@ -26,3 +56,47 @@ def test_usage_and_unknown_command(capsys):
     assert "simulate" in capsys.readouterr().out
     assert main(["frobnicate"]) == 2
     assert "unknown command 'frobnicate'" in capsys.readouterr().err
+
+
+def test_version(capsys):
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out == f"tieredemb {tieredemb.__version__}\n"
+
+
+def _run_command(args: list[str], env=None) -> tuple[subprocess.CompletedProcess, list[str]]:
+    """Runs `tieredemb ARGS` in a fresh interpreter; returns it and which of torch / numba it imported."""
+    code = ("import sys\nfrom tieredemb.cli import main\ntry:\n    status = main(sys.argv[1:])\n"
+            "except SystemExit as e:  # argparse's --help\n    status = e.code\n"
+            "print('IMPORTED', *[m for m in ('torch', 'numba') if m in sys.modules])\nsys.exit(status)")
+    run = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=300,
+                         env=None if env is None else {**os.environ, **env})
+    return run, run.stdout.splitlines()[-1].split()[1:]
+
+
+@pytest.fixture
+def small_trace(tmp_path):
+    path = tmp_path / "t.trace"
+    with TraceWriter(path, [TableInfo("t", 500)]) as w:
+        for b in range(20):
+            w.write_batch((np.arange(40) * (b + 1)) % 500)
+    return path
+
+
+def test_commands_import_only_what_they_need(small_trace):
+    """--help and --version start without torch and numba; simulate needs numba, not torch."""
+    for args, imported in [(["--help"], []), (["--version"], []), (["simulate", "--help"], []),
+                           (["mrc", "--help"], []), (["trace", "inspect", str(small_trace), "--no-reuse"], []),
+                           (["simulate", str(small_trace), "--capacity", "10%"], ["numba"])]:
+        run, modules = _run_command(args)
+        assert run.returncode == 0, run.stderr
+        assert modules == imported, args
+
+
+def test_a_cold_numba_cache_is_announced_once(small_trace, tmp_path):
+    env = {"NUMBA_CACHE_DIR": str(tmp_path / "numba-cache")}
+    first, _ = _run_command(["simulate", str(small_trace), "--capacity", "50", "--mode", "request"], env)
+    assert first.returncode == 0, first.stderr
+    assert first.stderr.count("compiling numba kernels (first run only") == 1, first.stderr
+    again, _ = _run_command(["simulate", str(small_trace), "--capacity", "50", "--mode", "request"], env)
+    assert again.returncode == 0 and again.stderr == ""
+    assert again.stdout.splitlines()[:-1] == first.stdout.splitlines()[:-1]

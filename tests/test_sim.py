@@ -22,7 +22,7 @@ from tieredemb.sim import (
 )
 from tieredemb.sim.cli import mrc as mrc_command
 from tieredemb.sim.cli import simulate as simulate_command
-from tieredemb.trace import TableInfo, TraceWriter
+from tieredemb.trace import TableInfo, TraceError, TraceWriter
 
 INF = float("inf")
 
@@ -49,7 +49,7 @@ def brute_stack_distances(keys, offsets=None):
 
 
 class ModelTier:
-    """One engine tier (native/cache_index.cc + native/policy.cc), written plainly from the trace
+    """One engine tier (native/index/cache_index.cc + native/index/policy.cc), written plainly from the trace
     contract: plan (free slots 0, 1, ... first, then victims chosen among rows not in the batch),
     commit (victims leave; misses inserted and hits touched in batch order)."""
 
@@ -236,8 +236,8 @@ def test_simulate_equals_the_engine(policy, host, train):
     if host:
         assert {f: s["host"][f] for f in FIELDS} == {f: getattr(r.tiers[1], f) for f in FIELDS}
     # the bottom: rows read from it (its hits + misses) and rows written into it
-    assert s["store"]["hits"] + s["store"]["misses"] == r.bottom_reads
-    assert s["store"]["writes"] == r.bottom_writes
+    assert s["store"]["reads"] == r.bottom_reads
+    assert s["store"]["rows_written"] == r.bottom_writes
     if train:
         assert r.tiers[0].dirty_writebacks > 0
 
@@ -346,14 +346,20 @@ def trace_file(tmp_path):
 
 
 def test_trace_file_streamed_equals_in_memory(trace_file):
+    """A file is read chunk by chunk (8 chunks here) into the same counts as its keys in memory:
+    the list kernel, one LRU tier (its own kernel, resumed chunk after chunk), belady (read whole)."""
     path, keys, offsets = trace_file
-    for policy in ("lru", "s3fifo", "belady"):  # belady reads the file whole
-        a = simulate(str(path), None, policy, [300, 900], train=True)
-        b = simulate(keys, offsets, policy, [300, 900], train=True, table_base=[0, 1000])
-        assert [t.per_table[1]["table"] for t in a.tiers] == ["items", "items"]
+    for policy, caps, train, mode in [("lru", [300, 900], True, "batch"), ("s3fifo", [300, 900], True, "batch"),
+                                      ("belady", [300, 900], True, "batch"), ("lru", [300], False, "batch"),
+                                      ("lru", [300], False, "request")]:
+        a = simulate(str(path), None, policy, caps, train=train, mode=mode)
+        b = simulate(keys, offsets, policy, caps, train=train, mode=mode, table_base=[0, 1000])
+        assert [t.per_table[1]["table"] for t in a.tiers] == ["items"] * len(caps)
+        assert [(t["hits"], t["misses"]) for t in a.tiers[0].per_table] == [
+            (t["hits"], t["misses"]) for t in b.tiers[0].per_table]
         for ta, tb in zip(a.tiers, b.tiers):
             ta.per_table = tb.per_table = None
-        assert a == b
+        assert a == b and a.tiers[0].hits > 0
 
 
 def test_chunks_are_traces_too(trace_file):
@@ -395,6 +401,12 @@ def test_mrc_command(trace_file, tmp_path, capsys):
     out = json.loads(capsys.readouterr().out)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert out["miss_ratio"] == mrc(keys, offsets, points=12).miss_ratio.tolist()
+    assert mrc_command([str(path), "--points", "12"]) == 0  # no plot: every point
+    assert len(capsys.readouterr().out.splitlines()) == 2 + 12
+    assert mrc_command([str(path), "--points", "12", "--png", str(png)]) == 0  # the plot has them: a summary
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2 + 5 + 1 and lines[-1] == f"plot: {png} (12 sizes, of which these; --json prints every point)"
+    assert lines[2].split()[0] == f"{out['sizes'][0]:,}" and lines[6].split()[0] == f"{out['sizes'][-1]:,}"
     assert mrc_command([str(path), "--policy", "belady", "--sizes", "20%", "50%"]) == 0
     assert "belady" in capsys.readouterr().out
     assert mrc_command([str(tmp_path / "missing.trace")]) == 2
@@ -406,11 +418,11 @@ def test_bad_input():
         simulate(keys, offsets, "mru", [5])
     with pytest.raises(SimError, match="capacity 0"):
         simulate(keys, offsets, "lru", [5, 0])
-    with pytest.raises(SimError, match="key -3 at lookup 1"):
+    with pytest.raises(TraceError, match="key -3 at lookup 1"):  # bad keys are a trace's content
         simulate([1, -3], None, "lru", [5])
-    with pytest.raises(SimError, match="key -3 at lookup 1"):
+    with pytest.raises(TraceError, match="key -3 at lookup 1"):
         stack_distances([1, -3])
-    with pytest.raises(SimError, match="end at 10"):
+    with pytest.raises(TraceError, match="end at 10"):
         simulate(keys, [0, 5], "lru", [5])
     with pytest.raises(SimError, match="batch 0 needs 5 rows in tier 1"):
         simulate(keys, offsets, "lru", [5, 4])

@@ -49,6 +49,21 @@ def test_reuse_copies_the_previous_batch_at_chosen_positions():
     assert np.sum(a == half.next_batch(1000)) < 300  # reuse reaches back one batch only
 
 
+def test_batches_drawn_alone_equal_the_batches_drawn_in_turn():
+    """batch(i, n) is what the benchmarks' workload draws: batch i on its own, in any order."""
+    s = ZipfSampler(10**6, 1.05, seed=4)
+    in_turn = [s.next_batch(300) for _ in range(4)]
+    alone = ZipfSampler(10**6, 1.05, seed=4)
+    for i in (3, 0, 2, 1):
+        assert np.array_equal(alone.batch(i, 300), in_turn[i])
+    assert not np.array_equal(in_turn[0], in_turn[1])
+    assert np.array_equal(alone.hottest(5), alone.permutation(np.arange(5)))
+    ids = np.concatenate(in_turn)
+    assert np.mean(np.isin(ids, alone.hottest(1000))) > 0.4  # the hottest 0.1% of rows draw most lookups
+    with pytest.raises(TraceError, match=r"rank 1000000 out of range \[0, 1000000\)"):
+        alone.permutation([5, 10**6])
+
+
 def test_seeds_make_traces_deterministic(tmp_path):
     synth_zipf(tmp_path / "a.trace", [100, 10**5], 20, [5, 50], alpha=1.2, reuse=0.3, seed=7)
     synth_zipf(tmp_path / "b.trace", [100, 10**5], 20, [5, 50], alpha=1.2, reuse=0.3, seed=7)

@@ -1,5 +1,6 @@
-"""`tieredemb simulate` and `tieredemb mrc`: hit ratios and miss-ratio curves of a trace file
-(tieredemb.trace format). Bad input exits with status 2 and one line naming the value."""
+"""`tieredemb simulate` and `tieredemb mrc`: hit ratios and miss-ratio curves of a trace file in
+any format tieredemb.trace reads (told from its content). Bad input exits with status 2 and one
+line naming the value."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ import sys
 
 import numpy as np
 
-from .keys import SimError
+from tieredemb.trace.cli import add_input_args, open_input
+
+from .errors import SimError
 from .state import POLICIES
 
 
@@ -31,17 +34,15 @@ def _rows(text: str, total: int) -> int:
     return rows
 
 
-def _header(path: str):
-    from tieredemb.trace import open_trace
-
-    with open_trace(path) as r:
-        return r.header
-
-
 def _run(name: str, body, argv: list[str], parser: argparse.ArgumentParser) -> int:
+    """Parses argv, opens the trace, runs body(args, source); bad input -> one line, status 2."""
+    add_input_args(parser)
     a = parser.parse_args(argv)
     try:
-        return body(a)
+        from tieredemb.trace.jit import compile_notice
+
+        with compile_notice(name), open_input(a.trace, a) as source:
+            return body(a, source)
     except (ValueError, OSError) as e:  # SimError, TraceError and missing files
         print(f"tieredemb {name}: error: {e}", file=sys.stderr)
         return 2
@@ -54,7 +55,7 @@ def _progress_wanted(a) -> bool:
 # -- simulate ----------------------------------------------------------------------------------------
 def _simulate_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tieredemb simulate", description="hit ratios of policies and tier sizes on a trace")
-    p.add_argument("trace", help="trace file (tieredemb format; see `tieredemb trace convert`)")
+    p.add_argument("trace", help="trace file in any supported format (see below)")
     p.add_argument("--policy", action="append",
                    help=f"{', '.join(POLICIES)} or lookahead-K; repeat to compare policies; 'lru,lfu' gives "
                         f"one policy per tier (default lru)")
@@ -68,15 +69,15 @@ def _simulate_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _simulate(a) -> int:
-    from .simulate import simulate as run
+def _simulate(a, source) -> int:
+    from .simulator import simulate as run
 
-    total = _header(a.trace).total_rows
+    total = source.header.total_rows
     caps = [_rows(c, total) for c in a.capacity]
     results = []
     for policy in a.policy or ["lru"]:
         names = policy.split(",")
-        r = run(a.trace, None, names if len(names) > 1 else names[0], caps, mode=a.mode, train=a.train,
+        r = run(source, None, names if len(names) > 1 else names[0], caps, mode=a.mode, train=a.train,
                 lookahead=a.lookahead, progress=_progress_wanted(a))
         results.append(r)
     if a.json:
@@ -105,15 +106,15 @@ def simulate(argv: list[str]) -> int:
 # -- mrc ---------------------------------------------------------------------------------------------
 def _mrc_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tieredemb mrc", description="miss-ratio curve of a trace")
-    p.add_argument("trace", help="trace file (tieredemb format)")
+    p.add_argument("trace", help="trace file in any supported format (see below)")
     p.add_argument("--policy", default="lru", help=f"{', '.join(POLICIES)} or lookahead-K (default lru: exact, one pass)")
     p.add_argument("--sizes", nargs="+", help="cache sizes: rows or N%% of the trace's rows")
     p.add_argument("--points", type=int, default=100, help="log-spaced sizes when --sizes is not given (default 100)")
     p.add_argument("--sample-rate", type=float, default=None, help="SHARDS sampling rate in (0, 1] for big traces")
     p.add_argument("--mode", choices=["batch", "request"], default="batch")
     p.add_argument("--lookahead", type=int, default=None, help="K for policy lookahead")
-    p.add_argument("--png", default=None, help="write a plot to this PNG file")
-    p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--png", default=None, help="write a plot to this PNG file (stdout then gets a short summary)")
+    p.add_argument("--json", action="store_true", help="print JSON (every point)")
     return p
 
 
@@ -138,14 +139,17 @@ def _plot(curve, total: int, path: str, title: str) -> None:
     plt.close(fig)
 
 
-def _mrc(a) -> int:
-    from .mrc import mrc as curve_of
+_SUMMARY_POINTS = 5  # curve points printed when the PNG carries them all
+
+
+def _mrc(a, source) -> int:
+    from .curves import mrc as curve_of
 
     if a.points <= 0:
         raise SimError(f"--points {a.points}: must be > 0")
-    total = _header(a.trace).total_rows
+    total = source.header.total_rows
     sizes = None if a.sizes is None else np.array([_rows(s, total) for s in a.sizes], np.int64)
-    c = curve_of(a.trace, None, sizes, policy=a.policy, mode=a.mode, points=a.points, sample_rate=a.sample_rate,
+    c = curve_of(source, None, sizes, policy=a.policy, mode=a.mode, points=a.points, sample_rate=a.sample_rate,
                  lookahead=a.lookahead, progress=_progress_wanted(a))
     if a.png:
         rate = f", SHARDS rate {c.sample_rate:g}" if c.sample_rate else ""
@@ -155,11 +159,15 @@ def _mrc(a) -> int:
         return 0
     print(f"{a.trace}: {c.policy} miss-ratio curve over {c.lookups:,} lookups ({c.mode} mode"
           f"{f', SHARDS rate {c.sample_rate:g}' if c.sample_rate else ''})")
+    shown = np.arange(c.sizes.size)
+    if a.png and c.sizes.size > _SUMMARY_POINTS:
+        shown = np.unique(np.linspace(0, c.sizes.size - 1, _SUMMARY_POINTS).round().astype(np.int64))
     print(f"{'size (rows)':>14s} {'% rows':>8s} {'miss ratio':>10s} {'hit ratio':>10s}")
-    for s, m in zip(c.sizes, c.miss_ratio):
+    for s, m in zip(c.sizes[shown], c.miss_ratio[shown]):
         print(f"{int(s):>14,} {100 * s / total:>8.3f} {m:>10.4f} {1 - m:>10.4f}")
     if a.png:
-        print(f"plot: {a.png}")
+        print(f"plot: {a.png} ({c.sizes.size} sizes{', of which these' if shown.size < c.sizes.size else ''}; "
+              f"--json prints every point)")
     return 0
 
 

@@ -5,10 +5,12 @@ plan() finds the misses and picks victims (free slots first, slot order 0, 1, ..
 victims are written down to tier l+1 (a plan + commit there that counts writes, which may evict
 and write further down); then commit() applies the plan, inserting misses and touching hits in
 batch order; then the misses are read from tier l+1. This is store.py Tier.resident over
-native/cache_index.cc, step for step. Training marks every key of U dirty in tier 0 afterwards.
+native/index/cache_index.cc, step for step. Training marks every key of U dirty in tier 0 afterwards.
 """
 
 from __future__ import annotations
+
+from tieredemb.trace.jit import inline, kernel, prefetch
 
 from .policies import insert, s3fifo_ghost_take, select, touch
 from .state import (
@@ -42,9 +44,6 @@ from .state import (
     VIC,
     VKEY,
     WRITES,
-    inline,
-    kernel,
-    prefetch,
 )
 
 PREFETCH_AHEAD = 16  # lookups

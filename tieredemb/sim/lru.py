@@ -1,15 +1,18 @@
-"""One LRU tier at one size in O(1) per lookup: stackdist's times and dead bits, plus the boundary
-T, the oldest time still among the `cap` most recent. A lookup hits iff its key's time is >= T
-(as of the start of its batch in batch mode); each touch moves T forward by at most one live time,
-and T never moves back, so the scan for the next live time is O(1) amortized. No count levels:
-about 1.3-1.5x as fast as the stack-distance pass, which answers every size at once (mrc)."""
+"""One LRU tier at one size in O(1) per lookup: tieredemb.trace.reuse's times and dead bits, plus
+the boundary T, the oldest time still among the `cap` most recent. A lookup hits iff its key's
+time is >= T (as of the start of its batch in batch mode); each touch moves T forward by at most
+one live time, and T never moves back, so the scan for the next live time is O(1) amortized. No
+count levels: about 1.3-1.5x as fast as the stack-distance pass (reuse.lru_hits), which answers
+every size at once (curves.mrc), and about 3x as fast as the general list kernel (kernel.py)."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from .stackdist import _renumber, _scratch
-from .state import kernel, popcount, prefetch
+from tieredemb.trace.jit import kernel, popcount, prefetch
+from tieredemb.trace.reuse import renumber, scratch
+
+from .errors import too_wide
 
 _AHEAD = 16
 
@@ -40,46 +43,49 @@ def _next_live(dead, t):
 
 
 @kernel
-def _lru_one_size(keys, offsets, per_request, cap, last, seen, owner, dead, table_of, hits, misses):
-    """hits/misses [T] per table (table_of [D], or one entry for one table). Returns the number
-    of distinct keys. Scratch as stackdist._lru_pass."""
+def _lru_one_size(keys, offsets, per_request, cap, last, seen, owner, dead, table_of, hits, misses, st):
+    """hits/misses [T] per table (table_of [D], or one entry for one table). st: the state between
+    calls, [now, live, top, words, batches so far, batch too wide, its width]. Returns False (st[5],
+    st[6] set) when a batch has more unique keys than cap. Scratch as reuse._lru_pass."""
     n = keys.size
     per_table = table_of.size > 1
-    last[:] = -1
-    seen[:] = -1
-    dead[:] = 0
     max_words = dead.size
-    words = min(16, max_words)
+    now, live, top, words, b0 = st[0], st[1], st[2], st[3], st[4]  # top: the boundary T, once live > cap
     window = words * 64
-    now, live, top = 0, 0, 0  # top: the boundary T, meaningful once live > cap
     nbatches = n if per_request else offsets.size - 1
     for b in range(nbatches):
         s = b if per_request else offsets[b]
         e = b + 1 if per_request else offsets[b + 1]
+        stamp = b0 + b
+        unique = 0
         for i in range(s, e):  # 1. hit or miss, against the order at the batch start
             if i + _AHEAD < n:
                 prefetch(last, keys[i + _AHEAD])
             k = keys[i]
             if not per_request:
-                if seen[k] == b:
+                if seen[k] == stamp:
                     continue
-                seen[k] = b
+                seen[k] = stamp
+            unique += 1
             p = last[k]
             t = table_of[k] if per_table else 0
             if p >= 0 and (live <= cap or p >= top):
                 hits[t] += 1
             else:
                 misses[t] += 1
+        if unique > cap:
+            st[5], st[6] = stamp, unique
+            return False
         for i in range(s, e):  # 2. touch the unique keys in first-occurrence order
             k = keys[i]
             if not per_request:
-                if seen[k] != b:
+                if seen[k] != stamp:
                     continue
-                seen[k] = -2 - b
+                seen[k] = -2 - stamp
             if now == window:  # out of times: renumber (top keeps its rank among live times)
                 rank = _live_below(dead, top) if live > cap else 0
                 words = min(max_words, max(16, (2 * live + 2 + 63) >> 6))
-                now = _renumber(last, owner, dead, now, words)
+                now = renumber(last, owner, dead, now, words)
                 window = words * 64
                 top = rank
             p = last[k]
@@ -95,20 +101,41 @@ def _lru_one_size(keys, offsets, per_request, cap, last, seen, owner, dead, tabl
                 top = _next_live(dead, top)
             elif live > cap and (p < top or p == top):  # a time joined the top set (or T died)
                 top = _next_live(dead, top)
-    return live
+    st[0], st[1], st[2], st[3], st[4] = now, live, top, words, b0 + nbatches
+    return True
 
 
-def lru_one_size(dense: np.ndarray, offsets: np.ndarray | None, nkeys: int, cap: int,
-                 table_of: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, int]:
-    """(hits [T], misses [T], distinct keys) of one LRU tier of `cap` rows: dense keys in
-    [0, nkeys); offsets None for request mode; table_of [nkeys] or None."""
-    table_of = np.zeros(1, np.int64) if table_of is None else np.ascontiguousarray(table_of, np.int64)
-    tables = int(table_of.max(initial=0)) + 1
-    hits, misses = np.zeros(tables, np.int64), np.zeros(tables, np.int64)
-    if dense.size == 0:
-        return hits, misses, 0
-    per_request = offsets is None
-    last, seen, owner, dead, _ = _scratch(nkeys, dense.size, per_request)
-    distinct = _lru_one_size(dense, np.zeros(1, np.int64) if per_request else offsets, per_request, cap, last, seen,
-                             owner, dead, table_of, hits, misses)
-    return hits, misses, int(distinct)
+class LruTier:
+    """One LRU tier of `cap` rows over dense keys in [0, nkeys), fed in order a chunk of whole
+    batches at a time (request mode: offsets None). Memory: O(min(nkeys, lookups)) for a trace of
+    `lookups` lookups in all; table_of [nkeys] (or None) splits the counts per table."""
+
+    def __init__(self, nkeys: int, cap: int, lookups: int, *, per_request: bool, table_of: np.ndarray | None = None):
+        self.cap, self.per_request = int(cap), per_request
+        self._table_of = np.zeros(1, np.int64) if table_of is None else np.ascontiguousarray(table_of, np.int64)
+        tables = int(self._table_of.max(initial=0)) + 1
+        self.hits, self.misses = np.zeros(tables, np.int64), np.zeros(tables, np.int64)
+        self._last, self._seen, self._owner, self._dead, _ = scratch(max(nkeys, 1), max(lookups, 1), per_request)
+        self._last[:] = -1
+        self._seen[:] = -1
+        self._dead[:] = 0
+        self._st = np.array([0, 0, 0, min(16, self._dead.size), 0, -1, 0], np.int64)
+
+    def feed(self, dense: np.ndarray, offsets: np.ndarray | None) -> None:
+        """The next batches: dense keys, and offsets [b+1] (None in request mode). Raises
+        SimError (too_wide) for a batch with more unique keys than the tier holds."""
+        if not _lru_one_size(dense, np.zeros(1, np.int64) if self.per_request else offsets, self.per_request,
+                             self.cap, self._last, self._seen, self._owner, self._dead, self._table_of, self.hits,
+                             self.misses, self._st):
+            raise too_wide(int(self._st[5]), int(self._st[6]), 0, self.cap)
+
+    @property
+    def distinct(self) -> int:
+        """Distinct keys fed so far."""
+        return int(self._st[1])
+
+    @property
+    def batches(self) -> int:
+        """Batches (request mode: lookups) fed so far."""
+        return int(self._st[4])
+

@@ -1,8 +1,8 @@
-"""Eviction policies over one tier's slots (numba), with the engine's contract (native/policy.h):
+"""Eviction policies over one tier's slots (numba), with the engine's contract (native/index/policy.h):
 select() picks victims among occupied slots not used by the current batch (MARK != stamp); then,
 in batch order, insert() for each new row and touch() for each hit.
 
-lru, lfu and clock reproduce native/policy.cc step for step (replay == simulate). The others:
+lru, lfu and clock reproduce native/index/policy.cc step for step (replay == simulate). The others:
   fifo       evicts in insertion order; hits change nothing (libCacheSim's FIFO).
   belady     evicts the row whose next use (batch) is farthest, never used again first; ties by
              slot. No bypass: every miss is inserted, as in libCacheSim's Belady.
@@ -15,6 +15,8 @@ lru, lfu and clock reproduce native/policy.cc step for step (replay == simulate)
 """
 
 from __future__ import annotations
+
+from tieredemb.trace.jit import inline, kernel
 
 from .state import (
     BASE,
@@ -52,11 +54,9 @@ from .state import (
     TAIL2,
     USES,
     VIC,
-    inline,
-    kernel,
 )
 
-LFU_COUNT_MAX = 1 << 30  # native/policy.cc stops counting here
+LFU_COUNT_MAX = 1 << 30  # native/index/policy.cc stops counting here
 
 
 # -- doubly linked lists over slots (head = most recent); PA = prev, PB = next, PA -2 = unlinked ----
@@ -187,7 +187,7 @@ def _heap_select(slot, sc, buf, l, need, stamp):
 
 @kernel
 def _lfu_age(slot, sc, l):
-    """native/policy.cc: every PERIOD = max(1024, 8 C) uses, all counts halve."""
+    """native/index/policy.cc: every PERIOD = max(1024, 8 C) uses, all counts halve."""
     sc[l, USES] += 1
     if sc[l, USES] < sc[l, PERIOD]:
         return
@@ -199,7 +199,7 @@ def _lfu_age(slot, sc, l):
         heap_sift_down(slot, sc, l, i)
 
 
-# -- CLOCK (native/policy.cc ClockPolicy): PA = referenced bit, the hand in sc[l, HAND] ----------------
+# -- CLOCK (native/index/policy.cc ClockPolicy): PA = referenced bit, the hand in sc[l, HAND] ----------------
 @kernel
 def _clock_select(slot, sc, buf, l, need, stamp):
     """Lap one takes unreferenced slots and clears the rest; lap two takes what lap one cleared."""

@@ -23,8 +23,12 @@ from typing import Iterator, Sequence
 import numpy as np
 import torch
 
+from tieredemb.trace.cli import add_input_args, open_input
+from tieredemb.trace.detect import open_any
+from tieredemb.trace.format import TraceSource
+from tieredemb.trace.keys import check_keys, check_offsets
+
 from .cli import _rows
-from .keys import check_keys, check_offsets
 
 
 class ReplayError(ValueError):
@@ -81,18 +85,20 @@ class ReplayResult:
 
 # -- inputs -------------------------------------------------------------------------------------
 class _Source:
-    """A trace file (streamed chunk by chunk) or in-memory arrays, seen as whole batches."""
+    """A trace (a file in any format tieredemb.trace reads, or an open TraceSource; streamed chunk
+    by chunk) or in-memory arrays, seen as whole batches. Closes only the file it opened."""
 
     def __init__(self, source, total_rows: int | None):
-        self._reader = None
-        if isinstance(source, (str, os.PathLike)):
-            from tieredemb.trace import open_trace
-
-            self.name = os.fspath(source)
-            try:
-                self._reader = open_trace(self.name)
-            except OSError as e:
-                raise ReplayError(f"trace {self.name!r} cannot be opened: {e.strerror or e}") from None
+        self._reader = self._opened = None
+        if isinstance(source, (str, os.PathLike, TraceSource)):
+            if isinstance(source, TraceSource):
+                self._reader = source
+            else:
+                try:
+                    self._reader = self._opened = open_any(source)
+                except OSError as e:
+                    raise ReplayError(f"trace {os.fspath(source)!r} cannot be opened: {e.strerror or e}") from None
+            self.name = self._reader.path
             self.total_rows = int(self._reader.header.total_rows)
             self.num_batches = int(self._reader.header.num_batches)
             if total_rows is not None and total_rows != self.total_rows:
@@ -125,8 +131,8 @@ class _Source:
                 yield keys[offsets[b]:offsets[b + 1]]
 
     def close(self) -> None:
-        if self._reader is not None:
-            self._reader.close()
+        if self._opened is not None:
+            self._opened.close()
 
 
 def _capacities(capacities: Sequence, total_rows: int) -> list[int]:
@@ -152,8 +158,9 @@ def replay_trace(source, *, policy: str, capacities, train: bool = False, dim: i
                  total_rows: int | None = None) -> ReplayResult:
     """Replays a trace through one TieredEmbeddingBag and returns its per-tier counts.
 
-    source: a trace path (streamed), or global keys in memory: a tieredemb.trace Chunk or
-    (keys int [N], batch_offsets int [B+1]).
+    source: a trace (streamed): a path in any format tieredemb.trace reads, or an open
+    tieredemb.trace.TraceSource (open_any, for reading options); or global keys in memory: a
+    tieredemb.trace Chunk or (keys int [N], batch_offsets int [B+1]).
     capacities: [tier 0] or [tier 0, host cache], rows or '10%' of total_rows (rounded, as
     `tieredemb simulate` does). train: backward
     with optimizer (default SGD(lr=0.01)). batches: replay only the first this many batches.
@@ -297,7 +304,7 @@ def replay(argv: list[str]) -> int:
     [--ssd-path DIR] [--json] [--compare]: drive the real engine with a trace."""
     p = _Parser(prog="tieredemb replay", description="Replay a trace through the real engine (one "
                 "TieredEmbeddingBag over the trace's global keys) and report per-tier counts and throughput.")
-    p.add_argument("trace", help="a tieredemb trace file")
+    p.add_argument("trace", help="a trace file in any supported format (see below)")
     p.add_argument("--policy", required=True, help="lru | lfu | clock")
     p.add_argument("--capacity", action="append", required=True,
                    help="tier 0 rows, then (again) host cache rows; a number or a share like '10%%'")
@@ -308,20 +315,22 @@ def replay(argv: list[str]) -> int:
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--compare", action="store_true", help="also run tieredemb.sim.simulate and compare")
     p.add_argument("--no-progress", action="store_true", help="no progress bars (default: bars on a terminal)")
+    add_input_args(p)
     try:
         args = p.parse_args(argv)
         progress = not args.no_progress and sys.stderr.isatty()
-        result = replay_trace(args.trace, policy=args.policy, capacities=args.capacity, train=args.train,
-                              dim=args.dim, ssd_path=args.ssd_path, progress=progress,
-                              batches=args.batches)
-        sim = None
-        if args.compare:
-            if args.batches is not None:
-                raise ReplayError(f"--compare replays the whole trace: drop --batches {args.batches}")
-            from tieredemb.sim import simulate
+        with open_input(args.trace, args) as source:
+            result = replay_trace(source, policy=args.policy, capacities=args.capacity, train=args.train,
+                                  dim=args.dim, ssd_path=args.ssd_path, progress=progress,
+                                  batches=args.batches)
+            sim = None
+            if args.compare:
+                if args.batches is not None:
+                    raise ReplayError(f"--compare replays the whole trace: drop --batches {args.batches}")
+                from tieredemb.sim import simulate
 
-            sim = simulate(args.trace, policy=args.policy, capacities=result.capacities, train=args.train,
-                           progress=progress)
+                sim = simulate(source, policy=args.policy, capacities=result.capacities, train=args.train,
+                               progress=progress)
     except SystemExit as e:  # --help
         return int(e.code or 0)
     except (_ArgError, ValueError, OSError) as e:

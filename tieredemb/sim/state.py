@@ -19,45 +19,7 @@ from __future__ import annotations
 
 from collections import namedtuple
 
-import numba
 import numpy as np
-from llvmlite import ir
-from numba.core import cgutils
-from numba.extending import intrinsic
-
-# Every simulator kernel: compiled once to the on-disk cache, GIL released, and without numba's
-# reference counting (_nrt=False: arrays come in from Python and are never allocated inside),
-# which otherwise costs atomic increments on every call and measured 20-50x slower per lookup.
-kernel = numba.njit(cache=True, nogil=True, _nrt=False)
-# The per-lookup path, inlined into its callers: a call passes every array as a struct (up to a
-# hundred words per call here), which LLVM does not inline away for functions this size.
-inline = numba.njit(cache=True, nogil=True, _nrt=False, inline="always")
-
-
-@intrinsic
-def prefetch(typingctx, arr, idx):
-    """prefetch(arr, i): asks the CPU to bring arr[i] (1-D) into cache; the per-key tables are
-    far larger than the caches and the loop is otherwise bound by their load latency."""
-    def codegen(context, builder, sig, args):
-        aryty = sig.args[0]
-        ary = context.make_array(aryty)(context, builder, args[0])
-        ptr = cgutils.get_item_pointer(context, builder, aryty, ary, [args[1]], wraparound=False)
-        i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
-                                            "llvm.prefetch.p0")
-        builder.call(fn, [builder.bitcast(ptr, i8p), i32(0), i32(3), i32(1)])  # read, keep, data
-        return context.get_dummy_value()
-    return numba.types.void(arr, idx), codegen
-
-
-@intrinsic
-def popcount(typingctx, x):
-    """Number of set bits of a uint64 (one instruction: llvm.ctpop)."""
-    def codegen(context, builder, sig, args):
-        i64 = ir.IntType(64)
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(i64, [i64]), "llvm.ctpop.i64")
-        return builder.call(fn, [args[0]])
-    return numba.types.uint64(numba.types.uint64), codegen
 
 POLICIES = ("lru", "lfu", "fifo", "clock", "s3fifo", "belady", "lookahead")
 LRU, LFU, FIFO, CLOCK, S3FIFO, BELADY, LOOKAHEAD = range(len(POLICIES))
@@ -86,7 +48,7 @@ def make_state(codes: list[int], caps: list[int], nkeys: int, width: int) -> Sta
     for l, (code, cap) in enumerate(zip(codes, caps)):
         sc[l, CODE], sc[l, BASE], sc[l, CAP] = code, base, cap
         sc[l, HEAD] = sc[l, TAIL] = sc[l, HEAD2] = sc[l, TAIL2] = sc[l, GHEAD] = sc[l, GTAIL] = -1
-        sc[l, PERIOD] = max(1024, 8 * cap)  # LFU aging, as native/policy.cc
+        sc[l, PERIOD] = max(1024, 8 * cap)  # LFU aging, as native/index/policy.cc
         sc[l, SMALLCAP] = int(cap * 0.1)     # S3-FIFO queues, as libCacheSim's (int)(size * ratio)
         sc[l, MAINCAP] = cap - sc[l, SMALLCAP]
         sc[l, GHOSTCAP] = int(cap * 0.9)

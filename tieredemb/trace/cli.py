@@ -1,4 +1,5 @@
-"""`tieredemb trace convert | inspect | synth`."""
+"""`tieredemb trace convert | inspect | synth`, and the input options that every command reading a
+trace shares (add_input_args / open_input: simulate, mrc and replay use them too)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,41 @@ import sys
 
 from .format import TraceError
 
+INPUT_HELP = ("The input's format is told from its content: a tieredemb .trace, a libCacheSim oracleGeneral file "
+              "(e.g. *.oracleGeneral.bin), a CSV of batch,table,id lines, an integer .npy array or an FBGEMM .pt "
+              "request file; files of the other formats are read as they are, no conversion needed.")
+
+
+def add_input_args(p: argparse.ArgumentParser) -> None:
+    """The options that say how to read a trace file of another format (detect.open_any)."""
+    g = p.add_argument_group("reading formats other than .trace", INPUT_HELP)
+    g.add_argument("--from", dest="src_format", choices=["trace", "pt", "oracle", "csv", "npy"],
+                   help="read the input as this format, whatever its content suggests")
+    g.add_argument("--batch-size", type=int, metavar="N",
+                   help="lookups per batch for inputs that carry no batches: required for a 1-D .npy and a CSV "
+                        "without a batch column; oracleGeneral: default a new batch wherever clock_time changes; "
+                        ".pt: samples per batch (default: the file's B samples are one batch). A batch is what the "
+                        "engine deduplicates and keeps resident at once (--mode batch)")
+    g.add_argument("--rows", type=int, nargs="+", help="table sizes: one for all tables or one per table "
+                                                        "(default: each table's largest id + 1)")
+    g.add_argument("--tables", type=int, dest="num_tables", metavar="T",
+                   help=".pt without lengths: the number of tables T")
+    g.add_argument("--remap", action="store_true", help="oracleGeneral: renumber ids 0, 1, ... in order of first use "
+                                                        "(for hashed 64-bit ids; the table size is then the ids seen)")
+
+
+def input_options(a: argparse.Namespace) -> dict:
+    """add_input_args' values as detect.open_any's options (fmt included)."""
+    return {"fmt": a.src_format, "rows": _one_or_list(a.rows), "batch_size": a.batch_size,
+            "num_tables": a.num_tables, "remap": a.remap}
+
+
+def open_input(path, a: argparse.Namespace):
+    """The trace at `path` (any format), read as add_input_args' options say."""
+    from .detect import open_any
+
+    return open_any(path, **input_options(a))
+
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tieredemb trace", description="trace files: convert, inspect, synthesize")
@@ -16,27 +52,22 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     c = sub.add_parser("convert", parents=[common], help="convert between our .trace and pt / oracleGeneral / csv / npy / log",
-                       description="One side is a tieredemb .trace. Formats come from the extensions "
-                                   "(.trace .pt .oracleGeneral[.bin] .csv .npy .log) or --from/--to. "
-                                   "trace -> log writes one dlrm locality log per table.")
+                       description="One side is a tieredemb .trace. The source's format comes from its content "
+                                   "(or --from), the destination's from its extension (.trace .pt .oracleGeneral[.bin] "
+                                   ".csv .npy .log) or --to. trace -> log writes one dlrm locality log per table.")
     c.add_argument("src")
     c.add_argument("dst")
-    c.add_argument("--from", dest="src_format", choices=["trace", "pt", "oracle", "csv", "npy"])
     c.add_argument("--to", dest="dst_format", choices=["trace", "pt", "oracle", "csv", "npy", "log"])
-    c.add_argument("--rows", type=int, nargs="+", help="table sizes: one for all tables or one per table "
-                                                        "(default: each table's largest id + 1)")
-    c.add_argument("--batch-size", type=int, help="lookups per batch (npy 1-D, csv without a batch column, "
-                                                  "oracle: default a batch per clock_time); pt: samples per batch "
-                                                  "(default: the file's B samples are one batch)")
-    c.add_argument("--tables", type=int, dest="num_tables", help="pt without lengths: the number of tables T")
-    c.add_argument("--remap", action="store_true", help="oracle: renumber ids 0, 1, ... in order of first use")
     c.add_argument("--obj-size", type=int, help="oracle export: obj_size of every request (default 1)")
     c.add_argument("--chunk-lookups", type=int, default=1 << 20, help="lookups per compressed chunk")
+    add_input_args(c)
 
-    i = sub.add_parser("inspect", parents=[common], help="lookups, unique rows, per-table counts, reuse histogram")
+    i = sub.add_parser("inspect", parents=[common], help="lookups, unique rows, per-table counts, reuse histogram",
+                       description="Counts of a trace file in any supported format.")
     i.add_argument("trace")
     i.add_argument("--json", action="store_true", help="print a JSON object")
     i.add_argument("--no-reuse", action="store_true", help="skip the reuse histogram")
+    add_input_args(i)
 
     s = sub.add_parser("synth", parents=[common], help="write a Zipf or locality-log trace",
                        description="Zipf: P(rank r) ~ r^-alpha over a seeded permutation of each table. "
@@ -61,18 +92,20 @@ def _one_or_list(values):
 
 
 def _convert(a, progress: bool) -> int:
-    from .convert import convert, detect_format
+    from .conversion import convert
+    from .detect import source_format
 
-    src, dst = detect_format(a.src, a.src_format), detect_format(a.dst, a.dst_format)
+    src = source_format(a.src, a.src_format)
     if src == "trace":
-        options = {"obj_size": a.obj_size} if dst == "oracle" and a.obj_size else {}
+        given = [flag for flag, v in (("--batch-size", a.batch_size), ("--rows", a.rows), ("--tables", a.num_tables),
+                                      ("--remap", a.remap)) if v]
+        if given:
+            raise TraceError(f"{a.src} is a tieredemb trace: {', '.join(given)} apply to the source of an import, "
+                             f"not to an export")
+        options = {"obj_size": a.obj_size} if a.obj_size else {}
     else:
-        options = {"rows": _one_or_list(a.rows), "batch_size": a.batch_size, "chunk_lookups": a.chunk_lookups}
-        if src == "pt":
-            options["num_tables"] = a.num_tables
-        if src == "oracle":
-            options["remap"] = a.remap
-    result = convert(a.src, a.dst, src_format=src, dst_format=dst, progress=progress, **options)
+        options = {k: v for k, v in input_options(a).items() if k != "fmt"} | {"chunk_lookups": a.chunk_lookups}
+    result = convert(a.src, a.dst, src_format=src, dst_format=a.dst_format, progress=progress, **options)
     if isinstance(result, list):  # locality logs
         print("\n".join(f"wrote {p}" for p in result))
     elif result is not None:
@@ -87,7 +120,7 @@ def _convert(a, progress: bool) -> int:
 def _inspect(a) -> int:
     from .stats import describe, format_description
 
-    info = describe(a.trace, reuse=not a.no_reuse)
+    info = describe(a.trace, reuse=not a.no_reuse, **input_options(a))
     print(json.dumps(info, indent=1) if a.json else format_description(info))
     return 0
 
@@ -112,15 +145,19 @@ def _synth(a, progress: bool) -> int:
 
 
 def trace(argv: list[str]) -> int:
-    """Entry point of `tieredemb trace`; returns the exit status (1 on a bad trace or argument)."""
+    """Entry point of `tieredemb trace`; returns the exit status (2 on a bad trace or argument,
+    with one line on stderr naming it)."""
     a = _parser().parse_args(argv)
     progress = not a.no_progress and sys.stderr.isatty()
+    commands = {"convert": lambda: _convert(a, progress), "inspect": lambda: _inspect(a),
+                "synth": lambda: _synth(a, progress)}
     try:
-        if a.command == "convert":
-            return _convert(a, progress)
-        if a.command == "inspect":
-            return _inspect(a)
-        return _synth(a, progress)
-    except (TraceError, FileNotFoundError) as e:
+        if a.command == "inspect" and a.no_reuse:  # counts only: numpy, no numba start-up
+            return commands[a.command]()
+        from .jit import compile_notice
+
+        with compile_notice(f"trace {a.command}"):
+            return commands[a.command]()
+    except (TraceError, OSError) as e:
         print(f"tieredemb trace {a.command}: {e}", file=sys.stderr)
         return 2

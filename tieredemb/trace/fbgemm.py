@@ -5,13 +5,13 @@
                            indices[offsets[t*B + b] : offsets[t*B + b + 1]]
     lengths: int [T, B]    bag sizes (optional in FBGEMM's reader: then T must be given)
 
-One file is one request of B samples (FBGEMM's benchmarks replay it `iters` times). Import cuts
+One file is one request of B samples (FBGEMM's benchmarks replay it `iters` times). Reading cuts
 the B samples into batches of batch_size samples (default: all B, one batch); a batch holds its
-samples' ids table after table (ids of table t of samples s..s+k, then table t+1, ...).
-Export makes every trace batch one sample: lengths[t, b] = lookups of table t in batch b, so
-indices come out table-major: a trace whose batches are table-major (every imported one) comes
-back unchanged, and importing a file then exporting it gives the same indices tensor (lengths
-summed over each batch's samples).
+samples' ids table after table (ids of table t of samples s..s+k, then table t+1, ...); reading
+needs torch (torch.load, memory-mapped). Export makes every trace batch one sample: lengths[t, b]
+= lookups of table t in batch b, so indices come out table-major: a trace whose batches are
+table-major (every imported one) comes back unchanged, and importing a file then exporting it
+gives the same indices tensor (lengths summed over each batch's samples).
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ import pickle
 import numba
 import numpy as np
 
-from .convert import table_sizes
-from .format import TableInfo, TraceError, TraceHeader, TraceWriter, open_trace
+from .format import Chunk, TraceError, open_trace
+from .source import BLOCK, FileSource, header_of, table_sizes
 
 
 def _load(path: str):
@@ -55,52 +55,51 @@ def _gather(indices, offsets, base, num_tables, samples, s0, s1, k, out, lengths
         lengths[nb] = at - start
 
 
-def import_pt(src, dst, *, rows=None, batch_size: int | None = None, num_tables: int | None = None,
-              chunk_lookups: int = 1 << 20, progress: bool = False) -> TraceHeader:
-    """batch_size: samples per batch (default all B); num_tables: T when the file has no lengths."""
-    from tqdm import tqdm
-
-    src = os.fspath(src)
-    parts = _load(src)
+def read_pt(path, *, rows=None, batch_size: int | None = None, num_tables: int | None = None) -> FileSource:
+    """An FBGEMM request file as a trace: batch_size samples per batch (default all B: one batch);
+    num_tables: T when the file has no lengths; rows: table sizes (None: largest id + 1 each)."""
+    path = os.fspath(path)
+    parts = _load(path)
     indices, offsets = parts[0].astype(np.int64, copy=False), parts[1].astype(np.int64, copy=False)
     if len(parts) > 2 and parts[2].ndim == 2:
         t_count, samples = parts[2].shape
     elif num_tables:
         t_count, samples = num_tables, (offsets.size - 1) // max(num_tables, 1)
     else:
-        raise TraceError(f"{src}: no 2-D lengths tensor [T, B]: give the number of tables")
+        raise TraceError(f"{path}: no 2-D lengths tensor [T, B]: give the number of tables")
     if offsets.ndim != 1 or offsets.size != t_count * samples + 1:
-        raise TraceError(f"{src}: offsets has {offsets.size} entries, expected T*B + 1 = {t_count * samples + 1} "
+        raise TraceError(f"{path}: offsets has {offsets.size} entries, expected T*B + 1 = {t_count * samples + 1} "
                          f"(T = {t_count} tables, B = {samples} samples)")
     if np.any(np.diff(offsets) < 0) or offsets[0] < 0 or offsets[-1] > indices.size:
-        raise TraceError(f"{src}: offsets must rise within [0, {indices.size}] (the indices)")
+        raise TraceError(f"{path}: offsets must rise within [0, {indices.size}] (the indices)")
     max_ids = []
     for t in range(t_count):
         seg = indices[offsets[t * samples]:offsets[(t + 1) * samples]]
         if seg.size and seg.min() < 0:
-            raise TraceError(f"{src}: id {int(seg.min())} of table {t} is negative (pruned ids are not lookups)")
+            raise TraceError(f"{path}: id {int(seg.min())} of table {t} is negative (pruned ids are not lookups)")
         max_ids.append(int(seg.max()) if seg.size else -1)
-    sizes, how = table_sizes(rows, max_ids, src)
+    sizes, how = table_sizes(rows, max_ids, path)
     for t, (m, r) in enumerate(zip(max_ids, sizes)):
         if m >= r:
-            raise TraceError(f"{src}: id {m} of table {t} out of range [0, {r})")
+            raise TraceError(f"{path}: id {m} of table {t} out of range [0, {r})")
     k = batch_size or samples
     if k < 1:
-        raise TraceError(f"{src}: batch size {k} must be >= 1 sample")
-    tables = [TableInfo(f"table{t}", r) for t, r in enumerate(sizes)]
-    meta = {"source": os.path.basename(src), "format": "pt", "rows": how, "samples_per_batch": k}
-    with TraceWriter(dst, tables, chunk_lookups=chunk_lookups, meta=meta) as w:
+        raise TraceError(f"{path}: batch size {k} must be >= 1 sample")
+    header = header_of(path, "pt", sizes, how, -(-samples // k), int(offsets[-1] - offsets[0]), samples_per_batch=k)
+
+    def read():
         per_sample = max(1, (offsets[-1] - offsets[0]) // max(samples, 1))
-        step = max(k, (chunk_lookups // max(per_sample, 1)) // k * k)  # samples per block, whole batches
-        base = w.header.table_base
-        for s0 in tqdm(range(0, samples, step), desc="pt", unit="block", disable=not progress):
+        step = max(k, (BLOCK // max(per_sample, 1)) // k * k)  # samples per block, whole batches
+        base = header.table_base
+        for s0 in range(0, samples, step):
             s1 = min(s0 + step, samples)
             n = int(sum(offsets[t * samples + s1] - offsets[t * samples + s0] for t in range(t_count)))
             out = np.empty(n, np.int64)
             lengths = np.empty(-(-(s1 - s0) // k), np.int64)
             _gather(indices, offsets, base, t_count, samples, s0, s1, k, out, lengths)
-            w.write_batches(out, np.concatenate([[0], np.cumsum(lengths)]))
-    return w.header
+            yield Chunk(out, np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64), s0 // k)
+
+    return FileSource(path, header, read)
 
 
 def export_pt(src, dst, *, progress: bool = False) -> None:

@@ -48,7 +48,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import lz4.block
-import numba
 import numpy as np
 
 MAGIC = b"TEMBTRC\0"
@@ -143,35 +142,22 @@ def key_width(total_rows: int) -> int:
     return 8
 
 
-@numba.njit(cache=True)
-def _shuffle(keys, width, out):
-    """out[j*n + i] = byte j of keys[i]: the byte planes, lowest first."""
-    n = keys.size
-    for j in range(width):
-        for i in range(n):
-            out[j * n + i] = (keys[i] >> (8 * j)) & 0xFF
-
-
-@numba.njit(cache=True)
-def _unshuffle(planes, width, n, out):
-    out[:] = 0
-    for j in range(width):
-        for i in range(n):
-            out[i] |= np.int64(planes[j * n + i]) << (8 * j)
-
-
 def _encode(keys: np.ndarray, lengths: np.ndarray, width: int) -> np.ndarray:
-    raw = np.empty(4 * lengths.size + width * keys.size, dtype=np.uint8)
+    """The raw payload: u32 lengths, then the keys' byte planes (plane j = byte j of every key)."""
+    n = keys.size
+    raw = np.empty(4 * lengths.size + width * n, dtype=np.uint8)
     raw[:4 * lengths.size] = lengths.astype("<u4").view(np.uint8)
-    _shuffle(keys, width, raw[4 * lengths.size:])
+    raw[4 * lengths.size:].reshape(width, n)[:] = keys.astype("<u8").view(np.uint8).reshape(n, 8)[:, :width].T
     return raw
 
 
 def _decode(raw: bytes, b: int, n: int, width: int) -> tuple[np.ndarray, np.ndarray]:
     buf = np.frombuffer(raw, dtype=np.uint8)
     lengths = buf[:4 * b].view("<u4")
-    keys = np.empty(n, dtype=np.int64)
-    _unshuffle(buf[4 * b:], width, n, keys)
+    planes = buf[4 * b:].reshape(width, n)
+    keys = planes[0].astype(np.int64)
+    for j in range(1, width):  # numpy, not a numba loop: reading a trace needs no compiler start-up
+        keys |= planes[j].astype(np.int64) << (8 * j)
     offsets = np.zeros(b + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
     return keys, offsets
@@ -308,8 +294,45 @@ class TraceWriter:
             self.abort()
 
 
-class TraceReader:
-    """Reads a trace file chunk by chunk; memory stays bounded by one chunk."""
+class TraceSource:
+    """A trace being read, in any format (tieredemb.trace.open_any): `header` declares its tables
+    and counts; chunks() yields its whole batches of global keys in trace order, one chunk in
+    memory at a time, and starts over at each call. `path` names the file. A context manager."""
+
+    path: str
+    header: TraceHeader
+
+    def chunks(self) -> Iterator[Chunk]:
+        raise NotImplementedError
+
+    def batches(self) -> Iterator[np.ndarray]:
+        """Yields each batch's int64 global keys."""
+        for chunk in self.chunks():
+            yield from chunk.batches()
+
+    def read_all(self) -> Chunk:
+        """The whole trace as one Chunk (for traces that fit in memory)."""
+        keys, lengths = [], []
+        for c in self.chunks():
+            keys.append(c.keys)
+            lengths.append(np.diff(c.batch_offsets))
+        offsets = np.zeros(sum(x.size for x in lengths) + 1, dtype=np.int64)
+        if lengths:
+            np.cumsum(np.concatenate(lengths), out=offsets[1:])
+        return Chunk(np.concatenate(keys) if keys else np.zeros(0, np.int64), offsets, 0)
+
+    def close(self) -> None:
+        """Releases the file (reading again afterwards is an error)."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class TraceReader(TraceSource):
+    """Reads a tieredemb trace file chunk by chunk; memory stays bounded by one chunk."""
 
     def __init__(self, path):
         self.path = os.fspath(path)
@@ -418,32 +441,11 @@ class TraceReader:
         for offset, batch in reversed(index):
             yield self._read_chunk(offset, batch)[0]
 
-    def batches(self) -> Iterator[np.ndarray]:
-        """Yields each batch's int64 global keys."""
-        for chunk in self.chunks():
-            yield from chunk.batches()
-
-    def read_all(self) -> Chunk:
-        """The whole trace as one Chunk (for traces that fit in memory)."""
-        keys, lengths = [], []
-        for c in self.chunks():
-            keys.append(c.keys)
-            lengths.append(np.diff(c.batch_offsets))
-        offsets = np.zeros(self.header.num_batches + 1, dtype=np.int64)
-        if lengths:
-            np.cumsum(np.concatenate(lengths), out=offsets[1:])
-        return Chunk(np.concatenate(keys) if keys else np.zeros(0, np.int64), offsets, 0)
-
     def close(self) -> None:
         self._file.close()
 
-    def __enter__(self) -> TraceReader:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
 
 def open_trace(path) -> TraceReader:
-    """Opens a tieredemb trace file for streaming reads (use as a context manager)."""
+    """Opens a tieredemb trace file (this format only; open_any reads every supported format) for
+    streaming reads (use as a context manager)."""
     return TraceReader(path)

@@ -5,7 +5,7 @@ A log describes one table's lookups with three lines of comma-separated values:
     2. the stack distances that occur, ascending: 0 = first use of an id, d >= 1 = the id was
        the d-th most recently used (d = 1: the same id as the lookup before)
     3. their cumulative probabilities (line 3[j] = P(distance <= line 2[j]))
-dlrm's distance d is tieredemb.sim.stack_distances' value + 1 (and its 0 is FIRST_USE).
+dlrm's distance d is reuse.stack_distances' value + 1 (and its 0 is FIRST_USE).
 
 Generation follows dlrm's LRU stack-distance model (trace_generate_lru): draw a distance from
 line 2/3; 0 takes the next unused id of line 1 (once all are used: the least recently used id),
@@ -24,6 +24,7 @@ import numba
 import numpy as np
 
 from .format import TableInfo, TraceError, TraceHeader, open_trace
+from .reuse import stack_distances
 from .synth import per_table, write_synthetic
 
 
@@ -82,8 +83,6 @@ def write_locality_log(path, log: LocalityLog) -> None:
 
 def profile(ids) -> LocalityLog:
     """The locality log of one table's ids, in lookup order (one lookup = one request)."""
-    from tieredemb.sim import stack_distances
-
     ids = np.asarray(ids, dtype=np.int64).ravel()
     if ids.size == 0:
         raise TraceError("cannot profile an empty id sequence")

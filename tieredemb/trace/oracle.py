@@ -5,12 +5,15 @@
 next_access_vtime is the 1-based position of the next request for the same object, -1 if none
 (what libCacheSim's traceConv writes). One lookup = one request.
 
+Recognized by content (looks_like_oracle), whatever the file is named: libCacheSim's own traces
+are named *.oracleGeneral.bin.
+
 Export: clock_time = batch index, obj_id = global key, obj_size = obj_size (default 1: caches
 sized in rows), next_access_vtime computed in one backward pass over the trace (memory: one
-entry per distinct key). Import: a new batch where clock_time changes, or batches of batch_size
-requests; records of size 0 are skipped, as libCacheSim's reader does; one table, ids as they
-are (table size: rows, or the largest id + 1) or, with remap, renumbered 0, 1, ... in order of
-first use (for hashed 64-bit ids).
+entry per distinct key). Read (read_oracle; importing = reading, then writing a .trace): a new
+batch where clock_time changes, or batches of batch_size requests; records of size 0 are skipped,
+as libCacheSim's reader does; one table, ids as they are (table size: rows, or the largest id + 1)
+or, with remap, renumbered 0, 1, ... in order of first use (for hashed 64-bit ids).
 """
 
 from __future__ import annotations
@@ -22,12 +25,11 @@ import numpy as np
 from numba import types
 from numba.typed import Dict
 
-from .convert import Batcher, fixed_labels, table_sizes
-from .format import TableInfo, TraceError, TraceHeader, TraceWriter, open_trace
+from .format import TraceError, open_trace
+from .source import BLOCK, Batcher, FileSource, fixed_labels, header_of, read_batched, table_sizes
 
 RECORD = np.dtype([("time", "<u4"), ("id", "<u8"), ("size", "<u4"), ("next", "<i8")])
 assert RECORD.itemsize == 24
-_BLOCK = 1 << 20
 
 
 def _blocks(path: str):
@@ -38,7 +40,7 @@ def _blocks(path: str):
                          f"{size} is not a multiple of {RECORD.itemsize} (oracleGeneral records)")
     with open(path, "rb") as f:
         first = 0
-        while (rec := np.fromfile(f, dtype=RECORD, count=_BLOCK)).size:
+        while (rec := np.fromfile(f, dtype=RECORD, count=BLOCK)).size:
             yield first, rec
             first += rec.size
 
@@ -56,32 +58,35 @@ def _apply(ids, mapping, out):
         out[i] = mapping[ids[i]]
 
 
-def import_oracle(src, dst, *, rows=None, batch_size: int | None = None, remap: bool = False,
-                  chunk_lookups: int = 1 << 20, progress: bool = False) -> TraceHeader:
-    from tqdm import tqdm
-
-    src = os.fspath(src)
+def read_oracle(path, *, rows=None, batch_size: int | None = None, remap: bool = False) -> FileSource:
+    """An oracleGeneral file as a trace of one table (see the module docstring): batches by
+    clock_time, or of batch_size requests; rows: the table size (None: the largest id + 1, or with
+    remap the number of distinct ids)."""
+    path = os.fspath(path)
     mapping = Dict.empty(types.int64, types.int64) if remap else None
-    max_id, skipped = -1, 0
-    for first, rec in _blocks(src):
-        ids = rec["id"][rec["size"] > 0]
-        skipped += rec.size - ids.size
+    max_id, skipped, n, batches, counter = -1, 0, 0, 0, Batcher()
+    for first, block in _blocks(path):  # first pass: ids, counts
+        rec, where = _requests(block)
+        ids = rec["id"]
+        skipped += block.size - rec.size
         if remap:
             _first_use_ids(ids.view(np.int64), mapping)
         elif ids.size:
             big = ids >= np.uint64(2**63 - 1)
             if big.any():
-                i = int(np.flatnonzero(rec["size"] > 0)[np.argmax(big)])
-                raise TraceError(f"{src}: id {int(rec['id'][i])} of record {first + i} (byte {(first + i) * 24}) "
-                                 f"does not fit a table (keys are int64); import with remap")
+                i = int(where(np.argmax(big)))
+                raise TraceError(f"{path}: id {int(block['id'][i])} of record {first + i} (byte {(first + i) * 24}) "
+                                 f"does not fit a table (keys are int64); read it with remap (--remap)")
             max_id = max(max_id, int(ids.max()))
-    sizes, how = table_sizes(rows, [len(mapping) - 1 if remap else max_id], src)
-    meta = {"source": os.path.basename(src), "format": "oracle", "rows": how, "remap": remap,
-            "skipped_size_zero": skipped}
-    with TraceWriter(dst, [TableInfo("table0", sizes[0])], chunk_lookups=chunk_lookups, meta=meta) as w:
-        batcher, seen = Batcher(w), 0
-        for first, rec in tqdm(_blocks(src), desc="oracleGeneral", unit="block", disable=not progress):
-            rec = rec[rec["size"] > 0]
+        batches += counter.count(_labels(rec, n, batch_size, path))
+        n += ids.size
+    sizes, how = table_sizes(rows, [len(mapping) - 1 if remap else max_id], path)
+    header = header_of(path, "oracle", sizes, how, batches, n, remap=remap, skipped_size_zero=skipped)
+
+    def blocks():
+        seen = 0
+        for _, block in _blocks(path):
+            rec, _ = _requests(block)
             if remap:
                 keys = np.empty(rec.size, np.int64)
                 _apply(rec["id"].view(np.int64), mapping, keys)
@@ -89,13 +94,44 @@ def import_oracle(src, dst, *, rows=None, batch_size: int | None = None, remap: 
                 keys = rec["id"].astype(np.int64)
                 if keys.size and keys.max() >= sizes[0]:
                     i = int(np.argmax(keys >= sizes[0]))
-                    raise TraceError(f"{src}: id {int(keys[i])} of request {seen + i} out of range [0, {sizes[0]}) "
+                    raise TraceError(f"{path}: id {int(keys[i])} of request {seen + i} out of range [0, {sizes[0]}) "
                                      f"(the table's rows)")
-            labels = rec["time"].astype(np.int64) if batch_size is None else fixed_labels(seen, rec.size, batch_size, src)
-            batcher.add(labels, keys)
+            yield _labels(rec, seen, batch_size, path), keys
             seen += rec.size
-        batcher.close()
-    return w.header
+
+    return FileSource(path, header, lambda: read_batched(blocks()))
+
+
+def _requests(block: np.ndarray):
+    """The records of a block that are requests (size > 0, as libCacheSim reads them; the block
+    itself when all are), and a function from an index among them to the index in the block."""
+    kept = block["size"] > 0
+    if kept.all():
+        return block, lambda i: i
+    return block[kept], lambda i: np.flatnonzero(kept)[i]
+
+
+def _labels(rec, seen: int, batch_size: int | None, path: str) -> np.ndarray:
+    """A batch per clock_time, or batches of batch_size requests."""
+    return rec["time"].astype(np.int64) if batch_size is None else fixed_labels(seen, rec.size, batch_size, path)
+
+
+def looks_like_oracle(head: bytes, size: int) -> bool:
+    """Whether a file of `size` bytes starting with `head` reads as oracleGeneral records: the
+    size is a whole number of records, and every next_access_vtime in `head` is -1 (or INT64_MAX)
+    or points forward to a request for the same object when that request is in `head` too."""
+    if size == 0 or size % RECORD.itemsize:
+        return False
+    rec = np.frombuffer(head[:len(head) - len(head) % RECORD.itemsize], RECORD)
+    if rec.size == 0:
+        return False
+    pos = np.arange(1, rec.size + 1)  # 1-based, as next_access_vtime counts
+    nxt = rec["next"]
+    none = (nxt == -1) | (nxt == np.iinfo(np.int64).max)
+    if np.any(~none & (nxt <= pos)):
+        return False
+    inside = ~none & (nxt <= rec.size)
+    return bool(np.all(rec["id"][nxt[inside] - 1] == rec["id"][inside]))
 
 
 @numba.njit(cache=True)

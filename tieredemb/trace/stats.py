@@ -1,6 +1,6 @@
 """What a trace holds: lookups, unique rows, per-table counts, and a reuse histogram.
 
-The reuse histogram is over batch-mode LRU stack distances (tieredemb.sim.stack_distances with
+The reuse histogram is over batch-mode LRU stack distances (reuse.stack_distances with
 the trace's batches): for each lookup that reaches the cache (a batch's repeats of a row do
 not), the number of distinct other rows used since the row's last use. An LRU tier of C rows
 hits exactly the lookups with distance < C, so the cumulative column is the LRU hit ratio at
@@ -13,7 +13,7 @@ import os
 
 import numpy as np
 
-from .format import open_trace
+from .detect import DESCRIPTIONS, open_any, source_format
 
 
 def _buckets(dist: np.ndarray, cache_lookups: int) -> list[dict]:
@@ -34,22 +34,24 @@ def _buckets(dist: np.ndarray, cache_lookups: int) -> list[dict]:
     return out
 
 
-def describe(path, *, reuse: bool = True) -> dict:
-    """Counts of a trace as a dict (what `tieredemb trace inspect --json` prints). Loads the keys
-    (8 bytes a lookup; the reuse histogram needs about 3x that again)."""
-    with open_trace(path) as r:
+def describe(path, *, reuse: bool = True, fmt: str | None = None, **options) -> dict:
+    """Counts of a trace file in any format (fmt and options as detect.open_any) as a dict (what
+    `tieredemb trace inspect --json` prints). Loads the keys (8 bytes a lookup; the reuse
+    histogram needs about 3x that again)."""
+    fmt = source_format(path, fmt)
+    with open_any(path, fmt, **options) as r:
         h = r.header
         c = r.read_all()
     keys, lengths = c.keys, np.diff(c.batch_offsets)
     table = h.table_of(keys)
     per_table_lookups = np.bincount(table, minlength=len(h.tables))
-    info = {"path": os.fspath(path), "file_bytes": os.path.getsize(path), "num_batches": h.num_batches,
+    info = {"path": os.fspath(path), "format": fmt, "file_bytes": os.path.getsize(path), "num_batches": h.num_batches,
             "num_lookups": h.num_lookups, "total_rows": h.total_rows, "meta": h.meta,
             "batch_lookups": {"min": int(lengths.min()) if lengths.size else 0,
                               "mean": float(lengths.mean()) if lengths.size else 0.0,
                               "max": int(lengths.max()) if lengths.size else 0}}
     if reuse:
-        from tieredemb.sim import DUPLICATE, FIRST_USE, stack_distances
+        from .reuse import DUPLICATE, FIRST_USE, stack_distances
 
         dist = stack_distances(keys, c.batch_offsets)
         first = dist == FIRST_USE
@@ -69,7 +71,8 @@ def format_description(info: dict) -> str:
     """The human-readable form of describe()'s dict."""
     n = max(info["num_lookups"], 1)
     b = info["batch_lookups"]
-    lines = [f"trace: {info['path']} ({info['file_bytes']:,} bytes, {info['file_bytes'] / n:.2f} bytes/lookup)",
+    lines = [f"trace: {info['path']} ({DESCRIPTIONS[info['format']]}, {info['file_bytes']:,} bytes, "
+             f"{info['file_bytes'] / n:.2f} bytes/lookup)",
              (f"batches: {info['num_batches']:,}   lookups: {info['num_lookups']:,}   "
               f"per batch min/mean/max {b['min']:,} / {b['mean']:,.1f} / {b['max']:,}"),
              (f"unique rows: {info['unique_rows']:,} of {info['total_rows']:,} "

@@ -1,5 +1,7 @@
 """Synthetic traces: Zipf(alpha) over a permuted table, with a fraction of each batch reused from
 the previous batch; and the driver shared with the locality-log generator (locality.py).
+ZipfSampler is the project's one Zipf id sampler: `tieredemb demo` and the benchmarks'
+workload (bench/workload.py) draw their ids from it too.
 
 Zipf ranks are drawn exactly (rejection-inversion, Hörmann & Derflinger 1996: O(1) per draw, no
 table of probabilities, so a 10^9-row table costs no memory), then mapped to row ids by a keyed
@@ -42,6 +44,12 @@ def _permute(x, rows, half_bits, keys):
         y = (left << np.uint64(half_bits)) | right
         if y < np.uint64(rows):
             return np.int64(y)
+
+
+@numba.njit(cache=True)
+def _permute_all(ranks, rows, half_bits, keys, out):
+    for i in range(ranks.size):
+        out[i] = _permute(ranks[i], rows, half_bits, keys)
 
 
 @numba.njit(cache=True)
@@ -105,7 +113,9 @@ def _batch_seed(seed, table, batch):
 class ZipfSampler:
     """Ids of one table of `rows` rows: P(rank r) ~ r^-alpha over a seeded permutation of the rows;
     from the second batch on, a fraction `reuse` of the positions repeat the previous batch's id
-    at the same position (batches of equal length)."""
+    at the same position (batches of equal length). Every id is a function of (rows, alpha,
+    seed, table, batch index, position): batch(i, n) draws batch i alone, next_batch(n) the
+    batches in order (with reuse)."""
 
     def __init__(self, rows: int, alpha: float, *, reuse: float = 0.0, seed: int = 0, table: int = 0):
         if rows < 1:
@@ -118,20 +128,37 @@ class ZipfSampler:
         self._half_bits = max(1, (max(1, (rows - 1).bit_length()) + 1) // 2)
         seq = np.random.SeedSequence([seed, table])
         self._keys = seq.generate_state(4, dtype=np.uint64)
-        self._prev = np.zeros(0, np.int64)
+        self._prev = self._none = np.zeros(0, np.int64)
         self._batch = 0
 
     def permutation(self, ranks) -> np.ndarray:
-        """Row ids of 0-based ranks (rank 0 is the most popular row)."""
-        return np.array([_permute(int(r), self.rows, self._half_bits, self._keys) for r in np.ravel(ranks)],
-                        dtype=np.int64)
+        """int64 row ids of 0-based ranks (rank 0 is the most popular row)."""
+        ranks = np.ascontiguousarray(np.ravel(ranks), dtype=np.int64)
+        if ranks.size and (ranks.min() < 0 or ranks.max() >= self.rows):
+            bad = int(ranks[(ranks < 0) | (ranks >= self.rows)][0])
+            raise TraceError(f"rank {bad} out of range [0, {self.rows})")
+        out = np.empty(ranks.size, np.int64)
+        _permute_all(ranks, self.rows, self._half_bits, self._keys, out)
+        return out
+
+    def hottest(self, k: int) -> np.ndarray:
+        """The k most probable row ids, hottest first, int64 [k]."""
+        return self.permutation(np.arange(min(k, self.rows)))
+
+    def batch(self, i: int, n: int) -> np.ndarray:
+        """int64 [n]: the ids of batch i drawn alone (no reuse), the same whatever was drawn before."""
+        return self._draw(i, n, self._none, 0)
 
     def next_batch(self, n: int) -> np.ndarray:
+        """int64 [n]: the next batch's ids (batch 0, 1, ... in turn), `reuse` of them from the last one."""
         reuse = round(self.reuse * n) if self._prev.size == n else 0
-        out = _zipf_batch(self.rows, self.alpha, n, _batch_seed(self.seed, self.table, self._batch),
-                          self._half_bits, self._keys, self._prev, reuse)
+        out = self._draw(self._batch, n, self._prev, reuse)
         self._prev, self._batch = out, self._batch + 1
         return out
+
+    def _draw(self, i: int, n: int, prev: np.ndarray, reuse: int) -> np.ndarray:
+        return _zipf_batch(self.rows, self.alpha, n, _batch_seed(self.seed, self.table, i), self._half_bits,
+                           self._keys, prev, reuse)
 
 
 def per_table(value, tables: int, what: str) -> list[int]:

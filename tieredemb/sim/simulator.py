@@ -12,10 +12,12 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from tieredemb.trace.format import TraceSource
+from tieredemb.trace.keys import check_keys, check_offsets, compact
+
+from .errors import SimError, too_wide
 from .kernel import next_use, run_batches
-from .keys import SimError, check_keys, check_offsets, compact
-from .lru import lru_one_size
-from .stackdist import batch_widths
+from .lru import LruTier
 from .state import (
     BELADY,
     CLEAN_DROPS,
@@ -89,12 +91,6 @@ def _per_table(names, hits, misses) -> list[dict] | None:
     names = names or [str(i) for i in range(len(hits))]
     return [{"table": names[i], "hits": int(h), "misses": int(m), "hit_ratio": float(h / (h + m)) if h + m else 0.0}
             for i, (h, m) in enumerate(zip(hits, misses))]
-
-
-def too_wide(batch: int, rows: int, tier: int, capacity: int) -> SimError:
-    """The engine's error for a batch whose unique rows do not fit a tier."""
-    return SimError(f"batch {batch} needs {rows} rows in tier {tier} (capacity {capacity}): a batch's unique rows "
-                    f"must fit in every tier; give the tier more rows or use smaller batches")
 
 
 @dataclass
@@ -234,13 +230,16 @@ class Simulator:
 
 def _load(trace, batch_offsets):
     """(keys, offsets or None, table_base or None, table names or None) from arrays, a Chunk,
-    an iterable of Chunks (concatenated), or a trace path (tieredemb.trace)."""
+    an iterable of Chunks (concatenated), a TraceSource, or a trace path in any format
+    tieredemb.trace reads (read whole)."""
     if isinstance(trace, (str, os.PathLike)):
-        from tieredemb.trace import open_trace
+        from tieredemb.trace.detect import open_any
 
-        with open_trace(trace) as r:
-            chunk = r.read_all()
-            return chunk.keys, chunk.batch_offsets, r.header.table_base, [t.name for t in r.header.tables]
+        with open_any(trace) as r:
+            return _load(r, None)
+    if isinstance(trace, TraceSource):
+        chunk = trace.read_all()
+        return chunk.keys, chunk.batch_offsets, trace.header.table_base, [t.name for t in trace.header.tables]
     if hasattr(trace, "keys") and hasattr(trace, "batch_offsets"):
         return trace.keys, trace.batch_offsets, None, None
     if not isinstance(trace, (np.ndarray, list, tuple)) and hasattr(trace, "__iter__"):
@@ -258,7 +257,9 @@ def simulate(keys, batch_offsets=None, policy="lru", capacities=(), *, mode: str
     """Simulates a tier stack over a trace.
 
     keys: int64 [N] global row keys (>= 0), or a tieredemb.trace Chunk or iterable of Chunks,
-    or a trace file path (streamed chunk by chunk when no policy looks ahead);
+    or a trace: a file path in any format tieredemb.trace reads, or an open TraceSource for
+    reading options (tieredemb.trace.open_any); a trace is streamed chunk by chunk when no policy
+    looks ahead and its rows fit dense per-row state, else read whole;
     batch_offsets: int64 [B+1] (None: every lookup its own batch); policy: a name (see
     parse_policy) or one per tier; capacities: rows per tier, top to bottom (below them a
     bottom that holds every row); train: every looked-up row becomes dirty in tier 0, so victims
@@ -266,6 +267,12 @@ def simulate(keys, batch_offsets=None, policy="lru", capacities=(), *, mode: str
     (taken from the trace header when keys is a path).
     """
     if isinstance(keys, (str, os.PathLike)):
+        from tieredemb.trace.detect import open_any
+
+        with open_any(keys) as source:
+            return simulate(source, None, policy, capacities, mode=mode, train=train, lookahead=lookahead,
+                            table_base=table_base, progress=progress)
+    if isinstance(keys, TraceSource):
         streamed = _simulate_stream(keys, policy, capacities, mode, train, lookahead, progress)
         if streamed is not None:
             return streamed
@@ -294,7 +301,7 @@ def simulate(keys, batch_offsets=None, policy="lru", capacities=(), *, mode: str
         nxt = np.empty(dense.size, np.int64)
         next_use(dense, np.zeros(1, np.int64) if offsets is None else offsets, offsets is None,
                  np.empty(max(nkeys, 1), np.int64), nxt)
-    with _progress(progress, keys.size, sim) as bar:
+    with _progress(progress, keys.size, sim.names) as bar:
         sim.feed(dense, offsets, nxt, bar)
     return sim.result()
 
@@ -302,12 +309,12 @@ def simulate(keys, batch_offsets=None, policy="lru", capacities=(), *, mode: str
 class _progress:
     """A tqdm bar over lookups (or nothing), closed on exit."""
 
-    def __init__(self, on: bool, total: int, sim: Simulator):
+    def __init__(self, on: bool, total: int, policies: list[str]):
         self.bar = None
         if on:
             from tqdm import tqdm
 
-            self.bar = tqdm(total=int(total), unit="lookup", unit_scale=True, desc=f"simulate {'/'.join(sim.names)}")
+            self.bar = tqdm(total=int(total), unit="lookup", unit_scale=True, desc=f"simulate {'/'.join(policies)}")
 
     def __enter__(self):
         return self.bar
@@ -317,40 +324,48 @@ class _progress:
             self.bar.close()
 
 
-def _simulate_stream(path, policy, capacities, mode, train, lookahead, progress) -> SimResult | None:
-    """A trace file chunk by chunk (memory: the state, not the trace), when every key fits a
-    dense table and no policy looks ahead; None otherwise (the caller reads it whole)."""
-    from tieredemb.trace import open_trace
-
-    codes = parse_stack(policy, capacities, lookahead, mode)[0]
-    with open_trace(path) as r:
-        h = r.header
-        if h.total_rows > _STREAM_DENSE_ROWS or any(c in (BELADY, LOOKAHEAD) for c in codes):
-            return None
-        table_of = h.table_of(np.arange(h.total_rows, dtype=np.int64)) if len(h.tables) > 1 else None
+def _simulate_stream(source: TraceSource, policy, capacities, mode, train, lookahead, progress) -> SimResult | None:
+    """A trace chunk by chunk (memory: the state, not the trace), when every key fits a dense
+    table and no policy looks ahead; None otherwise (the caller reads it whole)."""
+    codes, names, caps, _ = parse_stack(policy, capacities, lookahead, mode)
+    h = source.header
+    if h.total_rows > _STREAM_DENSE_ROWS or any(c in (BELADY, LOOKAHEAD) for c in codes):
+        return None
+    table_of = h.table_of(np.arange(h.total_rows, dtype=np.int64)) if len(h.tables) > 1 else None
+    tables = [t.name for t in h.tables]
+    if codes == [LRU] and not train:
+        sim = LruTier(h.total_rows, caps[0], h.num_lookups, per_request=mode == "request", table_of=table_of)
+    else:
         sim = Simulator(policy, capacities, h.total_rows, mode=mode, train=train, lookahead=lookahead,
-                        table_of=table_of, table_names=[t.name for t in h.tables])
-        with _progress(progress, h.num_lookups, sim) as bar:
-            for chunk in r.chunks():
-                try:
+                        table_of=table_of, table_names=tables)
+    lookups = 0
+    with _progress(progress, h.num_lookups, names) as bar:
+        for chunk in source.chunks():
+            try:
+                if isinstance(sim, LruTier):
+                    sim.feed(chunk.keys, None if mode == "request" else chunk.batch_offsets)
+                    if bar is not None:
+                        bar.update(chunk.keys.size)
+                else:
                     sim.feed(chunk.keys, None if mode == "request" else chunk.batch_offsets, None, bar)
-                except SimError as e:
-                    raise SimError(f"{path} (chunk from batch {chunk.first_batch}): {e}") from None
-        return sim.result()
+            except SimError as e:
+                raise SimError(f"{source.path} (chunk from batch {chunk.first_batch}): {e}") from None
+            lookups += chunk.keys.size
+    return _lru_result(sim, mode, lookups, tables) if isinstance(sim, LruTier) else sim.result()
 
 
 def _lru_one_pass(dense, offsets, nkeys: int, cap: int, mode: str, table_of, names) -> SimResult:
-    """One LRU tier without write-backs: lru.lru_one_size, ~3x faster than the list kernel and
-    equal to it (tests). Evictions: every insertion beyond the rows the tier ends up holding."""
-    batches = dense.size if offsets is None else offsets.size - 1
-    if offsets is not None:
-        widths = batch_widths(dense, offsets, nkeys)
-        over = np.flatnonzero(widths > cap)
-        if over.size:
-            raise too_wide(int(over[0]), int(widths[over[0]]), 0, cap)
-    hits_t, misses_t, distinct = lru_one_size(dense, offsets, max(nkeys, 1), cap, table_of)
-    hits, misses = int(hits_t.sum()), int(misses_t.sum())
-    evictions = misses - min(cap, distinct)
-    tier = TierResult("tier0", "lru", cap, hits, misses, 0, evictions, 0, evictions,
-                      _per_table(names, hits_t, misses_t))
-    return SimResult(mode, False, int(dense.size), int(batches), [tier], misses, 0)
+    """One LRU tier without write-backs: lru.LruTier, ~3x faster than the list kernel and equal
+    to it (tests)."""
+    tier = LruTier(nkeys, cap, dense.size, per_request=offsets is None, table_of=table_of)
+    tier.feed(dense, offsets)
+    return _lru_result(tier, mode, dense.size, names)
+
+
+def _lru_result(tier: LruTier, mode: str, lookups: int, names) -> SimResult:
+    """The SimResult of an LruTier. Evictions: every insertion beyond the rows the tier ends up holding."""
+    hits, misses = int(tier.hits.sum()), int(tier.misses.sum())
+    evictions = misses - min(tier.cap, tier.distinct)
+    result = TierResult("tier0", "lru", tier.cap, hits, misses, 0, evictions, 0, evictions,
+                        _per_table(names, tier.hits, tier.misses))
+    return SimResult(mode, False, int(lookups), tier.batches, [result], misses, 0)

@@ -1,4 +1,8 @@
-"""LRU stack distances in O(N log D): every touch of a key takes the next time, and the distance
+"""Reuse analysis of a trace: LRU stack distances, and from them the exact LRU hits at every cache
+size in one pass (Mattson et al. 1970); tieredemb.sim's LRU curve and one-size LRU tier build on
+the same recency times (renumber, scratch).
+
+Stack distances in O(N log D): every touch of a key takes the next time, and the distance
 of a reuse is the number of live times (each key's latest) after the key's previous time. Every
 time below `now` was taken by exactly one touch, so live times up to t = t + 1 - dead times up to
 t: only deaths (a key's previous time, at each reuse) are recorded, as bits (64 times per word)
@@ -23,7 +27,7 @@ from numba.cpython.unsafe.numbers import leading_zeros
 from numba.extending import intrinsic
 
 from .keys import check_keys, check_offsets, compact
-from .state import inline, kernel, popcount, prefetch
+from .jit import inline, kernel, popcount, prefetch
 
 FIRST_USE = -1
 DUPLICATE = -2  # batch mode: a repeat of a key earlier in the same batch (not a cache lookup)
@@ -96,7 +100,7 @@ def _kill(dead, tree, levels, t):
 
 
 @kernel
-def _renumber(last, owner, dead, now, words):
+def renumber(last, owner, dead, now, words):
     """Packs the live times below now (in order) to 0..t-1 within a window of `words` words, with
     no deaths recorded. Returns t."""
     t = 0
@@ -121,7 +125,7 @@ def _window(last, owner, dead, tree, now, live):
     deaths counted. Returns (now, words, levels)."""
     words = min(dead.size, (max(1024, 2 * live + 2) + 63) >> 6)
     if now:
-        now = _renumber(last, owner, dead, now, words)
+        now = renumber(last, owner, dead, now, words)
     else:
         dead[:] = 0
     levels, off = _levels(words), 0
@@ -164,7 +168,7 @@ def _lru_pass(keys, offsets, per_request, last, seen, owner, dead, tree, out, lu
     hist [m+2] (or size 0): per lookup, +1 at j = the number of the m cache sizes <= its distance
     (first use: j = m; repeats inside a batch: j = m+1); a cache of sizes[i] rows then hits
     sum(hist[:i+1]) lookups. sizes: ascending, then int64 max; lut: _bin's table (lru_hits).
-    Scratch: last/seen [D], owner [>= 2D+2 times], dead [words], tree (_scratch)."""
+    Scratch: last/seen [D], owner [>= 2D+2 times], dead [words], tree (scratch)."""
     n = keys.size
     write_out = out.size == n
     m = hist.size - 2
@@ -205,7 +209,7 @@ def _lru_pass(keys, offsets, per_request, last, seen, owner, dead, tree, out, lu
                     now, words, levels, live = _touch(k, last, owner, dead, tree, now, words, levels, live)
 
 
-def _scratch(nkeys: int, n: int, per_request: bool):
+def scratch(nkeys: int, n: int, per_request: bool):
     """last [D], owner [times], dead [words] and the count levels (tree) for the largest window,
     as int32 while times and keys fit (half the memory traffic of the per-key table, which is
     what the pass waits on), else int64."""
@@ -230,7 +234,7 @@ def lru_hits(dense: np.ndarray, offsets: np.ndarray | None, nkeys: int, sizes: n
         lut = np.searchsorted(sizes, starts, "right").astype(np.min_scalar_type(sizes.size))
         per_request = offsets is None
         _lru_pass(dense, np.zeros(1, np.int64) if per_request else offsets, per_request,
-                  *_scratch(nkeys, dense.size, per_request), np.empty(0, np.int64), lut,
+                  *scratch(nkeys, dense.size, per_request), np.empty(0, np.int64), lut,
                   np.append(sizes, np.iinfo(np.int64).max), hist)
     return np.cumsum(hist[:sizes.size])
 
@@ -287,6 +291,6 @@ def stack_distances(keys, batch_offsets=None) -> np.ndarray:
     offsets = np.zeros(1, np.int64) if per_request else check_offsets(batch_offsets, keys.size)
     out = np.empty(keys.size, np.int64)
     if keys.size:
-        _lru_pass(dense, offsets, per_request, *_scratch(nkeys, keys.size, per_request), out,
+        _lru_pass(dense, offsets, per_request, *scratch(nkeys, keys.size, per_request), out,
                   np.empty(0, np.uint8), np.empty(0, np.int64), np.empty(0, np.int64))
     return out

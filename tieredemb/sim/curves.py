@@ -17,10 +17,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tieredemb.trace.keys import check_keys, check_offsets, compact
+from tieredemb.trace.reuse import batch_widths, distinct_keys, lru_hits
+
+from .errors import SimError
 from .kernel import next_use
-from .keys import SimError, check_keys, check_offsets, compact
-from .simulate import MODES, Simulator, _load, parse_policy
-from .stackdist import batch_widths, distinct_keys, lru_hits
+from .simulator import MODES, Simulator, _load, parse_policy
 from .state import BELADY, LOOKAHEAD, LRU, POLICIES
 
 
@@ -83,8 +85,8 @@ def default_sizes(distinct: int, smallest: int, points: int) -> np.ndarray:
 def mrc(keys, batch_offsets=None, sizes=None, *, policy: str = "lru", mode: str = "batch", points: int = 100,
         sample_rate: float | None = None, lookahead: int | None = None, workers: int | None = None,
         progress: bool = False) -> MissRatioCurve:
-    """Miss ratio at each size. keys/batch_offsets as simulate() (arrays, a Chunk or a trace
-    path); sizes: rows, or None for `points` log-spaced sizes up to the distinct keys.
+    """Miss ratio at each size. keys/batch_offsets as simulate() (arrays, a Chunk, or a trace: a
+    path in any format tieredemb.trace reads or a TraceSource, read whole); sizes: rows, or None for `points` log-spaced sizes up to the distinct keys.
     sample_rate: SHARDS sampling (sizes are scaled by it internally; the curve is reported at the
     requested sizes)."""
     keys, batch_offsets, _, _ = _load(keys, batch_offsets)

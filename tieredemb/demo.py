@@ -1,0 +1,122 @@
+"""`tieredemb demo`: trains a small click model whose embedding table is larger than its cache,
+through the whole pipeline: ids -> prefetch (the next batches' rows made resident in the
+background) -> tier 0 -> host cache -> backing store (host memory or SSD), and write-back."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch
+
+from tieredemb.trace.synth import ZipfSampler
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tieredemb demo", description=__doc__,
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--rows", type=int, default=2_000_000, help="rows of the embedding table")
+    p.add_argument("--dim", type=int, default=64, help="embedding dimension")
+    p.add_argument("--cache-rows", type=int, default=None,
+                   help="tier 0's rows (the compute cache; default: a twentieth of the rows)")
+    p.add_argument("--host-rows", type=int, default=None,
+                   help="rows of a host-memory cache between tier 0 and the backing store (default: none)")
+    p.add_argument("--ssd-path", default=None,
+                   help="keep the backing store on SSD in this directory (default: host memory); an existing "
+                        "table there is reopened and trained further")
+    p.add_argument("--ssd-backend", default=None, choices=["log", "rocksdb", "slots"],
+                   help="SSD store for a new table (default: rocksdb; log is the fast one for training)")
+    p.add_argument("--steps", type=int, default=200, help="training steps (batches)")
+    p.add_argument("--batch", type=int, default=2048, help="bags per batch")
+    p.add_argument("--bag-len", type=int, default=20, help="ids per bag")
+    p.add_argument("--alpha", type=float, default=1.05, help="Zipf exponent of the ids (higher: more skewed)")
+    p.add_argument("--policy", default="lru", choices=["lru", "lfu", "clock"], help="eviction policy of the caches")
+    p.add_argument("--prefetch-depth", type=int, default=2,
+                   help="batches made resident ahead of training by a background worker (0: none)")
+    return p
+
+
+def demo(argv: list[str]) -> int:
+    """The `tieredemb demo` command; argv: its options (see --help). Returns the exit status."""
+    from tqdm import tqdm
+
+    import ssd_backend
+    import tieredemb
+
+    args = _parser().parse_args(argv)
+    cache_rows = args.cache_rows or max(1, args.rows // 20)
+    existing = args.ssd_path is not None and ssd_backend.detect_backend(args.ssd_path)
+
+    torch.manual_seed(0)
+    emb = tieredemb.TieredEmbeddingBag(args.rows, args.dim, mode="sum", cache_rows=cache_rows,
+                                       host_rows=args.host_rows, ssd_path=args.ssd_path, policy=args.policy,
+                                       ssd_options={"backend": args.ssd_backend} if args.ssd_backend else None,
+                                       optimizer=tieredemb.RowWiseAdagrad(lr=0.05))
+    print(f"table: {args.rows:,} rows x {args.dim} ({args.rows * emb.width * 4 / 2**20:,.0f} MiB with optimizer state); "
+          f"tier 0 holds {cache_rows:,} rows ({100 * cache_rows / args.rows:.1f}%)"
+          + (f", host cache {args.host_rows:,} rows" if args.host_rows else "")
+          + (f", SSD store at {args.ssd_path}" if args.ssd_path else ", backing store in host memory"))
+    if existing:
+        print(f"reopened the {existing} table at {os.path.abspath(args.ssd_path)}: it has trained {emb.step} steps; "
+              f"training goes on from its rows and optimizer state (give a new --ssd-path to start afresh)")
+    elif args.ssd_path:
+        print(f"created a new table at {os.path.abspath(args.ssd_path)}")
+
+    # A toy click model: pooled embedding -> MLP -> logit; the label depends on the ids.
+    mlp = torch.nn.Sequential(torch.nn.Linear(args.dim, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+    opt = torch.optim.Adagrad(mlp.parameters(), lr=0.05)
+    sampler = ZipfSampler(args.rows, args.alpha, seed=1 + emb.step)
+    offsets = torch.arange(0, args.batch * args.bag_len, args.bag_len)
+
+    def batches():
+        for _ in range(args.steps):
+            ids = torch.from_numpy(sampler.next_batch(args.batch * args.bag_len))
+            yield ids, offsets, ((ids.view(args.batch, args.bag_len) % 7) == 0).any(1).float()
+
+    loader = tieredemb.PrefetchLoader(batches(), [emb], depth=args.prefetch_depth)
+    lookups, start, loss_avg = 0, time.perf_counter(), None
+    bar = tqdm(loader, total=args.steps, desc="training", unit="batch")
+    for step, (ids, offsets_, label) in enumerate(bar):
+        logit = mlp(emb(ids, offsets_)).squeeze(1)
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(logit, label)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        lookups += ids.numel()
+        loss_avg = loss.item() if loss_avg is None else 0.9 * loss_avg + 0.1 * loss.item()
+        if step % 10 == 0:
+            bar.set_postfix(loss=f"{loss_avg:.4f}", tier0_hit=f"{emb.stats()['tier0']['hit_rate']:.3f}")
+    emb.flush()
+    elapsed = time.perf_counter() - start
+    print(f"\n{args.steps} steps in {elapsed:.1f} s: {lookups / elapsed:,.0f} lookups/s "
+          f"(forward + backward + fused optimizer, incl. the MLP); the table has trained {emb.step} steps in all")
+    print(f"final loss (moving average): {loss_avg:.4f}")
+    _report(emb.stats(), args.prefetch_depth)
+    emb.close()
+    return 0
+
+
+def _report(stats: dict, depth: int) -> None:
+    print("what each layer did (rows are looked up once per batch, duplicates removed):")
+    for tier in ("tier0", "host"):
+        if tier in stats:
+            s = stats[tier]
+            print(f"  {tier:6s} hit rate {s['hit_rate']:.3f} ({s['hits']:,} hits, {s['misses']:,} misses); "
+                  f"evicted {s['evictions']:,} rows: {s['dirty_writebacks']:,} written back (trained since read), "
+                  f"{s['clean_drops']:,} dropped unchanged; moved {s['bytes_moved'] / 2**20:,.1f} MiB"
+                  + (f"; {s['overflow_rows']:,} rows served beyond its capacity" if s["overflow_rows"] else ""))
+    bottom = stats.get("ssd", stats.get("store"))
+    where = "SSD store" if "ssd" in stats else "host store"
+    print(f"  {where}: {bottom['reads']:,} rows read by the caches above, {bottom['rows_found']:,} of them "
+          f"stored before (the rest never written: their deterministic initial values); "
+          f"{bottom['rows_written']:,} rows written back")
+    p = stats["prefetch"]
+    if depth == 0:
+        print("  prefetch: off (--prefetch-depth 0): every forward read its own misses")
+        return
+    misses = p["prefetched_rows"] + p["late_rows"] + p["demand_misses"]
+    ahead = p["prefetched_rows"] / misses if misses else 1.0
+    print(f"  prefetch (depth {depth}): {100 * ahead:.1f}% of tier-0 misses were made resident before their "
+          f"forward asked ({p['prefetched_rows']:,} rows); forwards waited {p['wait_seconds']:.2f} s in all "
+          f"for {p['late_rows']:,} rows still in flight")
