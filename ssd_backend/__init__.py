@@ -13,13 +13,19 @@ from __future__ import annotations
 
 import os
 
+import torch
+
+from . import _C
 from .common import StoreCorruptedError, StoreError, StoreLockedError, StoreWriteError
 from .rocksdb_store import RocksDBStore
 from .log_store import LogStore
 from .slot_store import SlotFileStore
 
+from .options import DEFAULT_BACKEND, LogOptions, RocksDBOptions, SlotOptions, StoreOptions, parse_options
+
+_C.set_num_threads(torch.get_num_threads())  # the native files' pool: as many threads as torch's
+
 BACKENDS = {"rocksdb": RocksDBStore, "slots": SlotFileStore, "log": LogStore}
-DEFAULT_BACKEND = "rocksdb"
 
 
 def detect_backend(path) -> str | None:
@@ -34,21 +40,19 @@ def detect_backend(path) -> str | None:
     return None
 
 
-def open_store(path, width, initializer, meta=None, backend: str | None = None, **options):
-    """Opens (or creates) an SSD table with the backend named 'rocksdb', 'slots' or 'log'.
-    backend None: the kind the directory holds, or 'rocksdb' for a new table. Naming a
-    backend other than the one an existing table uses is a ValueError; options go to the
-    backend's constructor (see RocksDBStore / SlotFileStore)."""
+def open_store(path, width, initializer, meta=None, options: StoreOptions | dict | None = None):
+    """Opens (or creates) an SSD table. options: the backend and its settings (RocksDBOptions,
+    LogOptions, SlotOptions, or {"backend": name, **settings}); None or a dict naming no backend:
+    the kind the directory holds, or RocksDB for a new table. Naming a backend other than the one
+    an existing table uses is a ValueError."""
     found = detect_backend(path)
-    if backend is None:
-        backend = found or DEFAULT_BACKEND
-    if backend not in BACKENDS:
-        raise ValueError(f"ssd backend {backend!r} is not one of {sorted(BACKENDS)}")
-    if found is not None and found != backend:
+    options = parse_options({} if options is None else options, found or DEFAULT_BACKEND)
+    if found is not None and found != options.backend:
         raise ValueError(f"ssd_path {os.path.abspath(os.fspath(path))}: holds a {found!r} "
-                         f"table, requested backend {backend!r}")
-    return BACKENDS[backend](path, width, initializer, meta, **options)
+                         f"table, requested backend {options.backend!r}")
+    return BACKENDS[options.backend](path, width, initializer, meta, **options.settings())
 
 
 __all__ = ["RocksDBStore", "SlotFileStore", "LogStore", "open_store", "detect_backend", "BACKENDS",
+           "StoreOptions", "RocksDBOptions", "LogOptions", "SlotOptions", "DEFAULT_BACKEND",
            "StoreError", "StoreLockedError", "StoreCorruptedError", "StoreWriteError"]

@@ -1,5 +1,6 @@
-"""What the SSD backends share: errors, the metadata record check, argument checks, and the
-background writer (a write queue with backpressure and read-your-writes).
+"""What the SSD backends share: errors, the metadata record check, argument checks, the atomic
+write of a JSON record, and the background writer (a write queue with backpressure and
+read-your-writes).
 
 A backend supplies how a batch reaches its files (WriteBehind's `apply`) and how it reads
 stored rows; everything a caller can observe about queueing, errors and metadata is here, so
@@ -20,13 +21,8 @@ from typing import Callable
 import numpy as np
 import torch
 
-from ._backing import BackingStore
+from .options import STORAGE_DTYPES
 
-STORAGE_DTYPES = {
-    torch.float32: "float32",
-    torch.float16: "float16",
-    torch.bfloat16: "bfloat16",
-}
 DTYPE_BY_NAME = {v: k for k, v in STORAGE_DTYPES.items()}
 MAX_ID = 2**63
 
@@ -85,14 +81,9 @@ def check_record(path: str, record: dict, width, storage_dtype, meta) -> None:
                 raise ValueError(f"ssd_path {path}: stored {field} {s!r} != requested {r!r}")
 
 
-def check_store_args(width, storage_dtype, write_queue_rows) -> None:
-    if storage_dtype not in STORAGE_DTYPES:
-        raise ValueError(f"storage_dtype {storage_dtype} not supported; use one of "
-                         f"{list(STORAGE_DTYPES)}")
-    if width is not None and (not isinstance(width, int) or width <= 0):
+def check_width(width) -> None:
+    if width is not None and (isinstance(width, bool) or not isinstance(width, int) or width <= 0):
         raise ValueError(f"width {width!r} must be a positive int")
-    if write_queue_rows < 1:
-        raise ValueError(f"write_queue_rows {write_queue_rows} must be >= 1")
 
 
 def check_ids(ids: torch.Tensor, limit: int, name: str = "ids") -> np.ndarray:
@@ -120,23 +111,18 @@ def check_rows(rows: torch.Tensor, n: int, width: int, name: str) -> None:
 
 def initialize(path: str, initializer, ids_np: np.ndarray, positions: np.ndarray,
                out: torch.Tensor, out_rows: np.ndarray | None = None) -> int:
-    """Fills out[r] with initializer(ids[p]) for each p in positions, r = out_rows[p] (p when
-    out_rows is None); returns how many rows."""
+    """Fills out[r] with the initial row of ids[p] for each p in positions, r = out_rows[p] (p
+    when out_rows is None); returns how many rows. The initializer's contract:
+    initializer(ids, out, rows=None) fills out (or out[rows]) with the initial rows of ids."""
     if initializer is None:
         raise RuntimeError(f"ssd_path {path}: {positions.size} rows were never written "
                            f"and the store has no initializer")
     k = positions.size
-    dst = torch.from_numpy((positions if out_rows is None else out_rows[positions]).astype(np.int64, copy=False))
     if out_rows is None and k == out.shape[0]:
         initializer(torch.from_numpy(ids_np), out)
-    elif hasattr(initializer, "fill_rows"):  # the engine's RowInit: straight into out[dst]
-        initializer.fill_rows(torch.from_numpy(ids_np[positions]), out, dst)
     else:
-        from tieredemb import _C  # a native row copy: torch's indexing spins its thread pool
-
-        tmp = torch.empty(k, out.shape[1], dtype=torch.float32)
-        initializer(torch.from_numpy(ids_np[positions]), tmp)
-        _C.copy_rows(tmp, torch.from_numpy(np.arange(k, dtype=np.int64)), out, dst)
+        dst = (positions if out_rows is None else out_rows[positions]).astype(np.int64, copy=False)
+        initializer(torch.from_numpy(ids_np[positions]), out, torch.from_numpy(dst))
     return k
 
 
@@ -323,10 +309,42 @@ class WriteBehind:
             self._thread.join()
 
 
-class StoreBase(BackingStore):
-    """What both SSD backends share above their files: argument checks and the context
-    manager. A subclass sets path, width and _closed and implements _id_limit() (ids are in
-    [0, limit))."""
+class StoreBase:
+    """What the SSD backends share above their files: the RowStore interface's block moves
+    (read_to / write_from through read / write; a backend may move rows in place instead),
+    argument checks and the context manager. A subclass sets path, width, state and _closed and
+    implements read(ids, out), write(ids, rows) and _id_limit() (ids are in [0, limit))."""
+
+    def read_to(self, ids: torch.Tensor, dst: torch.Tensor, dst_rows: torch.Tensor) -> None:
+        """Rows of unique ids into dst[dst_rows] (dst: a float32 [rows, width] CPU block, e.g. a
+        cache tier's pool). On an error some of those dst rows may have been overwritten."""
+        rows_np = self._check_block_rows("dst", dst, dst_rows, len(ids))
+        block = torch.empty(len(ids), self.width, dtype=torch.float32)
+        self.read(ids, block)
+        _copy_rows(block, np.arange(len(rows_np), dtype=np.int64), dst, rows_np)
+
+    def write_from(self, ids: torch.Tensor, src: torch.Tensor, src_rows: torch.Tensor) -> None:
+        """Stores src[src_rows] as the rows of unique ids (as write() does)."""
+        rows_np = self._check_block_rows("src", src, src_rows, len(ids))
+        block = torch.empty(len(ids), self.width, dtype=torch.float32)
+        _copy_rows(src, rows_np, block, np.arange(len(rows_np), dtype=np.int64))
+        self.write(ids, block)
+
+    def _check_block_rows(self, name: str, block, rows: torch.Tensor, n: int) -> np.ndarray:
+        """read_to's / write_from's block (a contiguous float32 [rows, width] CPU tensor) and its
+        row numbers (int64 [n], each inside the block). Returns the row numbers as numpy."""
+        self._check_open()
+        if not isinstance(block, torch.Tensor) or block.dtype != torch.float32 or block.dim() != 2 \
+                or block.shape[1] != self.width or not block.is_contiguous() or block.device.type != "cpu":
+            raise ValueError(f"{name} must be a contiguous float32 [rows, {self.width}] CPU tensor, got "
+                             f"{getattr(block, 'dtype', type(block))} {tuple(getattr(block, 'shape', ()))}")
+        rows_np = rows.to(torch.int64).contiguous().numpy()
+        if rows_np.shape != (n,):
+            raise ValueError(f"{name}_rows has {rows_np.size} entries for {n} ids")
+        if n and (rows_np.min() < 0 or rows_np.max() >= block.shape[0]):
+            bad = int(rows_np.min()) if rows_np.min() < 0 else int(rows_np.max())
+            raise IndexError(f"{name} row {bad} out of range [0, {block.shape[0]})")
+        return rows_np
 
     def _id_limit(self) -> int:
         raise NotImplementedError
@@ -437,6 +455,13 @@ class QueuedStore(StoreBase):
             raise err
 
 
+def _copy_rows(src: torch.Tensor, src_rows: np.ndarray, dst: torch.Tensor, dst_rows: np.ndarray) -> None:
+    """dst[dst_rows[i]] = src[src_rows[i]], natively (torch's indexing spins its thread pool)."""
+    from . import _C
+
+    _C.copy_rows(src, torch.from_numpy(src_rows), dst, torch.from_numpy(dst_rows))
+
+
 def new_stats() -> dict:
     return dict.fromkeys(
         ("reads", "rows_found", "rows_queued_hits", "rows_initialized", "writes",
@@ -472,6 +497,18 @@ def copy_sparse(src: str, dst: str) -> None:
             os.close(fout)
     finally:
         os.close(fin)
+
+
+def write_json_atomic(path: str, record: dict) -> None:
+    """Replaces the file at path by record as JSON, atomically and durably: a temporary file,
+    fsync, rename, fsync of the directory. A crash leaves the old file or the new one."""
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(record, f, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(os.path.dirname(path) or ".")
 
 
 def fsync_dir(path: str) -> None:

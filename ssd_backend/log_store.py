@@ -4,7 +4,7 @@ A training step writes back thousands of evicted rows at random ids; in place (S
 each dirties its own page (a fault or a buffered write: ~2-3 us of kernel time per row), here
 a batch is one sequential record (~0.1 us per row). Reads copy rows from the segments'
 mappings (or pread them with O_DIRECT), located by an in-memory index of 8 bytes per row.
-Stale copies are reclaimed by compaction (native/log_file.h): at most ~2x the live bytes plus
+Stale copies are reclaimed by compaction (native/ssd/log_file.h): at most ~2x the live bytes plus
 one segment on disk.
 
 Layout on disk (one directory per table):
@@ -24,11 +24,10 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 
 import torch
 
-from .common import StoreError, fsync_dir
+from .common import StoreError
 from .native_store import NativeStore, native
 
 FORMAT = "tieredemb.ssd.log/1"
@@ -39,8 +38,8 @@ _OWN = {"flushed", "flushed.tmp"}
 
 class LogStore(NativeStore):
     """An embedding table's rows in append-only segment files: the SSD tier for training.
-    Arguments: NativeStore's, plus segment_bytes (the size of a segment file, for a new table;
-    default: an eighth of the table's bytes, between 1 MiB and 256 MiB).
+    Arguments: NativeStore's; settings are LogOptions' (segment_bytes: the size of a segment
+    file, for a new table; default: an eighth of the table's bytes, between 1 MiB and 256 MiB).
     Write-behind: write() stages the batch in memory (readable at once) and a native thread
     appends it while the caller goes on; the next write/flush waits for it. A failed append
     (disk full) raises StoreWriteError from that next call and from every call after it (the
@@ -50,16 +49,10 @@ class LogStore(NativeStore):
     META_FILE = META_FILE
     KIND = "log table"
     LAYOUT_FIELDS = ("segment_bytes",)
-
-    def __init__(self, path, width, initializer, meta=None, *, segment_bytes: int | None = None, **kw):
-        if segment_bytes is not None and (isinstance(segment_bytes, bool) or not isinstance(segment_bytes, int)
-                                          or segment_bytes < (64 << 10)):
-            raise ValueError(f"segment_bytes {segment_bytes!r} must be an int >= 65536")
-        self._segment_bytes = segment_bytes
-        super().__init__(path, width, initializer, meta, **kw)
+    BACKEND = "log"
 
     def _layout(self, row_bytes: int, num_rows: int) -> dict:
-        size = self._segment_bytes or min(256 << 20, max(1 << 20, num_rows * row_bytes // 8))
+        size = self.options.segment_bytes or min(256 << 20, max(1 << 20, num_rows * row_bytes // 8))
         return {"segment_bytes": size}
 
     def _is_own_file(self, name: str) -> bool:
@@ -82,29 +75,19 @@ class LogStore(NativeStore):
         try:
             path = self._new_checkpoint_dir(path)
             self._file.checkpoint(path)
-            shutil.copyfile(os.path.join(self.path, META_FILE), os.path.join(path, META_FILE + ".tmp"))
-            with open(os.path.join(path, META_FILE + ".tmp"), "rb+") as f:
-                os.fsync(f.fileno())
-            os.replace(os.path.join(path, META_FILE + ".tmp"), os.path.join(path, META_FILE))
-            fsync_dir(path)
+            self._copy_record(path)
         except RuntimeError as e:
             raise self._classify("write checkpoint " + str(path), e) from None
         except OSError as e:
             raise StoreError(f"ssd_path {self.path}: cannot write checkpoint {path}: {e}") from None
 
     def write_from(self, ids: torch.Tensor, src: torch.Tensor, src_rows: torch.Tensor) -> None:
-        """Takes rows src[src_rows] (a float32 host pool, e.g. a cache tier's) as the new values of
-        unique ids: write() without gathering them first."""
-        self._check_open()
-        self._check_pool("src", src)
-        rows_np = src_rows.contiguous().numpy()
-        if self.storage_dtype != torch.float32:  # converted on the way: no bytes to copy as they are
-            if rows_np.size and (rows_np.min() < 0 or rows_np.max() >= src.shape[0]):
-                bad = int(rows_np.min()) if rows_np.min() < 0 else int(rows_np.max())
-                raise IndexError(f"src row {bad} out of range [0, {src.shape[0]})")
-            self.write(ids, src[src_rows])
+        """Stores src[src_rows] (a float32 host block, e.g. a cache tier's pool) as the rows of
+        unique ids: packed straight into the log's record when stored as float32."""
+        if self.storage_dtype != torch.float32:  # converted on the way: through a block
+            super().write_from(ids, src, src_rows)
             return
-        # float32: the native call checks the source rows (the same IndexError) and copies them.
+        rows_np = self._check_block_rows("src", src, src_rows, len(ids))
         ids_np = self._check_ids(ids)
         if ids_np.size == 0:
             return

@@ -1,7 +1,7 @@
 """What the two native file stores share (SlotFileStore: slots addressed by id; LogStore:
 append-only segments): the lock, the metadata record (<kind>.json, written last when a table
 is created: its presence = a table), argument checks, read / write / flush / stats / close
-over a native file object from tieredemb._C with the same methods (read, write, sync,
+over a native file object from ssd_backend._C with the same methods (read, write, sync,
 written_ids, num_written, replayed, close).
 
 Writes are synchronous (no Python runs per row and no write queue): when write() returns the
@@ -21,14 +21,15 @@ import numpy as np
 import torch
 
 from .common import (DTYPE_BY_NAME, STORAGE_DTYPES, StoreBase, StoreCorruptedError, StoreError,
-                     StoreWriteError, check_record, check_store_args, fsync_dir, initialize,
-                     locked_error, new_stats, normalize_meta)
+                     StoreWriteError, check_record, check_width, initialize, locked_error, new_stats,
+                     normalize_meta, write_json_atomic)
+from .options import make_options
 
 LOCK_FILE = "LOCK"
 
 
 def native():
-    from tieredemb import _C
+    from . import _C
     return _C
 
 
@@ -39,34 +40,30 @@ class NativeStore(StoreBase):
     create) (sets self._file) and _is_own_file(name) (files a creation cut short may leave).
 
     path: a directory (created if missing or empty; otherwise it must hold a table of this
-    kind). width: floats per row (None: adopt the stored width). initializer(ids, out) fills
-    rows never written. meta: the table's JSON-able metadata (None: adopt what is stored); a
-    new table takes num_rows from meta["num_embeddings"]; on an existing table every field
-    must equal the stored one (ValueError naming the field).
-    storage_dtype: float32 / float16 / bfloat16 on disk; rows are float32 in memory.
-    direct_reads: read with O_DIRECT (bypass the page cache; a filesystem without O_DIRECT,
-    e.g. tmpfs, raises StoreError at open).
-    io_threads: native threads per read (queue depth of O_DIRECT reads, parallel faults).
+    kind). width: floats per row (None: adopt the stored width). initializer(ids, out, rows=None)
+    fills rows never written. meta: the table's JSON-able metadata (None: adopt what is stored);
+    a new table takes num_rows from meta["num_embeddings"]; on an existing table every field
+    must equal the stored one (ValueError naming the field). settings: the backend's options
+    (LogOptions / SlotOptions fields: storage_dtype, direct_reads, io_threads, ...).
     """
 
     FORMAT = ""
     META_FILE = ""
     KIND = ""
     LAYOUT_FIELDS: tuple = ()
+    BACKEND = ""  # its name in ssd_backend.options
 
-    def __init__(self, path, width: int | None, initializer, meta: dict | None = None, *,
-                 storage_dtype: torch.dtype = torch.float32, direct_reads: bool = False,
-                 io_threads: int = 32):
+    def __init__(self, path, width: int | None, initializer, meta: dict | None = None, **settings):
         self.path = os.path.abspath(os.fspath(path))
         self._closed = True
         self._file = None
         self._lock_fd = None
-        check_store_args(width, storage_dtype, 1)
-        if not 1 <= io_threads <= 1024:
-            raise ValueError(f"io_threads {io_threads} must be in [1, 1024]")
+        check_width(width)
+        self.options = make_options(self.BACKEND, settings)
         self.initializer = initializer
-        self.direct_reads = bool(direct_reads)
-        self.io_threads = io_threads
+        self.direct_reads = bool(self.options.direct_reads)
+        self.io_threads = self.options.io_threads
+        storage_dtype = self.options.storage_dtype
         if os.path.exists(self.path) and not os.path.isdir(self.path):
             raise ValueError(f"ssd_path {self.path}: exists and is not a directory")
         os.makedirs(self.path, exist_ok=True)
@@ -160,23 +157,15 @@ class NativeStore(StoreBase):
             record = {"format": self.FORMAT, "width": width,
                       "storage_dtype": STORAGE_DTYPES[storage_dtype], "num_rows": num_rows,
                       "row_bytes": row_bytes, **self._layout(row_bytes, num_rows), "meta": requested}
+            record["state"] = {}
             self._open_native(record, create=True)
-            self._write_record(self.path, record)
+            write_json_atomic(os.path.join(self.path, self.META_FILE), record)
         self.width = record["width"]
         self.storage_dtype = DTYPE_BY_NAME[record["storage_dtype"]]
         self.meta = record["meta"]
         self.num_rows = record["num_rows"]
+        self.state = record.get("state", {})
         self.record = record
-
-    def _write_record(self, path: str, record: dict) -> None:
-        """The record, atomically (tmp + fsync + rename + fsync of the directory)."""
-        tmp = os.path.join(path, self.META_FILE + ".tmp")
-        with open(tmp, "w") as f:
-            json.dump(record, f, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, os.path.join(path, self.META_FILE))
-        fsync_dir(path)
 
     @classmethod
     def read_meta(cls, path) -> dict:
@@ -228,31 +217,17 @@ class NativeStore(StoreBase):
 
     def read_to(self, ids: torch.Tensor, dst: torch.Tensor, dst_rows: torch.Tensor) -> None:
         """Rows of unique ids into dst[dst_rows] (a float32 [rows, width] CPU block, e.g. a cache
-        tier's pool): read() without a block in between. On an error some of those dst rows
-        may have been overwritten."""
-        self._check_open()
-        ids_np = self._check_ids(ids)
-        self._check_pool("dst", dst)
-        rows_np = dst_rows.to(torch.int64).contiguous().numpy()
-        if rows_np.shape != ids_np.shape:
-            raise ValueError(f"dst_rows has {rows_np.size} entries for {ids_np.size} ids")
-        if ids_np.size == 0:
-            return
+        tier's pool), straight from the files when rows are stored as float32. On an error some
+        of those dst rows may have been overwritten."""
         if self.storage_dtype != torch.float32:  # converted on the way: through a block
-            rows = torch.empty(ids_np.size, self.width, dtype=torch.float32)
-            self.read(ids, rows)
-            native().copy_rows(rows, torch.from_numpy(np.arange(ids_np.size, dtype=np.int64)), dst,
-                               torch.from_numpy(rows_np))
+            super().read_to(ids, dst, dst_rows)
+            return
+        rows_np = self._check_block_rows("dst", dst, dst_rows, len(ids))
+        ids_np = self._check_ids(ids)
+        if ids_np.size == 0:
             return
         found = self._read_native(lambda: self._file.read_to(ids_np, dst.view(torch.uint8), rows_np))
         self._count_read(ids_np, found, dst, rows_np)
-
-    def _check_pool(self, name: str, pool) -> None:
-        """read_to's / write_from's block of rows: a contiguous float32 [rows, width] CPU tensor."""
-        if not isinstance(pool, torch.Tensor) or pool.dtype != torch.float32 or pool.dim() != 2 \
-                or pool.shape[1] != self.width or not pool.is_contiguous() or pool.device.type != "cpu":
-            raise ValueError(f"{name} must be a contiguous float32 [rows, {self.width}] CPU tensor, got "
-                             f"{getattr(pool, 'dtype', type(pool))} {tuple(getattr(pool, 'shape', ()))}")
 
     def _read_native(self, call) -> np.ndarray:
         """Runs a native read; returns found (bool [n]); its error as a StoreError."""
@@ -296,15 +271,27 @@ class NativeStore(StoreBase):
         self._stats["rows_written"] += n
         self._stats["bytes_written"] += n * self._row_bytes
 
-    def flush(self) -> None:
+    def flush(self, state: dict | None = None) -> None:
         """Returns when every write() made before the call is durable: it survives kill -9
-        and power loss once this returned."""
+        and power loss once this returned. state: stored in the table's record, after the rows
+        (the record is replaced atomically: a crash leaves the old state or the new one)."""
         self._check_open()
         try:
             self._file.sync()
         except RuntimeError as e:
             raise self._classify("flush", e) from None
+        if state is not None and normalize_meta(state) != self.state:
+            record = {**self.record, "state": normalize_meta(state)}
+            try:
+                write_json_atomic(os.path.join(self.path, self.META_FILE), record)
+            except OSError as e:
+                raise StoreWriteError(f"ssd_path {self.path}: cannot write the table's record: {e}") from None
+            self.record, self.state = record, record["state"]
         self._stats["flushes"] += 1
+
+    def _copy_record(self, path: str) -> None:
+        """The table's record into the checkpoint directory path, last (its presence = a table)."""
+        write_json_atomic(os.path.join(path, self.META_FILE), self.record)
 
     # ------------------------------------------------------------------------------ export
 

@@ -18,7 +18,6 @@ import json
 import os
 import struct
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable
 
 import numpy as np
 import rocksdict
@@ -26,7 +25,8 @@ import torch
 
 from .common import (DTYPE_BY_NAME, MAX_ID, STORAGE_DTYPES, QueuedStore, StoreCorruptedError,
                      StoreError, StoreLockedError, StoreWriteError, WriteBehind, check_record,
-                     check_store_args, initialize, locked_error, new_stats, normalize_meta)
+                     check_width, initialize, locked_error, new_stats, normalize_meta)
+from .options import make_options
 
 FORMAT = "tieredemb.ssd.rocksdb/1"
 # Not 8 bytes long and starting with 0xff: never a row key, sorts after every row key.
@@ -73,45 +73,24 @@ class RocksDBStore(QueuedStore):
     """An embedding table's rows in RocksDB: the SSD tier.
 
     path: a directory (created if missing or empty; otherwise it must hold a table).
-    width: floats per row (None: adopt the stored width). initializer(ids, out) fills rows
-    never written. meta: the table's JSON-able metadata (None: adopt what is stored); on an
-    existing table every field must equal the stored one (ValueError naming the field).
-    storage_dtype: float32 / float16 / bfloat16 on disk; rows are float32 in memory.
-    compression: None or "lz4" (RocksDB block compression). block_cache_bytes: RocksDB's
-    LRU block cache; row_cache_bytes: RocksDB's row cache (0: off; the tiers above already
-    cache hot rows, it pays off when the store is read directly). direct_reads: O_DIRECT reads (bypass the page cache). wal: write-ahead
-    log on (flush() syncs it) or off (flush() flushes the memtable to an SST file).
-    reader_threads: parallel MultiGet calls per read. write_queue_rows: rows queued for the
-    background writer before write() blocks (backpressure).
+    width: floats per row (None: adopt the stored width). initializer(ids, out, rows=None)
+    fills rows never written. meta: the table's JSON-able metadata (None: adopt what is stored);
+    on an existing table every field must equal the stored one (ValueError naming the field).
+    settings: RocksDBOptions' fields (storage_dtype, compression, block_cache_bytes,
+    row_cache_bytes, direct_reads, wal, reader_threads, write_queue_rows; see there). The row
+    cache (0: off) pays off only when the store is read directly: the tiers above cache hot rows.
     """
 
-    def __init__(
-        self,
-        path: str | os.PathLike,
-        width: int | None,
-        initializer: Callable[[torch.Tensor, torch.Tensor], None] | None,
-        meta: dict | None = None,
-        *,
-        storage_dtype: torch.dtype = torch.float32,
-        compression: str | None = None,
-        block_cache_bytes: int = 256 << 20,
-        row_cache_bytes: int = 0,
-        direct_reads: bool = False,
-        wal: bool = True,
-        reader_threads: int = 16,
-        write_queue_rows: int = 1 << 18,
-    ):
+    def __init__(self, path: str | os.PathLike, width: int | None, initializer, meta: dict | None = None,
+                 **settings):
         self.path = os.path.abspath(os.fspath(path))
         self._db = None
         self._closed = True
-        check_store_args(width, storage_dtype, write_queue_rows)
-        if compression not in (None, "lz4"):
-            raise ValueError(f"compression {compression!r} not supported; use None or 'lz4'")
-        if reader_threads < 1:
-            raise ValueError(f"reader_threads {reader_threads} must be >= 1")
-        if block_cache_bytes < 0 or row_cache_bytes < 0:
-            raise ValueError(f"block_cache_bytes {block_cache_bytes} and row_cache_bytes "
-                             f"{row_cache_bytes} must be >= 0")
+        check_width(width)
+        self.options = o = make_options("rocksdb", settings)
+        storage_dtype, direct_reads, compression, wal = o.storage_dtype, o.direct_reads, o.compression, o.wal
+        reader_threads, write_queue_rows = o.reader_threads, o.write_queue_rows
+        block_cache_bytes, row_cache_bytes = o.block_cache_bytes, o.row_cache_bytes
 
         self.initializer = initializer
         self.wal = wal
@@ -197,19 +176,23 @@ class RocksDBStore(QueuedStore):
                                  f"!= width argument {width}")
             record = {"format": FORMAT, "width": width,
                       "storage_dtype": _STORAGE_DTYPES[storage_dtype],
-                      "meta": requested_meta if requested_meta is not None else {}}
-            wo = rocksdict.WriteOptions()
-            wo.sync = True
-            try:
-                self._db.put(META_KEY, json.dumps(record, sort_keys=True).encode(), wo)
-            except Exception as e:
-                raise _classify(self.path, "write the table metadata", e) from None
-            self.width, self.storage_dtype, self.meta = width, storage_dtype, record["meta"]
-            return
-        record = self._parse_record(self.path, raw)
-        check_record(self.path, record, width, storage_dtype, meta)
-        stored_dtype = _DTYPE_BY_NAME[record["storage_dtype"]]
-        self.width, self.storage_dtype, self.meta = record["width"], stored_dtype, record["meta"]
+                      "meta": requested_meta if requested_meta is not None else {}, "state": {}}
+            self._put_record(record)
+        else:
+            record = self._parse_record(self.path, raw)
+            check_record(self.path, record, width, storage_dtype, meta)
+        self.record = record
+        self.width, self.storage_dtype = record["width"], _DTYPE_BY_NAME[record["storage_dtype"]]
+        self.meta, self.state = record["meta"], record.get("state", {})
+
+    def _put_record(self, record: dict) -> None:
+        """The table's record under META_KEY, synced (atomic: one key)."""
+        wo = rocksdict.WriteOptions()
+        wo.sync = True
+        try:
+            self._db.put(META_KEY, json.dumps(record, sort_keys=True).encode(), wo)
+        except Exception as e:
+            raise _classify(self.path, "write the table metadata", e) from None
 
     @staticmethod
     def _parse_record(path: str, raw: bytes) -> dict:
@@ -342,9 +325,10 @@ class RocksDBStore(QueuedStore):
         """Waits until every write() made before the call is in RocksDB (not yet durable)."""
         self._wb.drain()
 
-    def flush(self) -> None:
+    def flush(self, state: dict | None = None) -> None:
         """Returns when every write() made before the call is durable: in the synced WAL
-        (wal=True) or in an SST file (wal=False). Survives kill -9 once it returned."""
+        (wal=True) or in an SST file (wal=False). Survives kill -9 once it returned.
+        state: stored in the table's record (one key, synced), after the rows."""
         self._check_open()
         self._drain()
         try:
@@ -355,6 +339,10 @@ class RocksDBStore(QueuedStore):
         except Exception as e:
             self._wb.set_error(_classify(self.path, "flush", e))
             self._raise_error()
+        if state is not None and normalize_meta(state) != self.state:
+            record = {**self.record, "state": normalize_meta(state)}
+            self._put_record(record)
+            self.record, self.state = record, record["state"]
         self._stats["flushes"] += 1
 
     # --------------------------------------------------------------------- export, snapshot

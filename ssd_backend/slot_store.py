@@ -33,9 +33,8 @@ I/O threads serve each read (many O_DIRECT reads in flight, or parallel page fau
 from __future__ import annotations
 
 import os
-import shutil
 
-from .common import StoreError, copy_sparse, fsync_dir
+from .common import StoreError, copy_sparse
 from .native_store import NativeStore, native
 
 FORMAT = "tieredemb.ssd.slots/1"
@@ -60,6 +59,7 @@ class SlotFileStore(NativeStore):
     META_FILE = META_FILE
     KIND = "slot table"
     LAYOUT_FIELDS = ("slot_bytes",)
+    BACKEND = "slots"
 
     def _layout(self, row_bytes: int, num_rows: int) -> dict:
         return {"slot_bytes": -(-row_bytes // _SECTOR) * _SECTOR if self.direct_reads else row_bytes}
@@ -87,11 +87,6 @@ class SlotFileStore(NativeStore):
             path = self._new_checkpoint_dir(path)
             for name in (DATA_FILE, BITMAP_FILE):
                 copy_sparse(os.path.join(self.path, name), os.path.join(path, name))
-            tmp = os.path.join(path, META_FILE + ".tmp")
-            shutil.copyfile(os.path.join(self.path, META_FILE), tmp)
-            with open(tmp, "rb+") as f:
-                os.fsync(f.fileno())
-            os.replace(tmp, os.path.join(path, META_FILE))
-            fsync_dir(path)
+            self._copy_record(path)
         except OSError as e:
             raise StoreError(f"ssd_path {self.path}: cannot write checkpoint {path}: {e}") from None

@@ -17,8 +17,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
+def use_kernels(monkeypatch, which: str) -> None:
+    """Makes CPU tables run the native kernels or the torch-ops kernels (the GPU path)."""
+    import tieredemb.kernels
+
+    native = which == "native"
+    monkeypatch.setattr(tieredemb.kernels, "use_native", lambda pool: native and pool.device.type == "cpu")
+
+
 @pytest.fixture(params=["native", "torch"])
 def kernels(request, monkeypatch):
     """Runs a test with the native CPU kernels and with the torch-ops kernels (the GPU path)."""
-    monkeypatch.setenv("TIEREDEMB_KERNELS", request.param)
+    use_kernels(monkeypatch, request.param)
     return request.param

@@ -13,8 +13,13 @@ N = 5000
 META = {"num_embeddings": N, "embedding_dim": 4, "seed": 3, "optimizer": "adagrad"}
 
 
-def init_rows(ids: torch.Tensor, out: torch.Tensor) -> None:
-    out.copy_(-(ids[:, None].float() + torch.arange(WIDTH) / 100))
+def init_rows(ids: torch.Tensor, out: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+    """The initializer contract: the initial rows of ids into out, or into out[rows]."""
+    values = -(ids[:, None].float() + torch.arange(WIDTH) / 100)
+    if rows is None:
+        out.copy_(values)
+    else:
+        out[rows] = values
 
 
 def rows_for(ids: torch.Tensor, tag: float = 0.0) -> torch.Tensor:

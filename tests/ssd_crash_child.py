@@ -48,8 +48,11 @@ def make_rows(step, ids) -> torch.Tensor:
     return torch.cat([steps[:, None].double(), ids_t[:, None].double(), rest], 1).float()
 
 
-def initializer(ids: torch.Tensor, out: torch.Tensor) -> None:
-    out.copy_(make_rows(0, ids))
+def initializer(ids: torch.Tensor, out: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+    if rows is None:
+        out.copy_(make_rows(0, ids))
+    else:
+        out[rows] = make_rows(0, ids)
 
 
 def read_steps(path: str) -> list[int]:
@@ -67,7 +70,7 @@ def read_steps(path: str) -> list[int]:
 def open_store(table: str, backend: str | None = None, **kw):
     """backend: 'rocksdb', 'slots', 'log', or None (what the table directory holds)."""
     from ssd_backend import open_store as open_table
-    return open_table(table, WIDTH, initializer, META, backend=backend, **kw)
+    return open_table(table, WIDTH, initializer, META, {"backend": backend, **kw})
 
 
 def first_step(workdir: str) -> int:

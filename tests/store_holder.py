@@ -11,7 +11,7 @@ import sys
 _HOLDER = """
 import sys
 import ssd_backend
-store = getattr(ssd_backend, sys.argv[1])(sys.argv[2], None, lambda ids, out: out.zero_(), None)
+store = getattr(ssd_backend, sys.argv[1])(sys.argv[2], None, lambda ids, out, rows=None: out.zero_() if rows is None else out.index_fill_(0, rows, 0.0), None)
 print("open", flush=True)
 sys.stdin.readline()
 store.close()

@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tieredemb
+from conftest import use_kernels
 
 NUM, DIM = 64, 6
 
@@ -103,7 +104,7 @@ def test_native_and_torch_kernels_agree(monkeypatch):
     """The torch-ops kernels (what runs on a GPU) give the native kernels' results on the CPU."""
     results = {}
     for k in ("native", "torch"):
-        monkeypatch.setenv("TIEREDEMB_KERNELS", k)
+        use_kernels(monkeypatch, k)
         for mode in ("sum", "mean", "max"):
             ours = tieredemb.TieredEmbeddingBag(NUM, DIM, mode=mode, padding_idx=3, cache_rows=20,
                                                 optimizer=tieredemb.Adam(lr=0.05), seed=7)

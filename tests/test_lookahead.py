@@ -241,9 +241,10 @@ def engine_and_model(trace, capacity, depth, lookahead):
     planned = threading.Semaphore(0)
     make_resident = emb._store.make_resident
 
-    def instrumented(unique):
-        result = make_resident(unique)
-        planned.release()
+    def instrumented(*args, **kwargs):
+        result = make_resident(*args, **kwargs)
+        if result is not None:  # (None: no room yet; the worker retries)
+            planned.release()
         return result
 
     emb._store.make_resident = instrumented

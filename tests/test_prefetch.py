@@ -101,8 +101,8 @@ def test_forward_waits_for_nothing_once_its_batch_is_resident(batches):
     store = emb._store
     make_resident = store.make_resident
 
-    def instrumented(unique):
-        result = make_resident(unique)
+    def instrumented(*args, **kwargs):
+        result = make_resident(*args, **kwargs)
         if threading.current_thread() is not threading.main_thread():
             done.release()
         return result
@@ -197,13 +197,13 @@ def test_embedding_prefetch(tmp_path):
 def test_background_error_surfaces_with_its_traceback_and_prefetch_recovers(tmp_path, batches):
     emb = make_table(tmp_path, cache_rows=CACHE)
     train_manual(emb, batches[:5], depth=1)
-    backing = emb._store.backing
-    real_read = backing.read
+    backing = emb._store.bottom
+    real_read = backing.read_to
 
-    def failing_ssd_read(ids, out):
+    def failing_ssd_read(ids, dst, dst_rows):  # a fault the test cannot cause for real
         raise OSError("simulated SSD failure")
 
-    backing.read = failing_ssd_read
+    backing.read_to = failing_ssd_read
     ids, offsets, grad = batches[5]
     emb.prefetch(ids, offsets)
     with pytest.raises(OSError, match="simulated SSD failure") as info:
@@ -211,7 +211,7 @@ def test_background_error_surfaces_with_its_traceback_and_prefetch_recovers(tmp_
     frames = [f.name for f in traceback.extract_tb(info.value.__traceback__)]
     assert "failing_ssd_read" in frames and "_work" in frames  # the worker's own frames
     assert emb._store.tier0.index.pinned == 0  # nothing left pinned
-    backing.read = real_read
+    backing.read_to = real_read
     train_manual(emb, batches[5:10], depth=2)  # prefetch works again
     assert emb.stats()["prefetch"]["registered"] == 1 + 10
     emb.close()
@@ -333,16 +333,16 @@ def test_exceptions_end_the_iteration_cleanly(batches, where):
 
 def test_background_error_surfaces_through_the_loader(tmp_path, batches):
     emb = make_table(tmp_path, cache_rows=CACHE)
-    backing = emb._store.backing
-    real_read, calls = backing.read, []
+    backing = emb._store.bottom
+    real_read, calls = backing.read_to, []
 
-    def failing_ssd_read(ids, out):
+    def failing_ssd_read(ids, dst, dst_rows):  # a fault the test cannot cause for real
         calls.append(len(ids))
         if len(calls) == 12:
             raise OSError("simulated SSD failure")
-        real_read(ids, out)
+        real_read(ids, dst, dst_rows)
 
-    backing.read = failing_ssd_read
+    backing.read_to = failing_ssd_read
     with pytest.raises(OSError, match="simulated SSD failure") as info:
         train_loader(emb, batches, depth=2)
     frames = [f.name for f in traceback.extract_tb(info.value.__traceback__)]

@@ -1,6 +1,7 @@
-"""The counter-based generator of initial row values (native/random.cc): its statistics, its
-independence, and its bit-exact reproducibility (golden values, an independent numpy reference,
-and element j not depending on the fill length)."""
+"""The counter-based generator of initial row values (native/kernels/random.cc), through the
+binding that production uses (init_rows): its statistics, its independence, and its bit-exact
+reproducibility (golden values, an independent numpy reference, and element j not depending on
+the row width or the buffer's alignment)."""
 import math
 
 import numpy as np
@@ -11,20 +12,24 @@ from tieredemb import _C
 
 N = 10**6
 DIM = 128
+NORMAL, UNIFORM, ZEROS = 0, 1, 2
+
+
+def init(ids, dim, kind, a, b, seed, width=None, zero_id=-1, out=None):
+    """init_rows of int64 ids into a float32 [len(ids), width] array (width defaults to dim)."""
+    ids = np.asarray(ids, dtype=np.int64)
+    if out is None:
+        out = np.empty((ids.size, width or dim), np.float32)
+    _C.init_rows(ids, out, dim, kind, a, b, seed, zero_id)
+    return out
 
 
 def normal_rows(seed, rows, dim=DIM, mean=0.0, std=1.0):
-    out = np.empty((rows, dim), np.float32)
-    for i in range(rows):
-        _C.fill_normal(_C.row_key(seed, i), out[i], mean, std)
-    return out
+    return init(np.arange(rows), dim, NORMAL, mean, std, seed)
 
 
 def uniform_rows(seed, rows, low, high, dim=DIM):
-    out = np.empty((rows, dim), np.float32)
-    for i in range(rows):
-        _C.fill_uniform(_C.row_key(seed, i), out[i], low, high)
-    return out
+    return init(np.arange(rows), dim, UNIFORM, low, high, seed)
 
 
 def corr(a, b):
@@ -41,6 +46,15 @@ def mix64(x):
     x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
     x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
     return x ^ (x >> np.uint64(31))
+
+
+def row_key(seed, row):
+    """The stream key of a row: splitmix64(seed ^ splitmix64(row + 0x632be59bd9b4e019)), where
+    splitmix64(x) = mix64(x + 0x9e3779b97f4a7c15)."""
+    gamma = np.uint64(0x9E3779B97F4A7C15)
+    with np.errstate(over="ignore"):
+        inner = mix64(np.uint64(row % 2**64) + np.uint64(0x632BE59BD9B4E019) + gamma)
+        return int(mix64((np.uint64(seed) ^ inner) + gamma))
 
 
 def pair_bits(key, pairs):
@@ -136,9 +150,15 @@ def test_uniform_range_mean_and_variance():
 def test_uniform_never_reaches_high_when_rounding_would():
     # low + span * u rounds to high for u >= 1/2 here; the range stays [low, high)
     low, high = 1.0, float(np.nextafter(np.float32(1), np.float32(2)))
-    x = np.empty(1000, np.float32)
-    _C.fill_uniform(_C.row_key(0, 5), x, low, high)
+    x = init([5], 1000, UNIFORM, low, high, seed=0)
     assert (x >= np.float32(low)).all() and (x < np.float32(high)).all()
+
+
+def test_state_columns_zero_and_row_zero_id_and_kind_zeros():
+    x = init([3, 7, 9], 16, NORMAL, 0.0, 1.0, seed=1, width=24, zero_id=7)
+    assert (x[:, 16:] == 0).all() and (x[1] == 0).all()
+    assert (x[[0, 2], :16] != 0).all()
+    assert (init([3, 7], 16, ZEROS, 0.0, 1.0, seed=1, width=24) == 0).all()
 
 
 # ---- independence --------------------------------------------------------------------------
@@ -156,9 +176,12 @@ def test_adjacent_elements_and_adjacent_rows_are_uncorrelated():
     assert abs(corr(u[:-1].ravel(), u[1:].ravel())) < 5 / math.sqrt(u.size)
 
 
-def test_different_keys_give_different_draws():
-    keys = {_C.row_key(s, i) for s in range(4) for i in range(-2, 1000)}
-    assert len(keys) == 4 * 1002
+def test_different_seeds_and_rows_give_different_draws():
+    # Rows of 4 seeds x 1002 ids (negative ones too) all start differently: distinct keys.
+    # (zero_id is the init's "no padding row" -1 by default: moved off the ids here.)
+    starts = {tuple(row) for s in range(4)
+              for row in init(np.arange(-2, 1000), 4, NORMAL, 0.0, 1.0, seed=s, zero_id=-5).view(np.uint32)}
+    assert len(starts) == 4 * 1002
     a, b, c = (normal_rows(seed=s, rows=1)[0] for s in (0, 1, 0))
     assert (a == c).all() and (a != b).mean() > 0.99
     assert (normal_rows(seed=0, rows=2)[0] != normal_rows(seed=0, rows=2)[1]).mean() > 0.99
@@ -167,28 +190,23 @@ def test_different_keys_give_different_draws():
 # ---- reproducibility -----------------------------------------------------------------------
 
 
-def test_element_j_does_not_depend_on_n_or_alignment():
-    key = _C.row_key(3, 42)
-    for fill, args in [(_C.fill_normal, (0.1, 2.0)), (_C.fill_uniform, (-1.0, 3.0))]:
-        full = np.empty(1000, np.float32)
-        fill(key, full, *args)
-        for n in list(range(1, 300)) + [511, 512, 513, 999]:  # odd n: element n-1 from the tail
-            part = np.empty(n, np.float32)
-            fill(key, part, *args)
-            assert part.view(np.uint32).tolist() == full[:n].view(np.uint32).tolist(), n
-        for offset in range(1, 8):  # buffers not aligned to a vector
-            buf = np.empty(1000 + offset, np.float32)
-            fill(key, buf[offset:], *args)
-            assert (buf[offset:].view(np.uint32) == full.view(np.uint32)).all(), offset
+@pytest.mark.parametrize("kind, a, b", [(NORMAL, 0.1, 2.0), (UNIFORM, -1.0, 3.0)])
+def test_element_j_does_not_depend_on_dim_width_or_alignment(kind, a, b):
+    full = init([42], 1000, kind, a, b, seed=3)[0]
+    for n in list(range(1, 300)) + [511, 512, 513, 999]:  # odd n: element n-1 from the tail
+        part = init([42], n, kind, a, b, seed=3, width=n + 5)[0]
+        assert part[:n].view(np.uint32).tolist() == full[:n].view(np.uint32).tolist(), n
+    for offset in range(1, 8):  # buffers not aligned to a vector
+        buf = np.empty(1000 + offset, np.float32)
+        init([42], 1000, kind, a, b, seed=3, out=buf[offset:].reshape(1, 1000))
+        assert (buf[offset:].view(np.uint32) == full.view(np.uint32)).all(), offset
 
 
 def test_normal_equals_an_independent_float32_reference_bit_for_bit():
     for seed, row in [(0, 0), (7, 123456789), (11, -3)]:
-        key = _C.row_key(seed, row)
         for n, mean, std in [(4097, 0.0, 1.0), (129, 0.25, 0.01)]:
-            out = np.empty(n, np.float32)
-            _C.fill_normal(key, out, mean, std)
-            ref = reference_normal(key, n, mean, std)
+            out = init([row], n, NORMAL, mean, std, seed)[0]
+            ref = reference_normal(row_key(seed, row), n, mean, std)
             assert (out.view(np.uint32) == ref.view(np.uint32)).all()
 
 
@@ -208,10 +226,9 @@ GOLDEN_UNIFORM = {
 def test_golden_values(seed_id):
     # Pinned: a change to the generator or to how random.cc is compiled (an FMA) changes these,
     # and every stored table would read its unwritten rows differently.
-    key = _C.row_key(*seed_id)
-    assert key == GOLDEN_KEYS[seed_id]
-    x = np.empty(8, np.float32)
-    _C.fill_normal(key, x, 0.1, 0.02)
+    seed, row = seed_id
+    assert row_key(seed, row) == GOLDEN_KEYS[seed_id]  # the reference's key derivation
+    x = init([row], 8, NORMAL, 0.1, 0.02, seed)[0]
     assert x.view(np.uint32).tolist() == GOLDEN_NORMAL[seed_id]
-    _C.fill_uniform(key, x, -1.0, 1.0)
+    x = init([row], 8, UNIFORM, -1.0, 1.0, seed)[0]
     assert x.view(np.uint32).tolist() == GOLDEN_UNIFORM[seed_id]

@@ -16,8 +16,8 @@ SCRIPT = textwrap.dedent("""
     meta = {"num_embeddings": 1_000_000, "embedding_dim": 128, "width": 129, "dtype": "float32",
             "seed": 0, "optimizer": None, "init": None}
     opts = {"write_queue_rows": 1 << 20} if sys.argv[2] == "rocksdb" else {}
-    store = ssd_backend.open_store(sys.argv[1], 129, lambda ids, out: out.zero_(), meta,
-                                   backend=sys.argv[2], **opts)
+    store = ssd_backend.open_store(sys.argv[1], 129, lambda ids, out, rows=None: out.zero_(), meta,
+                                   {"backend": sys.argv[2], **opts})
     for k in range(8):
         ids = torch.arange(k * 100_000, (k + 1) * 100_000)
         store.write(ids, torch.ones(len(ids), 129))

@@ -118,7 +118,7 @@ _KILLED = textwrap.dedent("""
     import sys, torch
     from ssd_backend import LogStore
     N, W = 5000, 12
-    s = LogStore(sys.argv[1], W, lambda i, o: o.zero_(), {"num_embeddings": N})
+    s = LogStore(sys.argv[1], W, lambda i, o, r=None: o.zero_() if r is None else o.index_fill_(0, r, 0.0), {"num_embeddings": N})
     ids = torch.arange(0, N, 3)
     s.write(ids, ids[:, None].float() + torch.zeros(1, W))
     s.flush()
@@ -141,7 +141,7 @@ def test_kill9_keeps_flushed_rows_and_no_row_is_torn(tmp_path):
         finally:
             child.send_signal(signal.SIGKILL)
             child.wait(30)
-        with LogStore(path, None, lambda i, o: o.zero_(), None) as s:
+        with LogStore(path, None, lambda i, o, r=None: o.zero_() if r is None else o.index_fill_(0, r, 0.0), None) as s:
             rows = read(s, torch.arange(N))
             ids = torch.arange(N).float()
             assert (rows == rows[:, :1]).all(), "a torn row"
@@ -206,7 +206,7 @@ def test_damaged_files_and_foreign_directories(tmp_path):
     (other / "notes.txt").write_text("x")
     with pytest.raises(ValueError, match="not a log table .* not empty"):
         make(other)
-    with pytest.raises(ValueError, match="segment_bytes 1024 must be an int >= 65536"):
+    with pytest.raises(ValueError, match="segment_bytes 1024: must be None or an int >= 65536"):
         make(tmp_path / "small", segment_bytes=1024)
 
 

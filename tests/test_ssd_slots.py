@@ -199,7 +199,7 @@ _KILLED = textwrap.dedent("""
     import sys, torch
     from ssd_backend import SlotFileStore
     N, W = 5000, 12
-    def init(ids, out): out.zero_()
+    def init(ids, out, rows=None): out.zero_() if rows is None else out.index_fill_(0, rows, 0.0)
     s = SlotFileStore(sys.argv[1], W, init, {"num_embeddings": N}, direct_reads=sys.argv[2] == "1")
     tag = float(sys.argv[3])
     ids = torch.arange(0, N, 3)
@@ -227,7 +227,7 @@ def test_flushed_rows_survive_sigkill(tmp_path, direct):
             child.send_signal(signal.SIGKILL)
             child.wait(30)
         assert child.returncode == -signal.SIGKILL
-        with SlotFileStore(path, None, lambda i, o: o.zero_(), None) as s:
+        with SlotFileStore(path, None, lambda i, o, r=None: o.zero_() if r is None else o.index_fill_(0, r, 0.0), None) as s:
             assert torch.equal(read(s, ids), ids[:, None].float() + life * 0.5
                                + torch.zeros(1, WIDTH))
             others = read(s, torch.arange(1, N, 3))  # unflushed: initial or a whole write
@@ -254,7 +254,7 @@ def test_checkpoint_is_sparse_and_opens_as_table(tmp_path):
 
 def test_open_store_picks_and_detects_the_backend(tmp_path):
     ids = torch.arange(3)
-    with open_store(tmp_path / "s", WIDTH, init_rows, META, backend="slots") as s:
+    with open_store(tmp_path / "s", WIDTH, init_rows, META, {"backend": "slots"}) as s:
         s.write(ids, rows_for(ids))
     with open_store(tmp_path / "r", WIDTH, init_rows, META) as r:  # default: RocksDB
         assert isinstance(r, RocksDBStore)
@@ -264,9 +264,9 @@ def test_open_store_picks_and_detects_the_backend(tmp_path):
     with open_store(tmp_path / "s", WIDTH, init_rows, META) as s:  # backend unspecified
         assert isinstance(s, SlotFileStore) and torch.equal(read(s, ids), rows_for(ids))
     with pytest.raises(ValueError, match="holds a 'slots' table, requested backend 'rocksdb'"):
-        open_store(tmp_path / "s", WIDTH, init_rows, META, backend="rocksdb")
+        open_store(tmp_path / "s", WIDTH, init_rows, META, {"backend": "rocksdb"})
     with pytest.raises(ValueError, match="backend 'lmdb' is not one of"):
-        open_store(tmp_path / "x", WIDTH, init_rows, META, backend="lmdb")
+        open_store(tmp_path / "x", WIDTH, init_rows, META, {"backend": "lmdb"})
 
 
 def test_large_random_read_keeps_order_across_io_threads(tmp_path, direct):

@@ -22,10 +22,14 @@ META = {"num_embeddings": 100_000, "embedding_dim": 6, "width": WIDTH, "dtype": 
         "init": "uniform"}
 
 
-def init_rows(ids: torch.Tensor, out: torch.Tensor) -> None:
-    """A deterministic function of the id, unlike any written row."""
+def init_rows(ids: torch.Tensor, out: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+    """A deterministic function of the id, unlike any written row (into out, or out[rows])."""
     j = torch.arange(out.shape[1], dtype=torch.float64)
-    out.copy_(torch.cos(ids.double()[:, None] * 0.37 + j) - 3.0)
+    values = (torch.cos(ids.double()[:, None] * 0.37 + j) - 3.0).float()
+    if rows is None:
+        out.copy_(values)
+    else:
+        out[rows] = values
 
 
 def rows_for(ids: torch.Tensor, tag: float = 0.0) -> torch.Tensor:

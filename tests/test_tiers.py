@@ -30,9 +30,21 @@ def look(m, batch):
         m(torch.tensor(batch), ONE_BAG)
 
 
+def layers(m):
+    """The table's layers top to bottom: its cache tiers, then the bottom store."""
+    return m._store.tiers + [m._store.bottom]
+
+
 def tier(m, name):
-    (t,) = [t for t in m._store.tiers if t.name == name]
+    (t,) = [t for t in layers(m) if t.name == name]
     return t
+
+
+def bottom_rows(m, ids):
+    """Whole rows (weights and state) as the bottom store holds them, read without caching."""
+    out = torch.empty(len(ids), m.width)
+    m._store.bottom.read_to(ids, out, torch.arange(len(ids)))
+    return out
 
 
 def counts(m, name):
@@ -152,7 +164,7 @@ def test_billion_row_table_is_created_without_allocating():
 
 def test_write_back_without_host_tier():
     m = te.TieredEmbeddingBag(N, D, "sum", cache_rows=4, optimizer=te.SGD(lr=0.25))
-    assert [t.name for t in m._store.tiers] == ["tier0", "store"]
+    assert [t.name for t in layers(m)] == ["tier0", "store"]
     store = tier(m, "store")
     look(m, [0, 1, 2, 3])
     look(m, [4, 5, 6, 7])  # 0..3 read only: dropped without a write
@@ -183,7 +195,7 @@ def test_write_back_without_host_tier():
 
 def test_write_back_through_a_host_tier():
     m = te.TieredEmbeddingBag(N, D, "sum", cache_rows=4, host_rows=8, optimizer=te.SGD(lr=0.25))
-    assert [t.name for t in m._store.tiers] == ["tier0", "host", "store"]
+    assert [t.name for t in layers(m)] == ["tier0", "host", "store"]
     store = tier(m, "store")
     look(m, [0, 1, 2, 3])
     look(m, [4, 5, 6, 7])
@@ -207,24 +219,27 @@ def test_write_back_through_a_host_tier():
     assert counts(m, "host") == (12, 4, 8)
     assert store.index.resident_ids(0, -1).tolist() == [0, 1, 2, 3]
     assert torch.equal(m.read_rows(torch.arange(4)), trained)
-    out = torch.empty(4, m.width)
-    store.peek(torch.arange(4), out)
-    assert torch.equal(out[:, :D], trained)
+    assert torch.equal(bottom_rows(m, torch.arange(4))[:, :D], trained)
 
 
 # -- invariant 2: pins ------------------------------------------------------------------------
 
 
-def test_two_batches_in_flight_that_do_not_fit_are_refused_clearly():
+def test_two_batches_in_flight_that_do_not_fit_both_train():
+    """The second batch finds tier 0 full of the first's pinned rows: its rows go to overflow
+    slots, and both train as with the whole table in tier 0."""
+    ref = te.TieredEmbeddingBag(N, D, "sum", cache_rows=None, optimizer=te.SGD(lr=0.1))
     m = te.TieredEmbeddingBag(N, D, "sum", cache_rows=4, host_rows=8, optimizer=te.SGD(lr=0.1))
-    first = m(torch.tensor([0, 1, 2]), ONE_BAG)
-    with pytest.raises(ValueError, match="pinned"):
-        m(torch.tensor([3, 4, 5]), ONE_BAG)
-    first.sum().backward()
-    assert m._store.tier0.index.pinned == 0
-    # The pins are gone: the refused batch fits now, and a third after it.
-    train(m, [[3, 4, 5], [6, 7, 8, 9]])
-    assert m._store.tier0.index.pinned == 0
+    for t in (m, ref):
+        first = t(torch.tensor([0, 1, 2]), ONE_BAG)
+        second = t(torch.tensor([3, 4, 5, 1]), ONE_BAG)
+        (first.sum() + 3 * second.sum()).backward()
+    index = m._store.tier0.index
+    assert index.pinned == 0 and m.stats()["tier0"]["overflow_rows"] == 2
+    train(m, [[6, 7, 8, 9]]), train(ref, [[6, 7, 8, 9]])
+    assert index.overflow == 0 and index.size == 4
+    ids = torch.arange(N)
+    assert torch.equal(m.read_rows(ids), ref.read_rows(ids))
 
 
 def test_rows_in_flight_are_not_evicted_by_other_batches():
@@ -254,8 +269,8 @@ def test_two_batches_in_flight_that_fit_both_train():
         b = t(torch.tensor([2, 3, 4]), ONE_BAG)
         if t is m:
             assert t._store.tier0.index.pinned == 5
-            with pytest.raises(ValueError, match="pinned"):
-                look(t, [10, 11])
+            look(t, [10, 11])  # one free slot: the other row is lent an overflow slot
+            assert t.stats()["tier0"]["overflow_rows"] == 1
         (b * 2).sum().backward()
         a.sum().backward()
     assert m._store.tier0.index.pinned == 0
@@ -293,18 +308,15 @@ def test_forward_without_grad_pins_nothing():
 def test_flush_makes_the_bottom_hold_every_update(cfg):
     m = te.TieredEmbeddingBag(N, D, "sum", optimizer=te.Adagrad(lr=0.2), **cfg)
     train(m, random_batches(30, N, 3, seed=1))
-    bottom = m._store.tiers[-1]
-    assert bottom.name == "store"
+    assert m._store.bottom.name == "store"
     ids = torch.arange(N)
-    rows_before_flush = torch.empty(N, m.width)
-    bottom.peek(ids, rows_before_flush)
+    rows_before_flush = bottom_rows(m, ids)
     w, s = m.read_rows(ids).clone(), m.read_optimizer_state(ids).clone()
     assert not torch.equal(rows_before_flush[:, :D], w)  # some updates were only in upper tiers
     m.flush()
-    for t in m._store.tiers[:-1]:  # the bottom's dirty bits mean "ever written"
+    for t in m._store.tiers:  # (the bottom's dirty bits mean "ever written")
         assert t.index.dirty_rows()[0].tolist() == [], t.name
-    rows = torch.empty(N, m.width)
-    bottom.peek(ids, rows)
+    rows = bottom_rows(m, ids)
     assert torch.equal(rows[:, :D], w)
     assert torch.equal(rows[:, D:], s)
     # flush changed no value, and training goes on from the same rows.
@@ -328,9 +340,8 @@ def test_read_rows_returns_the_highest_tiers_copy():
     m.write_rows(torch.tensor([2, 0, 20]), new)  # in tier 0; in the host only; in the store only
     assert torch.equal(m.read_rows(torch.tensor([2, 0, 20])), new)
     # The lower copy of row 2 is stale and that is allowed only because the upper one is dirty.
-    host_copy = torch.empty(1, m.width)
     assert host.lookup(torch.tensor([2]))[0] >= 0
-    tier(m, "host").peek(torch.tensor([2]), host_copy)
+    host_copy = tier(m, "host").pool.gather(torch.from_numpy(host.lookup(torch.tensor([2]))))
     assert not torch.equal(host_copy[0, :D], new[0])
     assert 2 in t0.dirty_rows()[0].tolist()
     # A forward sees the new values, and they survive eviction down every tier.
@@ -340,9 +351,7 @@ def test_read_rows_returns_the_highest_tiers_copy():
         look(m, list(range(i, i + 4)))
     assert torch.equal(m.read_rows(torch.tensor([2, 0, 20])), new)
     m.flush()
-    out = torch.empty(3, m.width)
-    m._store.tiers[-1].peek(torch.tensor([2, 0, 20]), out)
-    assert torch.equal(out[:, :D], new)
+    assert torch.equal(bottom_rows(m, torch.tensor([2, 0, 20]))[:, :D], new)
 
 
 def test_write_rows_keeps_or_sets_optimizer_state():
@@ -474,9 +483,7 @@ def test_small_host_tier_under_a_tier0_that_holds_every_row(cache_rows):
         m(torch.arange(i, i + 4), ONE_BAG).sum().backward()
     m.flush()  # 20 dirty rows
     assert torch.allclose(m.read_rows(ids), before - 0.5)
-    out = torch.empty(20, m.width)
-    m._store.tiers[-1].peek(ids, out)
-    assert torch.allclose(out[:, :D], before - 0.5)
+    assert torch.allclose(bottom_rows(m, ids)[:, :D], before - 0.5)
 
 
 # -- TieredEmbedding ----------------------------------------------------------------------------

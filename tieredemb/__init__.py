@@ -1,25 +1,35 @@
 """tieredemb: embedding tables across memory tiers (GPU HBM / host DRAM / SSD) for
-recommendation models, as drop-in torch.nn.EmbeddingBag / torch.nn.Embedding replacements."""
+recommendation models, as drop-in torch.nn.EmbeddingBag / torch.nn.Embedding replacements.
 
-import torch as _torch
+The public names are imported on first use: `import tieredemb` alone loads neither torch nor
+numba, so the command-line tools that need neither start in milliseconds.
+"""
 
-from . import _C
-from .config import Init, parse_bytes
-from .module import TieredEmbedding, TieredEmbeddingBag
-from .optim import SGD, Adagrad, Adam, RowWiseAdagrad
-from .prefetch import PrefetchLoader, PrefetchOrderError
+from importlib import import_module
 
-_C.set_num_threads(_torch.get_num_threads())
+__version__ = "0.1.0"
 
-__all__ = ["TieredEmbeddingBag", "TieredEmbedding", "SGD", "Adagrad", "RowWiseAdagrad", "Adam", "Init",
-           "parse_bytes", "PrefetchLoader", "PrefetchOrderError", "record"]
+# public name -> the submodule that defines it
+_EXPORTS = {
+    "TieredEmbeddingBag": "module", "TieredEmbedding": "module",
+    "SGD": "optim", "Adagrad": "optim", "RowWiseAdagrad": "optim", "Adam": "optim", "Optimizer": "optim",
+    "TableConfig": "config", "Init": "config", "parse_bytes": "config",
+    "RocksDBOptions": "config", "LogOptions": "config", "SlotOptions": "config",
+    "PrefetchLoader": "prefetch", "PrefetchOrderError": "prefetch",
+    "record": "trace",
+}
+
+__all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name):
-    # tieredemb.record (tieredemb.trace.record), imported on first use: the trace tools pull
-    # in numba, which the modules do not need.
-    if name == "record":
-        from .trace import record
-        return record
-    raise AttributeError(f"module 'tieredemb' has no attribute {name!r}")
-__version__ = "0.1.0"
+    where = _EXPORTS.get(name)
+    if where is None:
+        raise AttributeError(f"module 'tieredemb' has no attribute {name!r}")
+    value = getattr(import_module(f"{__name__}.{where}"), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -1,14 +1,33 @@
-"""Configuration values: tier capacities, row initialization, parsing of sizes like '512MiB'."""
+"""Configuration of a table: TableConfig (frozen), Init, and sizes like '512MiB'.
+
+    cfg = tieredemb.TableConfig(10**8, 128, cache_rows="4GiB", host_rows="32GiB",
+                                ssd_path="/nvme/t", ssd=tieredemb.LogOptions(),
+                                optimizer=tieredemb.RowWiseAdagrad(lr=0.01))
+    emb = tieredemb.TieredEmbeddingBag(cfg, mode="sum")
+
+The modules' keyword arguments build the same object; every value is checked once, here, with an
+error that names the value and the rule.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
+
+import torch
+
+from ssd_backend import detect_backend
+from ssd_backend.options import DEFAULT_BACKEND, LogOptions, RocksDBOptions, SlotOptions, StoreOptions, parse_options
+
+from .optim import Optimizer
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 POLICIES = ("lru", "lfu", "clock")
+__all__ = ["TableConfig", "Init", "parse_bytes", "parse_rows", "POLICIES",
+           "RocksDBOptions", "LogOptions", "SlotOptions", "StoreOptions"]
 
 
 def parse_bytes(text: str) -> int:
@@ -49,3 +68,103 @@ class Init:
     @property
     def code(self) -> int:
         return ("normal", "uniform", "zeros").index(self.kind)
+
+
+def _positive_int(name: str, v) -> None:
+    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+        raise ValueError(f"{name} must be a positive int, got {v!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class TableConfig:
+    """One table: its shape, its tiers and how rows start, train and are stored.
+
+    num_embeddings, embedding_dim: the table is [num_embeddings, embedding_dim].
+    cache_rows: tier 0's capacity, in rows or bytes ('512MiB', counting the optimizer state);
+        None: tier 0 holds the whole table. A batch may use more distinct rows than this: the
+        rows that do not fit are served from overflow slots (see README, Tiers).
+    host_rows: the host cache's capacity (rows or bytes), at least tier 0's; None: no host cache.
+    ssd_path: a directory for the SSD store (the backing store); None: host memory.
+    ssd: the SSD backend and its settings (RocksDBOptions, LogOptions, SlotOptions, or the dict
+        {"backend": name, **settings}); None: the backend the directory holds, else RocksDB.
+    policy: eviction policy of the cache tiers: 'lru', 'lfu' or 'clock'.
+    optimizer: the fused optimizer (SGD, Adagrad, RowWiseAdagrad, Adam); None: inference only.
+    init, seed: rows never written read as init's draw for (seed, row id).
+    padding_idx: a row that starts at zero and is never updated (torch's padding_idx).
+    device: where tier 0 lives: 'cpu' or 'cuda[:k]'.
+    dtype: the rows' dtype in the tiers (float32).
+
+    Sizes given in bytes are resolved to rows, and ssd_options dicts to typed options, when the
+    config is made: the fields then read as rows and StoreOptions.
+    """
+
+    num_embeddings: int
+    embedding_dim: int
+    cache_rows: int | str | None = None
+    host_rows: int | str | None = None
+    ssd_path: str | None = None
+    ssd: StoreOptions | dict | None = None
+    policy: str = "lru"
+    optimizer: Optimizer | None = None
+    init: Init = Init()
+    seed: int = 0
+    padding_idx: int | None = None
+    device: torch.device | str = "cpu"
+    dtype: torch.dtype = torch.float32
+
+    def __post_init__(self):
+        set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
+        _positive_int("num_embeddings", self.num_embeddings)
+        _positive_int("embedding_dim", self.embedding_dim)
+        n = self.num_embeddings
+        if self.padding_idx is not None:
+            if isinstance(self.padding_idx, bool) or not isinstance(self.padding_idx, int) \
+                    or not -n <= self.padding_idx < n:
+                raise ValueError(f"padding_idx {self.padding_idx!r} out of range [{-n}, {n})")
+            set_("padding_idx", self.padding_idx % n)
+        if self.dtype != torch.float32:
+            raise ValueError(f"dtype {self.dtype} is not supported: tiers hold float32 rows "
+                             "(the SSD tier can store them as float16/bfloat16: storage_dtype)")
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy {self.policy!r} is not one of {POLICIES}")
+        if self.optimizer is not None and not isinstance(self.optimizer, Optimizer):
+            raise TypeError(f"optimizer must be a tieredemb optimizer (SGD, Adagrad, RowWiseAdagrad, Adam), "
+                            f"got {type(self.optimizer).__name__}")
+        if not isinstance(self.init, Init):
+            raise TypeError(f"init must be a tieredemb.Init, got {type(self.init).__name__}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise ValueError(f"seed must be an int >= 0, got {self.seed!r}")
+        device = torch.device(self.device)
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"device {device} is not supported: use 'cpu' or 'cuda'")
+        set_("device", device)
+        row_bytes = self.width * 4
+        set_("cache_rows", parse_rows("cache_rows", self.cache_rows, row_bytes))
+        set_("host_rows", parse_rows("host_rows", self.host_rows, row_bytes))
+        tier0 = self.tier0_rows
+        if self.host_rows is not None and self.host_rows < tier0:
+            raise ValueError(f"host_rows {self.host_rows} < the {tier0} rows of tier 0 (cache_rows="
+                             f"{self.cache_rows!r}): the host cache must be at least as large as tier 0")
+        if self.ssd_path is None:
+            if self.ssd is not None:
+                raise ValueError("ssd options were given without ssd_path: give the SSD store a directory")
+        else:
+            set_("ssd_path", os.fspath(self.ssd_path))
+            set_("ssd", parse_options(self.ssd, detect_backend(self.ssd_path) or DEFAULT_BACKEND))
+
+    @property
+    def width(self) -> int:
+        """Floats per stored row: the weights, then the optimizer's state."""
+        return self.embedding_dim + (self.optimizer.state_width(self.embedding_dim) if self.optimizer else 0)
+
+    @property
+    def tier0_rows(self) -> int:
+        return min(self.cache_rows or self.num_embeddings, self.num_embeddings)
+
+    def meta(self) -> dict:
+        """What a stored table must match when reopened (JSON-able)."""
+        return {"num_embeddings": self.num_embeddings, "embedding_dim": self.embedding_dim, "width": self.width,
+                "dtype": "float32", "seed": self.seed,
+                "optimizer": self.optimizer.to_meta() if self.optimizer else None,
+                "init": {"kind": self.init.kind, "a": self.init.a, "b": self.init.b},
+                "padding_idx": self.padding_idx}

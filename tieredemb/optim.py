@@ -23,6 +23,11 @@ def _check(name: str, value: float, rule: str, ok: bool) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class Optimizer:
+    """A fused optimizer: applied inside backward to the rows a batch touched (one step per
+    backward, the gradients of duplicate ids summed first); its state is stored in each row after
+    the weights and travels with the row through every tier. lr: learning rate, >= 0.
+    Subclasses: SGD, Adagrad, RowWiseAdagrad, Adam."""
+
     lr: float
 
     kind = -1
@@ -32,6 +37,7 @@ class Optimizer:
         _check("lr", self.lr, "a finite number >= 0", isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr >= 0)
 
     def state_width(self, dim: int) -> int:
+        """Floats of state stored after the dim weights of each row."""
         return _C.state_width(self.kind, dim)
 
     def native_args(self, step: int) -> "_C.OptimizerArgs":
@@ -53,6 +59,8 @@ class Optimizer:
 
 @dataclasses.dataclass(frozen=True)
 class SGD(Optimizer):
+    """w -= lr * g. No state."""
+
     kind = 0
     name = "sgd"
 
@@ -62,7 +70,8 @@ class SGD(Optimizer):
 
 @dataclasses.dataclass(frozen=True)
 class Adagrad(Optimizer):
-    """torch.optim.Adagrad's update (lr_decay = weight_decay = initial accumulator = 0)."""
+    """torch.optim.Adagrad's update (lr_decay = weight_decay = initial accumulator = 0): a sum of
+    squared gradients per element (D floats of state); eps > 0 is added to its square root."""
 
     eps: float = 1e-10
     kind = 1
@@ -80,7 +89,8 @@ class Adagrad(Optimizer):
 
 @dataclasses.dataclass(frozen=True)
 class RowWiseAdagrad(Optimizer):
-    """One accumulator per row: the mean of the squared gradient (FBGEMM's EXACT_ROWWISE_ADAGRAD)."""
+    """One accumulator per row (1 float of state): the mean over the row of the squared gradient,
+    summed over steps; w -= lr * g / (sqrt(acc) + eps). FBGEMM's EXACT_ROWWISE_ADAGRAD."""
 
     eps: float = 1e-8
     kind = 2
@@ -98,7 +108,8 @@ class RowWiseAdagrad(Optimizer):
 
 @dataclasses.dataclass(frozen=True)
 class Adam(Optimizer):
-    """Lazy Adam: only the rows of a batch move; torch.optim.SparseAdam's arithmetic.
+    """Lazy Adam: only the rows of a batch move; torch.optim.SparseAdam's arithmetic. State: the
+    first and second moments (2 * D floats). betas: two numbers in [0, 1); eps > 0.
 
     The bias correction uses the table's step count (one step per backward), as SparseAdam does."""
 

@@ -4,7 +4,12 @@ background worker, and stay pinned until their backward.
 Ordering, and why training gives bit for bit the results it gives without prefetch:
 - One worker thread per table makes registered batches resident in registration order (FIFO),
   one at a time, under the table's store lock (as every other row move is), so residencies never
-  interleave. A backward's unpin and mark_dirty touch only its own pinned slots, under tier 0's
+  interleave.
+- Prefetch never fails for lack of tier-0 slots. When a batch's rows do not fit beside the rows
+  pinned by batches in flight, the worker waits for a backward to release some (it pins less far
+  ahead), unless the batch's forward is already waiting for it or nothing else is pinned: then
+  the batch is made resident at once, the rows that do not fit in overflow slots (see
+  tiers/cache.py). Values are the same either way. A backward's unpin and mark_dirty touch only its own pinned slots, under tier 0's
   index lock, which plan and commit hold too: no two index calls interleave.
 - A batch's rows are pinned from its residency until its backward has applied its update (or
   its forward ran under no_grad, or its graph was freed). The worker evicts unpinned rows only:
@@ -19,7 +24,7 @@ Ordering, and why training gives bit for bit the results it gives without prefet
 Lookahead window: with lookahead L, batch j is made resident once batch j + L is registered
 (or when its forward asks for it, or the stream ended: advance()), and every cache tier
 plans its evictions with exactly the registered batches j+1 .. j+L as its window (the rule of
-native/cache_index.h: rows no window batch uses go first, in the policy's order; then the
+native/index/cache_index.h: rows no window batch uses go first, in the policy's order; then the
 farthest next use first). The window does not depend on timing. The pins do, slightly: a
 batch's rows are unpinned at its backward, which may come before or after a later batch's
 residency; such rows are the most recently used, so they matter only to a tier too small for
@@ -28,6 +33,7 @@ the batches in flight.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 import time
@@ -48,17 +54,16 @@ class PrefetchOrderError(ValueError):
 
 
 class _Registered:
-    """A batch registered by prefetch(): its ids, dedup, and (once resident) pinned slots."""
+    """A batch registered by prefetch(): its ids, dedup, and (once resident) its ResidentBatch."""
 
-    __slots__ = ("seq", "ids", "offsets", "unique", "inverse", "slots", "misses", "state", "forced")
+    __slots__ = ("seq", "ids", "offsets", "unique", "inverse", "batch", "state", "forced")
 
     def __init__(self, seq: int, ids: torch.Tensor, offsets: torch.Tensor, unique: torch.Tensor,
                  inverse: torch.Tensor):
         self.seq, self.ids, self.offsets, self.unique, self.inverse = seq, ids, offsets, unique, inverse
-        self.slots = None
-        self.misses = 0
+        self.batch = None
         self.state = _REGISTERED
-        self.forced = False  # its forward is waiting: made resident whatever the window
+        self.forced = False  # its forward is waiting: made resident whatever the window and the room
 
 
 class Prefetcher:
@@ -66,7 +71,8 @@ class Prefetcher:
 
     Threading: register / take / shutdown from the training thread; the worker thread only
     makes batches resident. `cond` guards the queue and counters; the store's locks guard the
-    tiers. Lock order: cond, then the store's (never the other way)."""
+    tiers. Lock order: cond, then the store's (never the other way); store.room (notified when
+    rows are released) is taken last and holds nothing else."""
 
     def __init__(self, store):
         self.store = store
@@ -115,10 +121,10 @@ class Prefetcher:
             self.counters["registered"] += 1
             self._ensure_worker()
 
-    def take(self, ids: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """A forward's batch, resident and pinned: (unique [U], inverse [N], slots [U]). The
-        oldest registered batch (checked), waited for; else (nothing registered) made resident
-        here. A background error surfaces here."""
+    def take(self, ids: torch.Tensor, offsets: torch.Tensor):
+        """A forward's batch, resident and pinned (a ResidentBatch). The oldest registered batch
+        (checked), waited for; else (nothing registered) made resident here. A background error
+        surfaces here."""
         ids = ids.to("cpu", torch.int64)
         start = time.perf_counter()
         with self.cond:
@@ -127,20 +133,21 @@ class Prefetcher:
                 p = self.queue[0]
                 self._check_order(p, ids, offsets)
                 found = p.state
-                if found == _REGISTERED:  # not started: the worker takes it now, whatever the window
+                if found != _RESIDENT:  # the worker takes it now, whatever the window and the room
                     p.forced = True
                     self._ensure_worker()
+                    self._wake_waiting_worker()
                 while p.state != _RESIDENT and self.error is None:
                     self.cond.wait()
                 self._raise_error()
                 self.queue.popleft()
-                self._count(p.misses, "prefetched_rows" if found == _RESIDENT else "late_rows", start)
-                return p.unique, p.inverse, p.slots
-        unique, inverse = self.store.dedup(ids)
-        slots, misses = self.store.make_resident(unique)
+                self._count(p.batch.misses, "prefetched_rows" if found == _RESIDENT else "late_rows", start)
+                batch, p.batch = p.batch, None
+                return batch
+        batch = self.store.prepare(ids)
         with self.cond:
-            self._count(misses, "demand_misses", start)
-        return unique, inverse, slots
+            self._count(batch.misses, "demand_misses", start)
+        return batch
 
     def shutdown(self) -> None:
         """Stops the worker and forgets every registered batch not yet taken (unpins them).
@@ -149,6 +156,7 @@ class Prefetcher:
             self.stopping = True
             thread = self.thread
             self.cond.notify_all()
+        self._wake_waiting_worker()
         if thread is not None:
             thread.join()
         with self.cond:
@@ -162,14 +170,15 @@ class Prefetcher:
         misses of a forward's batch that the worker had made resident before the forward asked;
         late_rows: misses the forward waited on the worker for; demand_misses: misses of forwards
         of batches never registered (made resident by the forward itself); wait_seconds: time
-        forwards spent waiting for their rows (late or demand)."""
+        forwards spent waiting for their rows (late or demand); room_waits: times the worker found
+        too little room beside the rows pinned by batches in flight and waited for a backward."""
         with self.cond:
             return dict(self.counters)
 
     def reset_stats(self) -> None:
         with self.cond:
             self.counters = dict(registered=0, forwards=0, prefetched_rows=0, late_rows=0, demand_misses=0,
-                                 wait_seconds=0.0)
+                                 wait_seconds=0.0, room_waits=0)
 
     # -- worker thread ------------------------------------------------------------------------
     def _work(self) -> None:
@@ -199,12 +208,16 @@ class Prefetcher:
                     self.cond.notify_all()
                 continue
             with self.cond:
+                if p.batch is None:  # stopped while waiting for room
+                    return
                 p.state = _RESIDENT
                 self.cond.notify_all()
 
     def _make_resident(self, p: _Registered, window: list[torch.Tensor]) -> None:
         """Slides the tiers' windows past p (drops p and older, appends window: the unique ids
-        of the next batches), then makes p resident."""
+        of the next batches), then makes p resident: at once if its rows fit beside the pinned
+        ones, or its forward waits for it, or nothing else is pinned; else after backwards have
+        released enough rows (overflow slots serve a batch that still does not fit)."""
         with self.store.lock:
             while self.windowed and self.windowed[0] <= p.seq:
                 self.store.window_pop()
@@ -212,7 +225,20 @@ class Prefetcher:
             for unique in window:
                 self.store.window_push(unique)
                 self.windowed.append(self._windowed_upto(p.seq) + 1)
-            p.slots, p.misses = self.store.make_resident(p.unique)
+        room = self.store.room
+        while not self.stopping:
+            with room:
+                releases = self.store.releases
+            batch = self.store.make_resident(p.unique, p.inverse,
+                                             allow_overflow=p.forced or self.store.pinned() == 0)
+            if batch is not None:
+                p.batch = batch
+                return
+            with self.cond:
+                self.counters["room_waits"] += 1
+            with room:  # no room: wait for a release (or for p's forward to ask for it)
+                room.wait_for(lambda: self.store.releases != releases or p.forced or self.stopping,
+                              timeout=_IDLE_EXIT_S)
 
     # -- helpers (cond held) ------------------------------------------------------------------
     def _next_ready(self) -> _Registered | None:
@@ -230,6 +256,11 @@ class Prefetcher:
     def _waiting(self) -> bool:
         """Whether a registered batch still waits for residency."""
         return any(p.state == _REGISTERED for p in self.queue)
+
+    def _wake_waiting_worker(self) -> None:
+        """Wakes a worker waiting for room (p's forward now waits for it, or we stop)."""
+        with self.store.room:
+            self.store.room.notify_all()
 
     def _ensure_worker(self) -> None:
         if self.thread is None:
@@ -260,7 +291,7 @@ class Prefetcher:
         resident: the worker stopped, or waits after an error."""
         for p in self.queue:
             if p.state == _RESIDENT:
-                self.store.release(p.slots)
+                p.batch.release()
         self.queue.clear()
         self.store.window_clear()
         self.windowed.clear()
@@ -284,13 +315,17 @@ class PrefetchLoader:
     ids_fn(batch) -> {module: (input, offsets)}: what each module's forward will get for that
     batch (offsets None for 2-D input; a TieredEmbedding takes (input, None)). Every module
     must appear for every batch, and each module's forwards must come in batch order.
+    For a single module it may be left out: a batch is then `input`, or a tuple / list whose
+    first items are what the forward takes ((ids, offsets, ...) for 1-D bag input, (ids, ...)
+    otherwise; later items, e.g. labels, are not looked at).
 
     While batch s is yielded, batches s .. s+depth+lookahead are registered: s+1 .. s+depth are
     being made resident (pinned), and the `lookahead` after them are the eviction window (see
-    module.prefetch_lookahead; default lookahead = depth). Tier 0 must hold depth + 1 batches'
-    rows at once (depth + 2 if a batch's graph outlives the next call to next()).
+    module.prefetch_lookahead; default lookahead = depth). Any depth works whatever tier 0's
+    size: a batch that does not fit beside those in flight waits for room (or, once its forward
+    asks for it, uses overflow slots), with the same results.
 
-        with PrefetchLoader(loader, [emb], ids_fn=lambda b: {emb: (b[0], b[1])}, depth=2) as batches:
+        with PrefetchLoader(loader, [emb], depth=2) as batches:
             for ids, offsets, y in batches:
                 loss_fn(head(emb(ids, offsets)), y).backward()
 
@@ -299,13 +334,18 @@ class PrefetchLoader:
     registered batches not trained are released then. Errors of the background work surface
     at the next call on the training thread (next() or a forward), as the original exception."""
 
-    def __init__(self, loader, modules, depth: int = 1, *, ids_fn, lookahead: int | None = None):
+    def __init__(self, loader, modules, depth: int = 1, *, ids_fn=None, lookahead: int | None = None):
         modules = list(modules)
         if not modules or any(not hasattr(m, "_prefetch") for m in modules):
             raise TypeError(f"modules must be tiered modules (TieredEmbeddingBag / TieredEmbedding), got {modules!r}")
         for name, v in (("depth", depth), ("lookahead", depth if lookahead is None else lookahead)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {v!r}")
+        if ids_fn is None:
+            if len(modules) != 1:
+                raise TypeError(f"ids_fn is required with {len(modules)} modules "
+                                "(batch -> {module: (input, offsets)})")
+            ids_fn = functools.partial(_single_module_inputs, modules[0])
         if not callable(ids_fn):
             raise TypeError(f"ids_fn must be callable (batch -> {{module: (input, offsets)}}), got {ids_fn!r}")
         self.loader = loader
@@ -388,6 +428,23 @@ class PrefetchLoader:
 
 
 _END = object()
+
+
+def _single_module_inputs(module, batch) -> dict:
+    """The default ids_fn of a one-module loader: batch is the forward's input, or a tuple /
+    list starting with it (and with the offsets next, for 1-D input to a bag module)."""
+    if isinstance(batch, torch.Tensor):
+        return {module: (batch, None)}
+    if not isinstance(batch, (tuple, list)) or not batch or not isinstance(batch[0], torch.Tensor):
+        raise TypeError(f"without ids_fn a batch must be the forward's input tensor or a tuple / list "
+                        f"starting with it, got {type(batch).__name__}; pass ids_fn=lambda batch: "
+                        "{module: (input, offsets)}")
+    takes = module.forward_inputs(batch[0])
+    if len(batch) < takes or not all(isinstance(t, torch.Tensor) for t in batch[:takes]):
+        raise TypeError(f"without ids_fn a batch for this {type(module).__name__} must start with "
+                        f"{takes} tensors (ids, offsets), got {len(batch)} items; "
+                        "pass ids_fn=lambda batch: {module: (input, offsets)}")
+    return {module: (batch[0], batch[1] if takes == 2 else None)}
 
 
 def _close(source) -> None:

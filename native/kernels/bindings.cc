@@ -1,0 +1,188 @@
+// Python bindings of the batch kernels (tieredemb._C): dedup, initial rows, bag pooling forward
+// and the fused backward with its optimizer arguments.
+// Only whole batches cross: 1-D int64 id arrays and 2-D float32 row blocks (DLPack: torch
+// tensors pass without copies). Every batch call releases the GIL, its checks included
+// (common/bindings.h).
+#include <nanobind/stl/optional.h>
+
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "common/bindings.h"
+#include "kernels/dedup.h"
+#include "kernels/init.h"
+#include "kernels/pooling.h"
+
+namespace tieredemb {
+
+using namespace nb::literals;
+
+namespace {
+
+// The InitSpec of the binding arguments (kind, a, b, seed, zero_id). Call with the GIL held.
+InitSpec init_spec(int kind, double a, double b, uint64_t seed, int64_t zero_id) {
+  if (kind < 0 || kind > 2)
+    throw nb::value_error(
+        ("init kind must be 0 (normal), 1 (uniform) or 2 (zeros), got " + std::to_string(kind)).c_str());
+  return InitSpec{static_cast<InitKind>(kind), a, b, seed, zero_id};
+}
+
+// ValueError unless the first dim columns of rows of `width` floats can be weights.
+void check_dim(int64_t dim, int64_t width) {
+  if (dim <= 0 || dim > width)
+    throw nb::value_error(
+        ("dim " + std::to_string(dim) + " must be in [1, row width " + std::to_string(width) + "]").c_str());
+}
+
+// The PoolingArgs of a batch, after the checks that take O(1) (with the GIL held).
+PoolingArgs pooling_args(const Rows& pool, int64_t dim, const Ids& slots_u, const Ids& inverse, const Ids& offsets,
+                         std::optional<Floats> psw, int mode, int64_t skip_u) {
+  if (mode < 0 || mode > 2)
+    throw nb::value_error(("mode must be 0 (sum), 1 (mean) or 2 (max), got " + std::to_string(mode)).c_str());
+  check_dim(dim, static_cast<int64_t>(pool.shape(1)));
+  if (offsets.shape(0) < 1) throw nb::value_error("offsets must have num_bags + 1 entries, got none");
+  PoolingArgs a;
+  a.dim = dim;
+  a.width = pool.shape(1);
+  a.slots_u = slots_u.data();
+  a.num_unique = slots_u.shape(0);
+  a.inverse = inverse.data();
+  a.num_ids = inverse.shape(0);
+  a.offsets = offsets.data();
+  a.num_bags = offsets.shape(0) - 1;
+  if (psw) {
+    if (static_cast<int64_t>(psw->shape(0)) != a.num_ids)
+      throw nb::value_error(("per_sample_weights has " + std::to_string(psw->shape(0)) + " entries for " +
+                             std::to_string(a.num_ids) + " ids").c_str());
+    a.per_sample_weights = psw->data();
+  }
+  a.mode = static_cast<PoolingMode>(mode);
+  a.skip_u = skip_u;
+  return a;
+}
+
+// The O(n) checks of a batch's slots, offsets and inverse (run with the GIL released).
+Status check_batch(const PoolingArgs& a, int64_t pool_rows) {
+  Status s = check_slots("slots_u: slot", a.slots_u, a.num_unique, pool_rows);
+  if (!s.ok()) return s;
+  for (int64_t b = 0; b <= a.num_bags; ++b) {
+    const int64_t o = a.offsets[b];
+    if (o < 0 || o > a.num_ids || (b > 0 && o < a.offsets[b - 1]))
+      return Status::ValueError("offsets[" + std::to_string(b) + "] = " + std::to_string(o) +
+                                ": offsets must be non-decreasing within [0, " + std::to_string(a.num_ids) + "]");
+  }
+  return check_slots("inverse: unique index", a.inverse, a.num_ids, a.num_unique);
+}
+
+// ValueError unless max pooling has an argmax of num_bags * dim entries.
+void check_argmax(const PoolingArgs& a, int64_t argmax_size) {
+  if (a.mode == PoolingMode::kMax && argmax_size != a.num_bags * a.dim)
+    throw nb::value_error(("max pooling needs an argmax of num_bags * dim = " + std::to_string(a.num_bags * a.dim) +
+                           " entries, got " + std::to_string(argmax_size)).c_str());
+}
+
+}  // namespace
+
+void register_kernels(nb::module_& m) {
+  m.def("dedup", [](Ids ids, int64_t num_embeddings) {
+        std::vector<int64_t> unique, inverse(ids.shape(0));
+        run_without_gil([&] { return dedup(ids.data(), ids.shape(0), num_embeddings, &unique, inverse.data()); });
+        return nb::make_tuple(to_numpy(std::move(unique)), to_numpy(std::move(inverse)));
+      }, "ids"_a.noconvert(), "num_embeddings"_a,
+      "unique ids in order of first occurrence and the inverse map; IndexError for an id out of range");
+
+  m.def("init_rows", [](Ids ids, Rows out, int64_t dim, int kind, double a, double b, uint64_t seed, int64_t zero_id) {
+        raise_if_error(check_rows("init_rows out", out.shape(0), ids.shape(0), out.shape(1), -1));
+        check_dim(dim, static_cast<int64_t>(out.shape(1)));
+        const InitSpec spec = init_spec(kind, a, b, seed, zero_id);
+        nb::gil_scoped_release release;
+        init_rows(spec, ids.data(), ids.shape(0), dim, out.shape(1), out.data());
+      }, "ids"_a.noconvert(), "out"_a.noconvert(), "dim"_a, "kind"_a, "a"_a, "b"_a, "seed"_a, "zero_id"_a,
+      "out[i] = the initial row of ids[i]: dim weights (kind 0: normal(a, b), 1: uniform [a, b), 2: zeros; "
+      "zeros for zero_id), a function of (seed, id) only, then zero optimizer state");
+
+  m.def("read_or_init", [](ConstRows src, Ids src_rows, Ids ids, Rows dst, Ids dst_rows, int64_t dim, int kind,
+                           double a, double b, uint64_t seed, int64_t zero_id) {
+        if (src.shape(1) != dst.shape(1))
+          throw nb::value_error(("read_or_init: src rows have " + std::to_string(src.shape(1)) + " floats, dst rows " +
+                                 std::to_string(dst.shape(1))).c_str());
+        const int64_t n = static_cast<int64_t>(src_rows.shape(0));
+        if (static_cast<int64_t>(ids.shape(0)) != n || static_cast<int64_t>(dst_rows.shape(0)) != n)
+          throw nb::value_error(("read_or_init: " + std::to_string(n) + " src_rows, " + std::to_string(ids.shape(0)) +
+                                 " ids and " + std::to_string(dst_rows.shape(0)) + " dst_rows differ in length")
+                                    .c_str());
+        check_dim(dim, static_cast<int64_t>(dst.shape(1)));
+        const InitSpec spec = init_spec(kind, a, b, seed, zero_id);
+        int64_t copied = 0;
+        run_without_gil([&] {
+          const int64_t src_limit = static_cast<int64_t>(src.shape(0));
+          for (int64_t i = 0; i < n; ++i) {  // a negative src row means "initialize"
+            if (src_rows.data()[i] >= src_limit)
+              return Status::IndexError("read_or_init src row " + std::to_string(src_rows.data()[i]) +
+                                        " out of range [0, " + std::to_string(src_limit) + ")");
+          }
+          Status s = check_slots("read_or_init dst row", dst_rows.data(), n, static_cast<int64_t>(dst.shape(0)));
+          if (s.ok())
+            copied = read_or_init(src.data(), src_rows.data(), ids.data(), dst.data(), dst_rows.data(), n, dim,
+                                  dst.shape(1), spec);
+          return s;
+        });
+        return copied;
+      }, "src"_a.noconvert(), "src_rows"_a.noconvert(), "ids"_a.noconvert(), "dst"_a.noconvert(),
+      "dst_rows"_a.noconvert(), "dim"_a, "kind"_a, "a"_a, "b"_a, "seed"_a, "zero_id"_a,
+      "dst[dst_rows[i]] = src[src_rows[i]], or the initial row of ids[i] where src_rows[i] < 0; returns rows copied");
+
+  m.def("state_width", [](int kind, int64_t dim) { return state_width(static_cast<OptimizerKind>(kind), dim); },
+        "kind"_a, "dim"_a, "floats of optimizer state per row");
+
+  m.def("pool_forward", [](Rows pool, int64_t dim, Ids slots_u, Ids inverse, Ids offsets, std::optional<Floats> psw,
+                           int mode, int64_t skip_u, Rows out, std::optional<MutIds> argmax) {
+        PoolingArgs a = pooling_args(pool, dim, slots_u, inverse, offsets, psw, mode, skip_u);
+        raise_if_error(check_rows("pool_forward out", out.shape(0), a.num_bags, out.shape(1), dim));
+        check_argmax(a, argmax ? static_cast<int64_t>(argmax->shape(0)) : -1);
+        int64_t* am = argmax ? argmax->data() : nullptr;
+        run_without_gil([&] {
+          Status s = check_batch(a, static_cast<int64_t>(pool.shape(0)));
+          if (s.ok()) pool_forward(a, pool.data(), out.data(), am);
+          return s;
+        });
+      }, "pool"_a.noconvert(), "dim"_a, "slots_u"_a.noconvert(), "inverse"_a.noconvert(), "offsets"_a.noconvert(),
+      "per_sample_weights"_a.noconvert().none(), "mode"_a, "skip_u"_a, "out"_a.noconvert(), "argmax"_a.noconvert().none());
+
+  nb::class_<OptimizerArgs>(m, "OptimizerArgs")
+      .def(nb::init<>())
+      .def_prop_rw("kind", [](const OptimizerArgs& o) { return static_cast<int>(o.kind); },
+                   [](OptimizerArgs& o, int k) {
+                     if (k < 0 || k > 3)
+                       throw nb::value_error(("optimizer kind must be in [0, 3], got " + std::to_string(k)).c_str());
+                     o.kind = static_cast<OptimizerKind>(k);
+                   })
+      .def_rw("lr", &OptimizerArgs::lr)
+      .def_rw("eps", &OptimizerArgs::eps)
+      .def_rw("beta1", &OptimizerArgs::beta1)
+      .def_rw("beta2", &OptimizerArgs::beta2)
+      .def_rw("adam_step_size", &OptimizerArgs::adam_step_size);
+
+  m.def("pool_backward_update", [](Rows pool, int64_t dim, Ids slots_u, Ids inverse, Ids offsets, std::optional<Floats> psw,
+                                   int mode, int64_t skip_u, ConstRows grad_out, std::optional<Ids> argmax,
+                                   const OptimizerArgs& opt, int64_t frozen_u, std::optional<MutFloats> psw_grad) {
+        PoolingArgs a = pooling_args(pool, dim, slots_u, inverse, offsets, psw, mode, skip_u);
+        raise_if_error(check_rows("grad_output", grad_out.shape(0), a.num_bags, grad_out.shape(1), dim));
+        check_argmax(a, argmax ? static_cast<int64_t>(argmax->shape(0)) : -1);
+        if (psw_grad && static_cast<int64_t>(psw_grad->shape(0)) != a.num_ids)
+          throw nb::value_error(("psw_grad has " + std::to_string(psw_grad->shape(0)) + " entries for " +
+                                 std::to_string(a.num_ids) + " ids").c_str());
+        const int64_t* am = argmax ? argmax->data() : nullptr;
+        float* pg = psw_grad ? psw_grad->data() : nullptr;
+        run_without_gil([&] {
+          Status s = check_batch(a, static_cast<int64_t>(pool.shape(0)));
+          if (s.ok()) pool_backward_update(a, pool.data(), grad_out.data(), am, opt, frozen_u, pg);
+          return s;
+        });
+      }, "pool"_a.noconvert(), "dim"_a, "slots_u"_a.noconvert(), "inverse"_a.noconvert(), "offsets"_a.noconvert(),
+      "per_sample_weights"_a.noconvert().none(), "mode"_a, "skip_u"_a, "grad_out"_a.noconvert(),
+      "argmax"_a.noconvert().none(), "opt"_a, "frozen_u"_a, "psw_grad"_a.noconvert().none());
+}
+
+}  // namespace tieredemb

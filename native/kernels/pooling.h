@@ -1,0 +1,50 @@
+// Bag pooling on host rows: the forward, and the fused backward that sums the gradient of each
+// unique row and applies the optimizer to it in place.
+//
+// Pools are float32 [rows, width], row-major; a row is weights (dim floats) ‖ optimizer state.
+// Pooling inputs describe a batch after dedup: occurrence i of the batch reads unique row
+// inverse[i], which lives in pool slot slots_u[inverse[i]]. Bags are offsets[b]..offsets[b+1]
+// (offsets has num_bags + 1 entries).
+#pragma once
+
+#include <cstdint>
+
+namespace tieredemb {
+
+enum class PoolingMode { kSum = 0, kMean = 1, kMax = 2 };
+enum class OptimizerKind { kSGD = 0, kAdagrad = 1, kRowWiseAdagrad = 2, kAdam = 3 };
+
+struct PoolingArgs {
+  int64_t dim = 0, width = 0;
+  const int64_t* slots_u = nullptr;  // [U]
+  int64_t num_unique = 0;
+  const int64_t* inverse = nullptr;  // [N]
+  int64_t num_ids = 0;
+  const int64_t* offsets = nullptr;  // [B + 1]
+  int64_t num_bags = 0;
+  const float* per_sample_weights = nullptr;  // [N] or null
+  PoolingMode mode = PoolingMode::kSum;
+  int64_t skip_u = -1;  // unique index left out of every bag (EmbeddingBag's padding_idx), or -1
+};
+
+// out[b] = pooled rows of bag b ([B, dim]). For max, argmax[b * dim + d] = the occurrence that
+// gave the max (-1 for an empty bag); ties go to the first.
+void pool_forward(const PoolingArgs& a, const float* pool, float* out, int64_t* argmax);
+
+struct OptimizerArgs {
+  OptimizerKind kind = OptimizerKind::kSGD;
+  float lr = 0.01f, eps = 1e-8f, beta1 = 0.9f, beta2 = 0.999f;
+  float adam_step_size = 0.f;  // lr * sqrt(1 - beta2^t) / (1 - beta1^t), set per step
+};
+
+// Floats of optimizer state per row, after its dim weights: SGD 0, Adagrad dim, row-wise
+// Adagrad 1, Adam 2 * dim.
+int64_t state_width(OptimizerKind kind, int64_t dim);
+
+// Sums the gradient of every unique row (duplicates in occurrence order) and applies the
+// optimizer to its row in place, except unique index frozen_u (padding). If psw_grad is not
+// null, first writes the gradient of each per-sample weight ([N]), from the rows before update.
+void pool_backward_update(const PoolingArgs& a, float* pool, const float* grad_out, const int64_t* argmax,
+                          const OptimizerArgs& opt, int64_t frozen_u, float* psw_grad);
+
+}  // namespace tieredemb

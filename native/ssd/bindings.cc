@@ -1,0 +1,175 @@
+// Python bindings of SlotFile and LogFile (the native SSD files), in ssd_backend._C. Rows cross
+// as uint8 [n, row_bytes] blocks (a float32 / float16 / bfloat16 torch tensor viewed as uint8),
+// ids as int64 [n]; every batch call releases the GIL, its checks included (common/bindings.h).
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/unique_ptr.h>
+
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "common/bindings.h"
+#include "ssd/log_file.h"
+#include "ssd/slot_file.h"
+
+namespace tieredemb {
+
+using namespace nb::literals;
+
+namespace {
+
+// A native file store that may be closed from Python; every call checks that it is still open.
+template <typename F>
+struct PyFile {
+  std::unique_ptr<F> file;
+  F& get() {
+    if (!file) throw std::runtime_error("the store's files are closed");
+    return *file;
+  }
+};
+using PySlotFile = PyFile<SlotFile>;
+using PyLogFile = PyFile<LogFile>;
+
+// The rows of a pool named by index (read_to's destination, write_from's source; `what` names
+// the pool): rows of row_bytes, one index per id, each inside the pool. The O(n) part of the
+// check runs with the GIL released: its Status is returned.
+Status check_pool_rows(const std::string& what, size_t pool_rows, size_t cols, const Ids& rows, int64_t n,
+                       int64_t row_bytes) {
+  if (static_cast<int64_t>(cols) != row_bytes)
+    return Status::ValueError(what + ": rows of " + std::to_string(cols) + " bytes, the table's are " +
+                              std::to_string(row_bytes));
+  if (static_cast<int64_t>(rows.shape(0)) != n)
+    return Status::ValueError(what + "_rows: " + std::to_string(rows.shape(0)) + " entries for " + std::to_string(n) +
+                              " ids");
+  return check_slots(what + " row", rows.data(), n, static_cast<int64_t>(pool_rows));
+}
+
+// The methods both stores have, with the same contracts (see slot_file.h).
+template <typename Py, typename Cls>
+void add_common(Cls& cls) {
+  using F = std::remove_reference_t<decltype(std::declval<Py&>().get())>;
+  cls
+      .def("read", [](Py& self, Ids ids, Bytes out) {
+            F& f = self.get();
+            const int64_t n = static_cast<int64_t>(ids.shape(0));
+            raise_if_error(check_rows("out (uint8)", out.shape(0), n, out.shape(1), f.row_bytes()));
+            std::vector<uint8_t> found(static_cast<size_t>(n));
+            run_without_gil([&] { return f.Read(ids.data(), n, out.data(), nullptr, found.data()); });
+            return to_numpy(std::move(found));
+          }, "ids"_a.noconvert(), "out"_a.noconvert(),
+          "fills out[k] with row ids[k] where it was written; returns found uint8 [n] (0: never written, out[k] untouched)")
+      .def("read_to", [](Py& self, Ids ids, Bytes out, Ids out_rows) {
+            F& f = self.get();
+            const int64_t n = static_cast<int64_t>(ids.shape(0));
+            std::vector<uint8_t> found(static_cast<size_t>(n));
+            run_without_gil([&] {
+              Status s = check_pool_rows("out", out.shape(0), out.shape(1), out_rows, n, f.row_bytes());
+              return s.ok() ? f.Read(ids.data(), n, out.data(), out_rows.data(), found.data()) : s;
+            });
+            return to_numpy(std::move(found));
+          }, "ids"_a.noconvert(), "out"_a.noconvert(), "out_rows"_a.noconvert(),
+          "read, with row ids[k] into out[out_rows[k]] (e.g. a cache tier's pool: no staging copy)")
+      .def("write", [](Py& self, Ids ids, ConstBytes rows) {
+            F& f = self.get();
+            const int64_t n = static_cast<int64_t>(ids.shape(0));
+            raise_if_error(check_rows("rows (uint8)", rows.shape(0), n, rows.shape(1), f.row_bytes()));
+            run_without_gil([&] { return f.Write(ids.data(), n, rows.data()); });
+          }, "ids"_a.noconvert(), "rows"_a.noconvert(), "writes rows to their slots and marks them written")
+      .def("sync", [](Py& self) {
+            F& f = self.get();
+            run_without_gil([&] { return f.Sync(); });
+          }, "makes every returned write durable: fdatasync of the data, then of the written bitmap")
+      .def("written_ids", [](Py& self, int64_t start, int64_t limit) {
+            F& f = self.get();
+            std::vector<int64_t> ids;
+            {
+              nb::gil_scoped_release release;
+              ids = f.WrittenIds(start, limit);
+            }
+            return to_numpy(std::move(ids));
+          }, "start"_a, "limit"_a, "sorted written ids >= start, at most limit (< 0: all)")
+      .def("num_written", [](Py& self) {
+            F& f = self.get();
+            nb::gil_scoped_release release;
+            return f.num_written();
+          })
+      .def("close", [](Py& self) {
+            if (!self.file) return;
+            run_without_gil([&] {
+              Status s = self.file->Close();
+              self.file.reset();
+              return s;
+            });
+          }, "closes the files (no sync); safe to call twice")
+      .def_prop_ro("replayed", [](Py& self) { return self.get().replayed(); },
+                   "rows the last open restored from the log past the last sync");
+}
+
+}  // namespace
+
+void register_ssd(nb::module_& m) {
+  auto slot = nb::class_<PySlotFile>(m, "SlotFile",
+                         "Rows in fixed-size slots of one file (slot i at i * slot_bytes) plus a written-bitmap file")
+      .def_static("open", [](const std::string& data_path, const std::string& bitmap_path, const std::string& log_path,
+                             int64_t num_rows, int64_t row_bytes, int64_t slot_bytes, bool create, bool direct,
+                             int io_threads) {
+            auto py = std::make_unique<PySlotFile>();
+            run_without_gil([&] {
+              return SlotFile::Open(data_path, bitmap_path, log_path, num_rows, row_bytes, slot_bytes, create, direct,
+                                    io_threads, &py->file);
+            });
+            return py;
+          }, "data_path"_a, "bitmap_path"_a, "log_path"_a, "num_rows"_a, "row_bytes"_a, "slot_bytes"_a, "create"_a,
+          "direct"_a, "io_threads"_a,
+          "opens or creates the table files; RuntimeError (message starting 'corrupted:' for a file of the wrong size)");
+  add_common<PySlotFile>(slot);
+
+  auto log = nb::class_<PyLogFile>(m, "LogFile", "Rows appended to segment files, located by an in-memory index")
+      .def_static("open", [](const std::string& dir, int64_t num_rows, int64_t row_bytes, int64_t segment_bytes,
+                             bool create, bool direct, int io_threads) {
+            auto py = std::make_unique<PyLogFile>();
+            run_without_gil([&] {
+              return LogFile::Open(dir, num_rows, row_bytes, segment_bytes, create, direct, io_threads, &py->file);
+            });
+            return py;
+          }, "dir"_a, "num_rows"_a, "row_bytes"_a, "segment_bytes"_a, "create"_a, "direct"_a, "io_threads"_a,
+          "opens (replaying the log) or creates the table; RuntimeError ('corrupted: ...' for damaged files)")
+      .def("checkpoint", [](PyLogFile& self, const std::string& dst_dir) {
+            LogFile& f = self.get();
+            run_without_gil([&] { return f.Checkpoint(dst_dir); });
+          }, "dst_dir"_a, "syncs, then links every segment into dst_dir (an empty directory) with a flush mark")
+      .def("write_from", [](PyLogFile& self, Ids ids, ConstBytes src, Ids src_rows) {
+            LogFile& f = self.get();
+            const int64_t n = static_cast<int64_t>(ids.shape(0));
+            run_without_gil([&] {
+              Status s = check_pool_rows("src", src.shape(0), src.shape(1), src_rows, n, f.row_bytes());
+              return s.ok() ? f.WriteFrom(ids.data(), n, src.data(), f.row_bytes(), src_rows.data()) : s;
+            });
+          }, "ids"_a.noconvert(), "src"_a.noconvert(), "src_rows"_a.noconvert(),
+          "writes rows src[src_rows[k]] as the rows of ids[k] (no gather)")
+      .def("log_stats", [](PyLogFile& self) {
+            LogFile& f = self.get();
+            int64_t live, log, segments, compactions, rows_compacted;
+            {
+              nb::gil_scoped_release release;
+              live = f.live_bytes();
+              log = f.log_bytes();
+              segments = f.num_segments();
+              compactions = f.compactions();
+              rows_compacted = f.rows_compacted();
+            }
+            nb::dict d;
+            d["live_bytes"] = live;
+            d["log_bytes"] = log;
+            d["segments"] = segments;
+            d["compactions"] = compactions;
+            d["rows_compacted"] = rows_compacted;
+            return d;
+          });
+  add_common<PyLogFile>(log);
+}
+
+}  // namespace tieredemb

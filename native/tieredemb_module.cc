@@ -1,0 +1,17 @@
+// The extension module tieredemb._C: the tier index (index/), the batch kernels (kernels/), and
+// what both modules share (common/). Its thread pool is this module's own.
+#include "common/bindings.h"
+
+namespace tieredemb {
+void register_index(nb::module_& m);    // index/bindings.cc
+void register_kernels(nb::module_& m);  // kernels/bindings.cc
+}  // namespace tieredemb
+
+NB_MODULE(_C, m) {
+  m.doc() = "tieredemb native core: tier indexes, eviction policies, batch kernels";
+  // Tables alive at interpreter exit (module globals, autograd graphs) are not leaks.
+  nanobind::set_leak_warnings(false);
+  tieredemb::register_common(m);
+  tieredemb::register_index(m);
+  tieredemb::register_kernels(m);
+}

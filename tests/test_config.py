@@ -1,0 +1,73 @@
+"""TableConfig: one frozen object per table, built by the modules' keyword arguments or passed
+whole; typed storage options, and clear errors for what does not fit."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import tieredemb
+from ssd_backend import LogOptions, RocksDBOptions, SlotOptions
+
+
+def test_keyword_arguments_build_the_config_a_module_also_takes_whole(tmp_path):
+    cfg = tieredemb.TableConfig(1000, 8, cache_rows="1KiB", host_rows=200, ssd_path=tmp_path / "t",
+                                ssd={"backend": "log", "segment_bytes": 1 << 20},
+                                optimizer=tieredemb.Adagrad(lr=0.1), seed=3)
+    assert cfg.width == 16 and cfg.cache_rows == 1024 // (16 * 4)  # bytes resolved to rows, state counted
+    assert cfg.ssd == LogOptions(segment_bytes=1 << 20) and cfg.ssd_path == str(tmp_path / "t")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.cache_rows = 5
+    a = tieredemb.TieredEmbeddingBag(cfg, mode="sum")
+    assert a.config is cfg and a.cache_rows == 16 and a.optimizer == tieredemb.Adagrad(lr=0.1)
+    a.close()
+    b = tieredemb.TieredEmbeddingBag(1000, 8, "sum", cache_rows="1KiB", host_rows=200, ssd_path=tmp_path / "t",
+                                     ssd_options={"backend": "log", "segment_bytes": 1 << 20},
+                                     optimizer=tieredemb.Adagrad(lr=0.1), seed=3)
+    assert b.config == cfg
+    b.close()
+
+
+def test_options_dict_without_a_backend_is_for_the_table_the_directory_holds(tmp_path):
+    tieredemb.TieredEmbedding(100, 4, ssd_path=tmp_path / "t", ssd_options={"backend": "slots"}).close()
+    cfg = tieredemb.TableConfig(100, 4, ssd_path=tmp_path / "t", ssd={"direct_reads": False})
+    assert cfg.ssd == SlotOptions()
+    assert tieredemb.TableConfig(100, 4, ssd_path=tmp_path / "new", ssd={"wal": False}).ssd == RocksDBOptions(wal=False)
+
+
+@pytest.mark.parametrize("options,match", [
+    ({"backend": "log", "block_cache_bytes": 1}, r"unknown option 'block_cache_bytes' for the 'log' ssd backend; "
+                                                 r"valid options: storage_dtype, direct_reads, io_threads, segment_bytes"),
+    ({"backend": "rocksdb", "segment_bytes": 1 << 20, "bogus": 1}, r"unknown options 'bogus', 'segment_bytes' for "
+                                                                   r"the 'rocksdb' ssd backend; valid options: "),
+    ({"backend": "lmdb"}, r"ssd backend 'lmdb' is not one of \['log', 'rocksdb', 'slots'\]"),
+    ({"backend": "log", "io_threads": 0}, r"io_threads 0: must be an int in \[1, 1024\]"),
+    ({"backend": "slots", "io_threads": 2000}, r"io_threads 2000: must be an int in \[1, 1024\]"),
+    ({"backend": "rocksdb", "compression": "zstd"}, r"compression 'zstd': must be None or 'lz4'"),
+    ({"storage_dtype": torch.float64}, r"storage_dtype torch.float64: must be one of"),
+])
+def test_bad_storage_options_are_rejected_naming_the_valid_ones(tmp_path, options, match):
+    with pytest.raises(ValueError, match=match):
+        tieredemb.TieredEmbeddingBag(100, 4, ssd_path=tmp_path / "t", ssd_options=options)
+    assert not (tmp_path / "t").exists()  # nothing was created
+
+
+def test_bad_table_arguments(tmp_path):
+    with pytest.raises(TypeError, match=r"unknown argument cache_size; the table's arguments are: cache_rows, "):
+        tieredemb.TieredEmbeddingBag(100, 4, cache_size=10)
+    cfg = tieredemb.TableConfig(100, 4)
+    with pytest.raises(TypeError, match="a TableConfig holds the whole table; do not also pass cache_rows"):
+        tieredemb.TieredEmbeddingBag(cfg, cache_rows=10)
+    with pytest.raises(TypeError, match="embedding_dim is required"):
+        tieredemb.TieredEmbedding(100)
+    with pytest.raises(ValueError, match="ssd options were given without ssd_path"):
+        tieredemb.TableConfig(100, 4, ssd=LogOptions())
+    with pytest.raises(ValueError, match="host_rows 5 < the 10 rows of tier 0"):
+        tieredemb.TableConfig(100, 4, cache_rows=10, host_rows=5)
+    with pytest.raises(ValueError, match=r"padding_idx 100 out of range \[-100, 100\)"):
+        tieredemb.TableConfig(100, 4, padding_idx=100)
+    tieredemb.TieredEmbedding(100, 4, ssd_path=tmp_path / "t", ssd_options=LogOptions()).close()
+    with pytest.raises(ValueError, match="holds a 'log' table, requested backend 'rocksdb'"):
+        tieredemb.TieredEmbedding(100, 4, ssd_path=tmp_path / "t", ssd_options=RocksDBOptions())

@@ -1,0 +1,156 @@
+"""CacheTier: a write-back cache of the layer below it (tier 0, and the optional host cache).
+
+A native index (ids -> slots, pins, dirty bits, eviction policy; native/index) over a pool of
+rows (pools.py). Rows are made resident a batch at a time, in plan -> move rows -> commit order:
+  plan    chooses a slot for every id and the victims to evict; changes nothing;
+  move    writes the dirty victims down, then reads the missing rows from below into their slots;
+  commit  applies the plan (pins the batch's rows when asked).
+A failure while writing victims down changes nothing in this tier; a failed read leaves the
+plan's victims evicted (written down already: no value is lost) and the batch not resident.
+
+Tier 0 is the only tier whose rows are pinned (by batches in flight). When a batch's rows do not
+fit beside the pinned ones, its index gives the rest overflow slots (slots >= capacity, which
+exist only while pinned: the next plan evicts them once released), so a batch of any size is
+served with the same arithmetic as a table held whole in tier 0.
+
+A CacheTier is itself a RowStore (rowstore.py) for the tier above it: the host cache serves
+tier 0's misses and takes its write-backs, in chunks of at most its capacity.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import torch
+
+from .pools import arange
+from .rowstore import RowStore
+
+
+class CacheTier:
+    def __init__(self, name: str, index, pool, lower: RowStore):
+        self.name = name
+        self.index = index  # _C.CacheIndex or _C.DirectIndex
+        self.pool = pool  # HostPool or DevicePool
+        self.lower = lower
+        self.width = pool.width
+        self.row_bytes = self.width * 4
+        self.bytes_in = 0
+        self.bytes_out = 0
+        # Held around each index call that may run beside a residency in progress on another
+        # thread (plan and commit here; unpin and mark_dirty by the training thread), so that
+        # releasing a batch never waits for another batch's rows to be read. Re-entrant: a batch
+        # freed by the garbage collector unpins from whichever thread runs it.
+        self.index_lock = threading.RLock()
+
+    @property
+    def state(self) -> dict:
+        return self.lower.state
+
+    # -- residency ----------------------------------------------------------------------------
+    def resident(self, ids: torch.Tensor, *, pin: bool, fill=None, allow_overflow: bool = True):
+        """Makes unique ids resident; returns their slots (int64 [n]) and how many were misses.
+
+        fill(slots) given: it writes the rows' new values into those slots (a write: the rows
+        become dirty, nothing is read from below). allow_overflow False: when the batch would
+        need overflow slots, returns None and changes nothing (the caller waits for room)."""
+        with self.index_lock:
+            plan = self.index.plan(ids)
+        if plan.num_overflow and not allow_overflow:
+            return None
+        if plan.num_dirty:
+            self.pool.drain_to(self.lower, torch.from_numpy(plan.dirty_ids), torch.from_numpy(plan.dirty_slots))
+            self.bytes_out += plan.num_dirty * self.row_bytes
+        misses = plan.num_misses
+        if fill is None and misses:
+            try:
+                self.pool.fill_from(self.lower, torch.from_numpy(plan.miss_ids), torch.from_numpy(plan.miss_slots))
+            except BaseException:
+                with self.index_lock:
+                    self.index.evict(plan)
+                raise
+        with self.index_lock:
+            self.index.commit(ids, plan, pin, fill is not None)
+        slots = torch.from_numpy(plan.slots)
+        if fill is not None:
+            fill(slots)
+            self.bytes_in += len(ids) * self.row_bytes
+        else:
+            self.bytes_in += misses * self.row_bytes
+        return slots, misses
+
+    def write_back(self) -> None:
+        """Writes every dirty row down (they stay resident, now clean)."""
+        with self.index_lock:
+            ids, slots = (torch.from_numpy(a) for a in self.index.dirty_rows())
+        for start in range(0, len(ids), self._chunk()):
+            end = start + self._chunk()
+            self.pool.drain_to(self.lower, ids[start:end], slots[start:end])
+            with self.index_lock:
+                self.index.mark_clean(slots[start:end])
+            self.bytes_out += (min(end, len(ids)) - start) * self.row_bytes
+
+    def _chunk(self) -> int:
+        """Rows per call for moves that pin nothing: at most the capacity, so a plan always fits."""
+        return max(1, min(self.index.capacity, 1 << 16))
+
+    # -- what TableStore reads and writes in place (changes no residency) ---------------------
+    def lookup(self, ids: torch.Tensor) -> np.ndarray:
+        """Slot of each id, -1 where not resident."""
+        with self.index_lock:
+            return self.index.lookup(ids)
+
+    def update(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
+        """rows [n, width] (host) become the values of the resident rows in slots (now dirty)."""
+        self.pool.copy_in(slots, rows, arange(len(slots)))
+        with self.index_lock:
+            self.index.mark_dirty(slots)
+
+    # -- RowStore, for the tier above ---------------------------------------------------------
+    def read_to(self, ids: torch.Tensor, dst: torch.Tensor, dst_rows: torch.Tensor) -> None:
+        """Current rows of ids into dst[dst_rows]; they stay here (inclusive cache)."""
+        step = self._chunk()
+        for start in range(0, len(ids), step):
+            slots, _ = self.resident(ids[start:start + step], pin=False)
+            self.pool.copy_out(slots, dst, dst_rows[start:start + step])
+
+    def write_from(self, ids: torch.Tensor, src: torch.Tensor, src_rows: torch.Tensor) -> None:
+        """src[src_rows] become the rows of ids, dirty here (written down when evicted or flushed)."""
+        step = self._chunk()
+        for start in range(0, len(ids), step):
+            rows = src_rows[start:start + step]
+            self.resident(ids[start:start + step], pin=False,
+                          fill=lambda slots: self.pool.copy_in(slots, src, rows))
+
+    def flush(self, state: dict | None = None) -> None:
+        self.write_back()
+        self.lower.flush(state)
+
+    def checkpoint(self, path: str) -> None:
+        self.write_back()
+        self.lower.checkpoint(path)
+
+    def written_ids(self, start: int = 0, limit: int | None = None) -> torch.Tensor:
+        self.write_back()
+        return self.lower.written_ids(start, limit)
+
+    def stats(self) -> dict:
+        """This tier's counters: hits / misses (rows looked up for reading), writes, evictions
+        (dirty_writebacks + clean_drops), overflow_rows (rows given overflow slots), bytes moved."""
+        with self.index_lock:
+            s = dict(self.index.stats())
+            s.update(capacity=self.index.capacity, resident=self.index.size, overflow=self.index.overflow)
+        lookups = s["hits"] + s["misses"]
+        s.update(hit_rate=s["hits"] / lookups if lookups else 0.0, bytes_in=self.bytes_in,
+                 bytes_out=self.bytes_out, bytes_moved=self.bytes_in + self.bytes_out)
+        return s
+
+    def reset_stats(self) -> None:
+        with self.index_lock:
+            self.index.reset_stats()
+        self.bytes_in = self.bytes_out = 0
+
+    def close(self) -> None:
+        self.flush()
+        self.lower.close()

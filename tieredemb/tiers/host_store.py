@@ -1,0 +1,69 @@
+"""HostStore: the bottom layer of a table with no SSD store, every row in host memory.
+
+One float32 [num_embeddings, width] array, reserved lazily (O(1) to create whatever the table's
+size: a page becomes memory when a row on it is first written), and a bit per row saying it was
+written (a DirectIndex: its dirty bit). A row never written reads as the table's initial value.
+When tier 0 holds the whole table on the CPU it shares this array (no second copy): tier 0 then
+reads a row into the very place it already is, which only initializes rows never written.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import _C
+from .pools import reserve_host_rows
+from .rowstore import RowInit
+
+
+class HostStore:
+    name = "store"
+
+    def __init__(self, num_embeddings: int, width: int, init: RowInit):
+        self.width = width
+        self.init = init
+        self.rows = reserve_host_rows(num_embeddings, width, populate_rows=0)
+        self.index = _C.DirectIndex(num_embeddings)  # a row is resident and dirty once written
+        self.state: dict = {}
+        self.reads = self.rows_found = self.rows_written = 0
+
+    def read_to(self, ids: torch.Tensor, dst: torch.Tensor, dst_rows: torch.Tensor) -> None:
+        found = torch.from_numpy(self.index.lookup(ids))  # the row's place here, or -1
+        self.reads += len(ids)
+        if dst.data_ptr() == self.rows.data_ptr():  # tier 0 shares the rows (dst_rows == ids)
+            fresh = found < 0
+            self.rows_found += len(ids) - int(fresh.sum())
+            self.init(ids[fresh], dst, dst_rows[fresh])
+            return
+        self.rows_found += _C.read_or_init(self.rows, found, ids, dst, dst_rows, *self.init.args)
+
+    def write_from(self, ids: torch.Tensor, src: torch.Tensor, src_rows: torch.Tensor) -> None:
+        plan = self.index.plan(ids)
+        if src.data_ptr() != self.rows.data_ptr():  # else the rows are in place already
+            _C.copy_rows(src, src_rows, self.rows, ids)
+        self.index.commit(ids, plan, False, True)
+        self.rows_written += len(ids)
+
+    def flush(self, state: dict | None = None) -> None:
+        if state is not None:
+            self.state = dict(state)
+
+    def checkpoint(self, path: str) -> None:
+        raise RuntimeError(f"cannot checkpoint to {path}: this table keeps its rows in host memory; "
+                           "use export_rows(dir), or give the table an ssd_path")
+
+    def written_ids(self, start: int = 0, limit: int | None = None) -> torch.Tensor:
+        return torch.from_numpy(self.index.dirty_ids(start, -1 if limit is None else limit))
+
+    def stats(self) -> dict:
+        """reads: rows read; rows_found: of them, rows ever written (the rest were initialized);
+        rows_written: rows written; rows_stored: distinct rows ever written. (The SSD stores
+        count the same under the same names.)"""
+        return {"reads": self.reads, "rows_found": self.rows_found, "rows_written": self.rows_written,
+                "rows_stored": self.index.size, "hit_rate": self.rows_found / self.reads if self.reads else 0.0}
+
+    def reset_stats(self) -> None:
+        self.reads = self.rows_found = self.rows_written = 0
+
+    def close(self) -> None:
+        pass

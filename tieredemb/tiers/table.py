@@ -1,0 +1,272 @@
+"""TableStore: one table's layers, top to bottom, and the batches made resident in tier 0.
+
+    ids ─► dedup ─► tier 0 (CacheTier: compute cache, HBM on cuda, host memory on cpu)
+                      │ misses / dirty write-backs, through the RowStore interface
+                      ▼
+                    host cache (CacheTier, optional)
+                      │
+                      ▼
+                    bottom: HostStore (every row, host memory) or an SSD store (ssd_backend)
+
+Thread-safety: every method that plans, moves rows or reads the layers holds the store's lock
+(re-entrant), so residencies and other row moves never interleave. release() and mark_dirty()
+only take tier 0's index lock: they act on pinned slots, which no residency in progress chose
+or moves, so a backward does not wait for the prefetch worker's reads. Forward and backward
+kernels read and write pinned slots of tier 0 without a lock: nothing else touches a pinned slot.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+
+import numpy as np
+import torch
+
+import ssd_backend
+
+from .. import _C
+from .cache import CacheTier
+from .host_store import HostStore
+from .pools import DevicePool, HostPool, reserve_host_rows
+from .rowstore import RowInit, RowStore
+
+# The native core's thread pool runs as many threads as torch's intra-op pool.
+_C.set_num_threads(torch.get_num_threads())
+
+
+def _ids(t: torch.Tensor) -> torch.Tensor:
+    return t.to(device="cpu", dtype=torch.int64).contiguous()
+
+
+def _locked(method):
+    """Runs a TableStore method under the store's lock."""
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        with self.lock:
+            return method(self, *args, **kwargs)
+    return run
+
+
+class ResidentBatch:
+    """A batch's distinct ids resident in tier 0 and pinned there until release():
+    unique [U] (order of first occurrence), inverse [N] (ids[i] == unique[inverse[i]]), slots [U]."""
+
+    __slots__ = ("store", "unique", "inverse", "slots", "misses", "released")
+
+    def __init__(self, store: "TableStore", unique, inverse, slots, misses: int):
+        self.store, self.unique, self.inverse, self.slots, self.misses = store, unique, inverse, slots, misses
+        self.released = False
+
+    def release(self) -> None:
+        """Unpins the batch's rows (once; later calls do nothing)."""
+        if not self.released:
+            self.released = True
+            self.store.release(self.slots)
+
+    def __del__(self):
+        try:
+            self.release()
+        except Exception:
+            pass
+
+
+class TableStore:
+    """The layers of one table. cache_rows: tier 0's capacity (None: the whole table);
+    host_rows: the host cache's (None: no host cache); bottom: an SSD store, or None for a
+    HostStore; device: where tier 0 lives."""
+
+    def __init__(self, *, num_embeddings: int, width: int, init: RowInit, cache_rows: int | None,
+                 host_rows: int | None, bottom: RowStore | None, policy: str, device: torch.device):
+        self.num_embeddings = num_embeddings
+        self.width = width
+        self.device = device
+        on_host = device.type == "cpu"
+        whole = cache_rows is None or cache_rows >= num_embeddings
+        self.host_store = HostStore(num_embeddings, width, init) if bottom is None else None
+        self.bottom: RowStore = bottom if bottom is not None else self.host_store
+        lower = self.bottom
+        self.tiers: list[CacheTier] = []  # the cache tiers, top first
+        if host_rows is not None and host_rows < num_embeddings:
+            pool = (torch.empty(host_rows, width, pin_memory=True) if not on_host and torch.cuda.is_available()
+                    else reserve_host_rows(host_rows, width, populate_rows=host_rows))
+            lower = CacheTier("host", _C.CacheIndex(host_rows, policy), HostPool(pool), lower)
+            self.tiers.append(lower)
+        if whole:
+            index = _C.DirectIndex(num_embeddings)
+            if not on_host:
+                pool = DevicePool(torch.empty(num_embeddings, width, device=device), None)
+            elif lower is self.host_store:  # the table itself: no second copy
+                pool = HostPool(self.host_store.rows)
+            else:
+                pool = HostPool(reserve_host_rows(num_embeddings, width, populate_rows=0))
+        else:
+            # Overflow slots beyond the capacity serve what pinned rows leave no room for.
+            overflow = num_embeddings - cache_rows
+            index = _C.CacheIndex(cache_rows, policy, overflow_limit=overflow)
+            if on_host:
+                pool = HostPool(reserve_host_rows(num_embeddings, width, populate_rows=cache_rows))
+            else:
+                pool = DevicePool(torch.empty(cache_rows, width, device=device),
+                                  reserve_host_rows(overflow, width, populate_rows=0))
+        self.tier0 = CacheTier("tier0", index, pool, lower)
+        self.tiers.insert(0, self.tier0)
+        self.lock = threading.RLock()
+        # Notified whenever pinned rows are released (releases counts them): a residency
+        # waiting for room retries.
+        self.room = threading.Condition(threading.Lock())
+        self.releases = 0
+
+    @classmethod
+    def from_config(cls, config) -> "TableStore":
+        """The layers a TableConfig describes (opening or creating its SSD table, if any)."""
+        init = RowInit(config.embedding_dim, config.init.code, config.init.a, config.init.b, config.seed,
+                       -1 if config.padding_idx is None else config.padding_idx)
+        bottom = None
+        if config.ssd_path is not None:
+            bottom = ssd_backend.open_store(config.ssd_path, config.width, init, config.meta(), config.ssd)
+        try:
+            return cls(num_embeddings=config.num_embeddings, width=config.width, init=init,
+                       cache_rows=config.cache_rows, host_rows=config.host_rows, bottom=bottom,
+                       policy=config.policy, device=config.device)
+        except BaseException:
+            if bottom is not None:
+                bottom.close()
+            raise
+
+    @property
+    def state(self) -> dict:
+        """The record last stored by flush(state) (reopening an SSD table restores it)."""
+        return self.bottom.state
+
+    # -- batches ------------------------------------------------------------------------------
+    def dedup(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """ids: int [N] (any order, duplicates allowed) -> (unique [U] in order of first
+        occurrence, inverse [N]). IndexError for an id out of range. Changes nothing."""
+        unique, inverse = _C.dedup(_ids(ids), self.num_embeddings)
+        return torch.from_numpy(unique), torch.from_numpy(inverse)
+
+    @_locked
+    def make_resident(self, unique: torch.Tensor, inverse: torch.Tensor, *,
+                      allow_overflow: bool = True) -> ResidentBatch | None:
+        """Makes unique ids resident in tier 0, pinned. allow_overflow False: returns None, changing
+        nothing, if rows pinned by other batches leave too little room (see CacheTier.resident).
+        A failure changes no value; at most some rows leave tier 0."""
+        got = self.tier0.resident(unique, pin=True, allow_overflow=allow_overflow)
+        if got is None:
+            return None
+        slots, misses = got
+        return ResidentBatch(self, unique, inverse, slots, misses)
+
+    def prepare(self, ids: torch.Tensor) -> ResidentBatch:
+        """ids: int [N]. Dedups them and makes them resident in tier 0, pinned. IndexError for
+        an id out of range, before any tier changes."""
+        return self.make_resident(*self.dedup(ids))
+
+    def release(self, slots: torch.Tensor) -> None:
+        with self.tier0.index_lock:
+            self.tier0.index.unpin(slots)
+        with self.room:
+            self.releases += 1
+            self.room.notify_all()
+
+    def mark_dirty(self, slots: torch.Tensor) -> None:
+        """Tier-0 slots (pinned) whose rows were updated in place (by backward)."""
+        with self.tier0.index_lock:
+            self.tier0.index.mark_dirty(slots)
+
+    def pinned(self) -> int:
+        with self.tier0.index_lock:
+            return self.tier0.index.pinned
+
+    # The lookahead window of every cache tier (see native/index/cache_index.h): the batches
+    # expected after the one made resident next.
+    @_locked
+    def window_push(self, unique: torch.Tensor) -> None:
+        for t in self.tiers:
+            t.index.window_push(unique)
+
+    @_locked
+    def window_pop(self) -> None:
+        for t in self.tiers:
+            t.index.window_pop()
+
+    @_locked
+    def window_clear(self) -> None:
+        for t in self.tiers:
+            t.index.window_clear()
+
+    # -- rows wherever they live --------------------------------------------------------------
+    def _where(self, ids: torch.Tensor):
+        """Where unique ids live: ([(cache tier, slots, positions in ids)], positions in no cache
+        tier), each id with the highest tier holding it."""
+        found, todo = [], np.arange(len(ids))
+        for t in self.tiers:
+            if not len(todo):
+                break
+            slots = t.lookup(ids[todo])
+            here = slots >= 0
+            if here.any():
+                found.append((t, torch.from_numpy(slots[here]), torch.from_numpy(todo[here])))
+            todo = todo[~here]
+        return found, torch.from_numpy(todo)
+
+    @_locked
+    def read(self, ids: torch.Tensor) -> torch.Tensor:
+        """Current rows (weights ‖ state) of ids: float32 [N, width], CPU. Changes nothing:
+        each row comes from the highest layer holding it."""
+        unique, inverse = self.dedup(ids)
+        rows = torch.empty(len(unique), self.width, dtype=torch.float32)
+        found, rest = self._where(unique)
+        for t, slots, at in found:
+            t.pool.copy_out(slots, rows, at)
+        if len(rest):
+            self.bottom.read_to(unique[rest], rows, rest)
+        return rows[inverse]
+
+    @_locked
+    def write(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
+        """Sets whole rows of unique ids where they live: in place in every cache tier holding
+        them (dirty there), in the bottom for the rest. Evicts nothing."""
+        ids = _ids(ids)
+        rows = rows.to(torch.float32).contiguous()
+        found, rest = self._where(ids)
+        for t, slots, at in found:
+            t.update(slots, rows[at])
+        if len(rest):
+            self.bottom.write_from(ids[rest], rows, rest)
+
+    # -- durability ---------------------------------------------------------------------------
+    @_locked
+    def flush(self, state: dict | None = None) -> None:
+        """Returns when every update made before it is in the bottom (durable for SSD), with
+        state (a small JSON-able record) stored beside them."""
+        self.tier0.flush(state)
+
+    @_locked
+    def checkpoint(self, path: str, state: dict | None = None) -> None:
+        """flush(state), then a consistent snapshot of the bottom at path (it opens as a table)."""
+        self.flush(state)
+        self.bottom.checkpoint(path)
+
+    @_locked
+    def written_ids(self, start: int, limit: int | None) -> torch.Tensor:
+        """Sorted ids >= start of rows ever written, at most limit (dirty cached rows included)."""
+        return self.tier0.written_ids(start, limit)
+
+    @_locked
+    def stats(self) -> dict:
+        out = {t.name: t.stats() for t in self.tiers}
+        out["store" if self.host_store is not None else "ssd"] = self.bottom.stats()
+        return out
+
+    @_locked
+    def reset_stats(self) -> None:
+        for t in self.tiers:
+            t.reset_stats()
+        if self.host_store is not None:
+            self.host_store.reset_stats()
+
+    @_locked
+    def close(self) -> None:
+        self.tier0.close()
