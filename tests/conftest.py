@@ -1,6 +1,13 @@
 
+import os
+
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    # Triton kernels (tieredemb/gpu) run on CPU tensors under Triton's interpreter, which must be
+    # chosen before triton is imported.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_addoption(parser):
@@ -18,11 +25,11 @@ def pytest_collection_modifyitems(config, items):
 
 
 def use_kernels(monkeypatch, which: str) -> None:
-    """Makes CPU tables run the native kernels or the torch-ops kernels (the GPU path)."""
+    """Makes tables run the native kernels (the CPU path's own) or the torch-ops twin."""
     import tieredemb.kernels
 
-    native = which == "native"
-    monkeypatch.setattr(tieredemb.kernels, "use_native", lambda pool: native and pool.device.type == "cpu")
+    if which == "torch":
+        monkeypatch.setattr(tieredemb.kernels, "implementation", lambda pool: "torch")
 
 
 @pytest.fixture(params=["native", "torch"])

@@ -23,7 +23,7 @@ class _Pool(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, table, batch, bags: Bags, psw: Tensor | None, anchor: Tensor) -> Tensor:
-        out, saved = kernels.forward(table._store.tier0.pool, table.embedding_dim, batch, bags)
+        out, saved = kernels.forward(table._store.tier0, table.embedding_dim, batch, bags)
         ctx.lookup = (table, batch, bags, saved)
         return out
 
@@ -39,15 +39,13 @@ def pooled(table, ids: Tensor, offsets: Tensor, psw: Tensor | None, mode: int, e
     """ids int64 [N]; offsets int64 [B + 1] bag boundaries; psw [N] or None; mode 0 sum, 1 mean,
     2 max. Returns [B, D]. table: the tiered module (its store, prefetcher, optimizer, step)."""
     batch = table._prefetch.take(ids, offsets)
-    pad_u = -1
-    if table.padding_idx is not None:
-        hit = (batch.unique == table.padding_idx).nonzero()
-        pad_u = int(hit[0, 0]) if len(hit) else -1
-    bags = Bags(offsets, psw, mode, pad_u if exclude_padding else -1, pad_u)
+    batch.await_rows()
+    pad = -1 if table.padding_idx is None else table.padding_idx
+    bags = Bags(offsets, psw, mode, pad if exclude_padding else -1, pad)
     training = torch.is_grad_enabled() and table._grad_anchor.requires_grad
     if not training:
         try:
-            return kernels.forward(table._store.tier0.pool, table.embedding_dim, batch, bags)[0]
+            return kernels.forward(table._store.tier0, table.embedding_dim, batch, bags)[0]
         finally:
             batch.release()
     try:
@@ -66,11 +64,7 @@ def _backward(table, batch, bags: Bags, saved, grad_out: Tensor, need_psw_grad: 
             raise RuntimeError(f"{type(table).__name__} has no optimizer: pass optimizer=tieredemb.SGD(lr=...) "
                                "(or Adagrad, RowWiseAdagrad, Adam); its update is fused into backward")
         table.step += 1
-        psw_grad = kernels.backward_update(table._store.tier0.pool, table.embedding_dim, batch, bags, saved,
-                                           grad_out, table.optimizer, table.step, need_psw_grad)
-        touched = batch.slots if bags.frozen_u < 0 else torch.cat(
-            [batch.slots[:bags.frozen_u], batch.slots[bags.frozen_u + 1:]])
-        table._store.mark_dirty(touched)
-        return psw_grad
+        return kernels.backward_update(table._store.tier0, table.embedding_dim, batch, bags, saved, grad_out,
+                                       table.optimizer, table.step, need_psw_grad)
     finally:
         batch.release()

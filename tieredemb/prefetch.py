@@ -56,11 +56,13 @@ class PrefetchOrderError(ValueError):
 class _Registered:
     """A batch registered by prefetch(): its ids, dedup, and (once resident) its ResidentBatch."""
 
-    __slots__ = ("seq", "ids", "offsets", "unique", "inverse", "batch", "state", "forced")
+    __slots__ = ("seq", "ids", "offsets", "source", "version", "unique", "inverse", "count", "batch", "state",
+                 "forced")
 
-    def __init__(self, seq: int, ids: torch.Tensor, offsets: torch.Tensor, unique: torch.Tensor,
-                 inverse: torch.Tensor):
-        self.seq, self.ids, self.offsets, self.unique, self.inverse = seq, ids, offsets, unique, inverse
+    def __init__(self, seq: int, ids: torch.Tensor, offsets: torch.Tensor, source: torch.Tensor, deduped):
+        self.seq, self.ids, self.offsets = seq, ids, offsets
+        self.source, self.version = source, source._version  # the caller's tensor, as it was
+        self.unique, self.inverse, self.count = deduped
         self.batch = None
         self.state = _REGISTERED
         self.forced = False  # its forward is waiting: made resident whatever the window and the room
@@ -108,15 +110,17 @@ class Prefetcher:
     def register(self, ids: torch.Tensor, offsets: torch.Tensor) -> None:
         """Queues a batch (flat ids [N], bag boundaries [B + 1]) for residency. IndexError for
         an id out of range, before anything changes."""
-        # Copies (the caller may reuse its tensors), made by numpy: a torch copy this large runs
-        # on an OpenMP team of this thread's, whose threads spin between batches and take CPU
-        # from the worker (measured: ~10 ms per batch on 2 cores).
-        ids = torch.from_numpy(np.array(ids.cpu().numpy(), dtype=np.int64))
+        # Copies (the caller may reuse its tensors); host ones made by numpy: a torch copy this
+        # large runs on an OpenMP team of this thread's, whose threads spin between batches and
+        # take CPU from the worker (measured: ~10 ms per batch on 2 cores). Device ids stay there.
+        source = ids
+        ids = (torch.from_numpy(np.array(ids.numpy(), dtype=np.int64)) if ids.device.type == "cpu"
+               else ids.to(torch.int64).clone())
         offsets = torch.from_numpy(offsets.numpy().copy())
-        unique, inverse = self.store.dedup(ids)
+        deduped = self.store.dedup(ids)
         with self.cond:
             self._raise_error()
-            self.queue.append(_Registered(self.next_seq, ids, offsets, unique, inverse))
+            self.queue.append(_Registered(self.next_seq, ids, offsets, source, deduped))
             self.next_seq += 1
             self.counters["registered"] += 1
             self._ensure_worker()
@@ -125,7 +129,6 @@ class Prefetcher:
         """A forward's batch, resident and pinned (a ResidentBatch). The oldest registered batch
         (checked), waited for; else (nothing registered) made resident here. A background error
         surfaces here."""
-        ids = ids.to("cpu", torch.int64)
         start = time.perf_counter()
         with self.cond:
             self._raise_error()
@@ -198,7 +201,8 @@ class Prefetcher:
                 p.state = _PLANNING
                 # Its window: p.seq+1 .. upto; the tiers already hold it up to _windowed_upto().
                 upto = min(p.seq + self.lookahead, self.next_seq - 1)
-                window = [q.unique for q in self.queue if max(p.seq, self._windowed_upto()) < q.seq <= upto]
+                window = [(q.unique, q.count) for q in self.queue
+                          if max(p.seq, self._windowed_upto()) < q.seq <= upto]
             try:
                 self._make_resident(p, window)
             except BaseException as e:  # surfaces on the training thread at its next call
@@ -213,7 +217,7 @@ class Prefetcher:
                 p.state = _RESIDENT
                 self.cond.notify_all()
 
-    def _make_resident(self, p: _Registered, window: list[torch.Tensor]) -> None:
+    def _make_resident(self, p: _Registered, window: list) -> None:
         """Slides the tiers' windows past p (drops p and older, appends window: the unique ids
         of the next batches), then makes p resident: at once if its rows fit beside the pinned
         ones, or its forward waits for it, or nothing else is pinned; else after backwards have
@@ -222,14 +226,14 @@ class Prefetcher:
             while self.windowed and self.windowed[0] <= p.seq:
                 self.store.window_pop()
                 self.windowed.popleft()
-            for unique in window:
-                self.store.window_push(unique)
+            for unique, count in window:
+                self.store.window_push(unique, count)
                 self.windowed.append(self._windowed_upto(p.seq) + 1)
         room = self.store.room
         while not self.stopping:
             with room:
                 releases = self.store.releases
-            batch = self.store.make_resident(p.unique, p.inverse,
+            batch = self.store.make_resident(p.unique, p.inverse, p.count,
                                              allow_overflow=p.forced or self.store.pinned() == 0)
             if batch is not None:
                 p.batch = batch
@@ -269,8 +273,15 @@ class Prefetcher:
         self.cond.notify_all()
 
     def _check_order(self, p: _Registered, ids: torch.Tensor, offsets: torch.Tensor) -> None:
-        if np.array_equal(p.ids.numpy(), ids.numpy()) and np.array_equal(p.offsets.numpy(), offsets.numpy()):
-            return  # compared by numpy, not torch.equal: see register
+        if np.array_equal(p.offsets.numpy(), offsets.numpy()):
+            if ids is p.source and ids._version == p.version:
+                return  # the very tensor registered, unchanged since: no copy to compare
+            if ids.device.type == "cpu" and p.ids.device.type == "cpu":
+                if np.array_equal(p.ids.numpy(), ids.numpy()):  # numpy, not torch.equal: see register
+                    return
+            elif len(ids) == len(p.ids) and bool(torch.equal(p.ids, ids.to(p.ids.device, torch.int64))):
+                return
+        ids = ids.cpu()
         raise PrefetchOrderError(
             f"forward of a batch that is not the oldest prefetched one: expected prefetched batch #{p.seq} "
             f"({len(p.ids)} ids {_head(p.ids)}, {len(p.offsets) - 1} bags), got {len(ids)} ids {_head(ids)}, "

@@ -24,13 +24,15 @@ import threading
 import numpy as np
 import torch
 
+from .. import _C
 from .pools import arange
 from .rowstore import RowStore
 
 
 class CacheTier:
-    def __init__(self, name: str, index, pool, lower: RowStore):
+    def __init__(self, name: str, index, pool, lower: RowStore, num_embeddings: int):
         self.name = name
+        self.num_embeddings = num_embeddings
         self.index = index  # _C.CacheIndex or _C.DirectIndex
         self.pool = pool  # HostPool or DevicePool
         self.lower = lower
@@ -47,6 +49,41 @@ class CacheTier:
     @property
     def state(self) -> dict:
         return self.lower.state
+
+    # -- tier 0: batches ---------------------------------------------------------------------------
+    def dedup(self, ids: torch.Tensor):
+        """ids int [N] -> (unique [U] in order of first occurrence, inverse [N], U). IndexError
+        for an id out of range. Changes nothing."""
+        unique, inverse = _C.dedup(ids.to(device="cpu", dtype=torch.int64).contiguous(), self.num_embeddings)
+        return torch.from_numpy(unique), torch.from_numpy(inverse), len(unique)
+
+    def admit(self, unique: torch.Tensor, count: int, *, allow_overflow: bool = True):
+        """A batch's distinct ids made resident and pinned: (slots, misses, None), or None (nothing
+        changed) if it needs overflow slots and allow_overflow is False."""
+        got = self.resident(unique, pin=True, allow_overflow=allow_overflow)
+        return None if got is None else (*got, None)
+
+    def unpin(self, slots: torch.Tensor, stream=None) -> None:
+        with self.index_lock:
+            self.index.unpin(slots)
+
+    def mark_dirty(self, slots: torch.Tensor) -> None:
+        """Pinned slots whose rows were updated in place (by backward)."""
+        with self.index_lock:
+            self.index.mark_dirty(slots)
+
+    def below_written(self) -> None:
+        """Rows reached the layer below from elsewhere: nothing to do (misses are read from it)."""
+
+    def window_push(self, unique: torch.Tensor, count) -> None:
+        """Appends a batch ahead (its distinct ids: unique[:count]) to the lookahead window."""
+        self.index.window_push(unique[:int(count)].to(device="cpu", dtype=torch.int64).contiguous())
+
+    def window_pop(self) -> None:
+        self.index.window_pop()
+
+    def window_clear(self) -> None:
+        self.index.window_clear()
 
     # -- residency ----------------------------------------------------------------------------
     def resident(self, ids: torch.Tensor, *, pin: bool, fill=None, allow_overflow: bool = True):

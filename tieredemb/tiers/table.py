@@ -9,8 +9,8 @@
                     bottom: HostStore (every row, host memory) or an SSD store (ssd_backend)
 
 Thread-safety: every method that plans, moves rows or reads the layers holds the store's lock
-(re-entrant), so residencies and other row moves never interleave. release() and mark_dirty()
-only take tier 0's index lock: they act on pinned slots, which no residency in progress chose
+(re-entrant), so residencies and other row moves never interleave. release() and tier 0's
+mark_dirty() only take tier 0's index lock: they act on pinned slots, which no residency in progress chose
 or moves, so a backward does not wait for the prefetch worker's reads. Forward and backward
 kernels read and write pinned slots of tier 0 without a lock: nothing else touches a pinned slot.
 """
@@ -28,11 +28,18 @@ import ssd_backend
 from .. import _C
 from .cache import CacheTier
 from .host_store import HostStore
-from .pools import DevicePool, HostPool, reserve_host_rows
+from .pools import HostPool, reserve_host_rows
 from .rowstore import RowInit, RowStore
 
 # The native core's thread pool runs as many threads as torch's intra-op pool.
 _C.set_num_threads(torch.get_num_threads())
+
+
+def _device_tier0(num_embeddings, width, cache_rows, policy, lower, init, device):
+    """Tier 0 on a GPU: device-resident (tieredemb.gpu, which needs Triton)."""
+    from ..gpu.tier import DeviceTier
+
+    return DeviceTier(num_embeddings, width, cache_rows, policy, lower, init, device)
 
 
 def _ids(t: torch.Tensor) -> torch.Tensor:
@@ -49,20 +56,32 @@ def _locked(method):
 
 
 class ResidentBatch:
-    """A batch's distinct ids resident in tier 0 and pinned there until release():
-    unique [U] (order of first occurrence), inverse [N] (ids[i] == unique[inverse[i]]), slots [U]."""
+    """A batch's distinct ids resident in tier 0 and pinned there until release(): unique (its
+    distinct ids in the first `count` entries), inverse [N] (ids[i] == unique[inverse[i]]), slots
+    (the slot of each distinct id), all where tier 0 is (on a GPU, count is a device scalar)."""
 
-    __slots__ = ("store", "unique", "inverse", "slots", "misses", "released")
+    __slots__ = ("store", "unique", "inverse", "count", "slots", "misses", "event", "stream", "released")
 
-    def __init__(self, store: "TableStore", unique, inverse, slots, misses: int):
-        self.store, self.unique, self.inverse, self.slots, self.misses = store, unique, inverse, slots, misses
+    def __init__(self, store: "TableStore", unique, inverse, count, slots, misses: int, event):
+        self.store, self.unique, self.inverse, self.count = store, unique, inverse, count
+        self.slots, self.misses, self.event = slots, misses, event
+        self.stream = None
         self.released = False
+
+    def await_rows(self) -> None:
+        """Orders the current stream after the batch's rows arrived in tier 0 (a no-op on the CPU);
+        its release will run on this stream too."""
+        if self.event is not None:
+            self.stream = torch.cuda.current_stream()
+            self.stream.wait_event(self.event)
+            for t in (self.unique, self.inverse, self.count, self.slots):  # made on tier 0's stream
+                t.record_stream(self.stream)
 
     def release(self) -> None:
         """Unpins the batch's rows (once; later calls do nothing)."""
         if not self.released:
             self.released = True
-            self.store.release(self.slots)
+            self.store.release(self)
 
     def __del__(self):
         try:
@@ -81,41 +100,37 @@ class TableStore:
         self.num_embeddings = num_embeddings
         self.width = width
         self.device = device
-        on_host = device.type == "cpu"
-        whole = cache_rows is None or cache_rows >= num_embeddings
+        self.init = init
         self.host_store = HostStore(num_embeddings, width, init) if bottom is None else None
         self.bottom: RowStore = bottom if bottom is not None else self.host_store
         lower = self.bottom
-        self.tiers: list[CacheTier] = []  # the cache tiers, top first
+        self.tiers: list = []  # the cache tiers, top first: tier 0 (CacheTier or DeviceTier), the host cache
+        on_host = device.type == "cpu"
         if host_rows is not None and host_rows < num_embeddings:
             pool = (torch.empty(host_rows, width, pin_memory=True) if not on_host and torch.cuda.is_available()
                     else reserve_host_rows(host_rows, width, populate_rows=host_rows))
-            lower = CacheTier("host", _C.CacheIndex(host_rows, policy), HostPool(pool), lower)
+            lower = CacheTier("host", _C.CacheIndex(host_rows, policy), HostPool(pool), lower, num_embeddings)
             self.tiers.append(lower)
-        if whole:
-            index = _C.DirectIndex(num_embeddings)
-            if not on_host:
-                pool = DevicePool(torch.empty(num_embeddings, width, device=device), None)
-            elif lower is self.host_store:  # the table itself: no second copy
-                pool = HostPool(self.host_store.rows)
-            else:
-                pool = HostPool(reserve_host_rows(num_embeddings, width, populate_rows=0))
-        else:
-            # Overflow slots beyond the capacity serve what pinned rows leave no room for.
-            overflow = num_embeddings - cache_rows
-            index = _C.CacheIndex(cache_rows, policy, overflow_limit=overflow)
-            if on_host:
-                pool = HostPool(reserve_host_rows(num_embeddings, width, populate_rows=cache_rows))
-            else:
-                pool = DevicePool(torch.empty(cache_rows, width, device=device),
-                                  reserve_host_rows(overflow, width, populate_rows=0))
-        self.tier0 = CacheTier("tier0", index, pool, lower)
+        self.tier0 = (self._host_tier0(num_embeddings, width, cache_rows, policy, lower) if on_host else
+                      _device_tier0(num_embeddings, width, cache_rows, policy, lower, init, device))
         self.tiers.insert(0, self.tier0)
         self.lock = threading.RLock()
         # Notified whenever pinned rows are released (releases counts them): a residency
         # waiting for room retries.
         self.room = threading.Condition(threading.Lock())
         self.releases = 0
+
+    def _host_tier0(self, num_embeddings: int, width: int, cache_rows: int | None, policy: str, lower) -> CacheTier:
+        if cache_rows is None or cache_rows >= num_embeddings:
+            index = _C.DirectIndex(num_embeddings)
+            # the table itself when nothing sits between (no second copy)
+            pool = (HostPool(self.host_store.rows) if lower is self.host_store
+                    else HostPool(reserve_host_rows(num_embeddings, width, populate_rows=0)))
+        else:
+            # Overflow slots beyond the capacity serve what pinned rows leave no room for.
+            index = _C.CacheIndex(cache_rows, policy, overflow_limit=num_embeddings - cache_rows)
+            pool = HostPool(reserve_host_rows(num_embeddings, width, populate_rows=cache_rows))
+        return CacheTier("tier0", index, pool, lower, num_embeddings)
 
     @classmethod
     def from_config(cls, config) -> "TableStore":
@@ -140,40 +155,33 @@ class TableStore:
         return self.bottom.state
 
     # -- batches ------------------------------------------------------------------------------
-    def dedup(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """ids: int [N] (any order, duplicates allowed) -> (unique [U] in order of first
-        occurrence, inverse [N]). IndexError for an id out of range. Changes nothing."""
-        unique, inverse = _C.dedup(_ids(ids), self.num_embeddings)
-        return torch.from_numpy(unique), torch.from_numpy(inverse)
+    def dedup(self, ids: torch.Tensor):
+        """ids: int [N] (any order, duplicates allowed) -> (unique, inverse [N], count): the
+        distinct ids in unique[:count], ids[i] == unique[inverse[i]], where tier 0 is (see its
+        dedup). IndexError for an id out of range. Changes nothing."""
+        return self.tier0.dedup(ids)
 
     @_locked
-    def make_resident(self, unique: torch.Tensor, inverse: torch.Tensor, *,
-                      allow_overflow: bool = True) -> ResidentBatch | None:
-        """Makes unique ids resident in tier 0, pinned. allow_overflow False: returns None, changing
-        nothing, if rows pinned by other batches leave too little room (see CacheTier.resident).
-        A failure changes no value; at most some rows leave tier 0."""
-        got = self.tier0.resident(unique, pin=True, allow_overflow=allow_overflow)
+    def make_resident(self, unique, inverse, count, *, allow_overflow: bool = True) -> ResidentBatch | None:
+        """Makes a deduplicated batch resident in tier 0, pinned. allow_overflow False: returns
+        None, changing nothing, if rows pinned by other batches leave too little room. A failure
+        changes no value; at most some rows leave tier 0."""
+        got = self.tier0.admit(unique, count, allow_overflow=allow_overflow)
         if got is None:
             return None
-        slots, misses = got
-        return ResidentBatch(self, unique, inverse, slots, misses)
+        slots, misses, event = got
+        return ResidentBatch(self, unique, inverse, count, slots, misses, event)
 
     def prepare(self, ids: torch.Tensor) -> ResidentBatch:
         """ids: int [N]. Dedups them and makes them resident in tier 0, pinned. IndexError for
         an id out of range, before any tier changes."""
         return self.make_resident(*self.dedup(ids))
 
-    def release(self, slots: torch.Tensor) -> None:
-        with self.tier0.index_lock:
-            self.tier0.index.unpin(slots)
+    def release(self, batch: ResidentBatch) -> None:
+        self.tier0.unpin(batch.slots, batch.stream)
         with self.room:
             self.releases += 1
             self.room.notify_all()
-
-    def mark_dirty(self, slots: torch.Tensor) -> None:
-        """Tier-0 slots (pinned) whose rows were updated in place (by backward)."""
-        with self.tier0.index_lock:
-            self.tier0.index.mark_dirty(slots)
 
     def pinned(self) -> int:
         with self.tier0.index_lock:
@@ -182,19 +190,19 @@ class TableStore:
     # The lookahead window of every cache tier (see native/index/cache_index.h): the batches
     # expected after the one made resident next.
     @_locked
-    def window_push(self, unique: torch.Tensor) -> None:
+    def window_push(self, unique, count) -> None:
         for t in self.tiers:
-            t.index.window_push(unique)
+            t.window_push(unique, count)
 
     @_locked
     def window_pop(self) -> None:
         for t in self.tiers:
-            t.index.window_pop()
+            t.window_pop()
 
     @_locked
     def window_clear(self) -> None:
         for t in self.tiers:
-            t.index.window_clear()
+            t.window_clear()
 
     # -- rows wherever they live --------------------------------------------------------------
     def _where(self, ids: torch.Tensor):
@@ -215,7 +223,7 @@ class TableStore:
     def read(self, ids: torch.Tensor) -> torch.Tensor:
         """Current rows (weights ‖ state) of ids: float32 [N, width], CPU. Changes nothing:
         each row comes from the highest layer holding it."""
-        unique, inverse = self.dedup(ids)
+        unique, inverse = (torch.from_numpy(a) for a in _C.dedup(_ids(ids), self.num_embeddings))
         rows = torch.empty(len(unique), self.width, dtype=torch.float32)
         found, rest = self._where(unique)
         for t, slots, at in found:
@@ -235,6 +243,7 @@ class TableStore:
             t.update(slots, rows[at])
         if len(rest):
             self.bottom.write_from(ids[rest], rows, rest)
+            self.tier0.below_written()
 
     # -- durability ---------------------------------------------------------------------------
     @_locked

@@ -1,0 +1,200 @@
+"""The GPU tier 0 (tieredemb/gpu: device-resident index, Triton kernels) run on CPU tensors, the
+Triton kernels under Triton's interpreter: the same logic as on a GPU, checked without one.
+Training through it equals the CPU engine within float tolerance (its sums have other orders),
+is bit for bit the same from run to run, and keeps the engine's rules: pins, overflow slots,
+write-back, flush, prefetch, the lookahead window."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tieredemb
+from tieredemb import _C
+
+pytest.importorskip("triton")
+from tieredemb.gpu import pooling, rowinit  # noqa: E402
+from tieredemb.gpu.index import SetIndex  # noqa: E402
+from tieredemb.gpu.tier import DeviceTier  # noqa: E402
+
+NUM, D = 300, 8
+OPTIMIZERS = {"sgd": lambda: tieredemb.SGD(lr=0.1), "adagrad": lambda: tieredemb.Adagrad(lr=0.1),
+              "rowwise": lambda: tieredemb.RowWiseAdagrad(lr=0.1), "adam": lambda: tieredemb.Adam(lr=0.05)}
+
+
+def device_tier(emb, cache_rows, policy="lru"):
+    """emb with its tier 0 replaced by a DeviceTier on CPU tensors, over the same layers below."""
+    st = emb._store
+    tier = DeviceTier(emb.num_embeddings, emb.width, cache_rows, policy, st.tier0.lower, st.init, torch.device("cpu"))
+    st.tier0 = st.tiers[0] = tier
+    return emb
+
+
+def batches(seed=0, steps=8, num=NUM, bags=10, length=6):
+    g = torch.Generator().manual_seed(seed)
+    return [((torch.rand(bags * length, generator=g) ** 2 * num).long(), torch.arange(0, bags * length, length),
+             torch.randn(bags, D, generator=g)) for _ in range(steps)]
+
+
+def weights(num=NUM):
+    return torch.randn(num, D, generator=torch.Generator().manual_seed(1))
+
+
+def table(emb):
+    ids = torch.arange(emb.num_embeddings)
+    return torch.cat([emb.read_rows(ids), emb.read_optimizer_state(ids)], 1)
+
+
+def train(emb, data, depth=0):
+    outs = []
+    loader = data if depth == 0 else tieredemb.PrefetchLoader(data, [emb], depth=depth)
+    for ids, offsets, grad in loader:
+        out = emb(ids, offsets)
+        out.backward(grad)
+        outs.append(out.detach())
+    return outs
+
+
+@pytest.mark.parametrize("opt", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("mode", ["sum", "mean", "max"])
+@pytest.mark.parametrize("tiers", [dict(cache_rows=None), dict(cache_rows=64), dict(cache_rows=8),
+                                   dict(cache_rows=40, host_rows=80)], ids=["whole", "cache64", "cache8", "host"])
+def test_trains_as_the_cpu_engine(opt, mode, tiers):
+    ref = tieredemb.TieredEmbeddingBag(NUM, D, mode, optimizer=OPTIMIZERS[opt](), _weight=weights(), padding_idx=3)
+    dev = device_tier(tieredemb.TieredEmbeddingBag(NUM, D, mode, optimizer=OPTIMIZERS[opt](), _weight=weights(),
+                                                   padding_idx=3, **tiers), tiers["cache_rows"])
+    data = batches()
+    for got, want in zip(train(dev, data), train(ref, data)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(table(dev), table(ref), rtol=1e-5, atol=1e-5)
+    assert dev._store.tier0.index.pinned == 0
+
+
+def test_bit_for_bit_from_run_to_run_with_prefetch_and_overflow(tmp_path):
+    runs = []
+    for k in range(2):
+        emb = device_tier(tieredemb.TieredEmbeddingBag(
+            NUM, D, "sum", optimizer=tieredemb.Adam(lr=0.05), _weight=weights(), cache_rows=8,
+            ssd_path=tmp_path / f"t{k}", ssd_options={"backend": "log"}), 8)
+        outs = train(emb, batches(seed=2), depth=2)
+        runs.append((torch.stack(outs), table(emb)))
+        assert emb.stats()["tier0"]["overflow_rows"] > 0
+        emb.close()
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
+
+
+def test_per_sample_weights_and_unpooled_lookups():
+    ref = tieredemb.TieredEmbeddingBag(NUM, D, "sum", optimizer=tieredemb.Adagrad(lr=0.1), _weight=weights())
+    dev = device_tier(tieredemb.TieredEmbeddingBag(NUM, D, "sum", optimizer=tieredemb.Adagrad(lr=0.1),
+                                                   _weight=weights(), cache_rows=32), 32)
+    for ids, offsets, grad in batches(seed=4, steps=4):
+        outs = []
+        for emb in (ref, dev):
+            psw = torch.linspace(0.5, 1.5, len(ids), requires_grad=True)
+            emb(ids, offsets, per_sample_weights=psw).backward(grad)
+            outs.append(psw.grad)
+        torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(table(dev), table(ref), rtol=1e-5, atol=1e-5)
+    ref_e = tieredemb.TieredEmbedding(NUM, D, optimizer=tieredemb.SGD(lr=0.5), _weight=weights(), padding_idx=0)
+    dev_e = device_tier(tieredemb.TieredEmbedding(NUM, D, optimizer=tieredemb.SGD(lr=0.5), _weight=weights(),
+                                                  padding_idx=0, cache_rows=16), 16)
+    ids = torch.tensor([[0, 5, 5], [7, 0, 299]])
+    for emb in (ref_e, dev_e):
+        emb(ids).pow(2).sum().backward()
+    torch.testing.assert_close(table(dev_e), table(ref_e), rtol=1e-5, atol=1e-5)
+
+
+def test_flush_writes_every_update_down_and_rows_read_where_they_live():
+    dev = device_tier(tieredemb.TieredEmbeddingBag(NUM, D, "sum", optimizer=tieredemb.SGD(lr=0.1), cache_rows=32,
+                                                   host_rows=64), 32)
+    train(dev, batches(seed=5))
+    before = table(dev)
+    new = torch.arange(3 * D, dtype=torch.float32).reshape(3, D)
+    resident = dev._store.tier0.lookup(torch.arange(NUM))
+    hot = int((resident >= 0).nonzero()[0][0])
+    dev.write_rows(torch.tensor([hot, 299, 298]), new)  # one in tier 0, the others below
+    dev.flush()
+    assert dev._store.tier0.index.dirty_rows()[0].numel() == 0
+    rows = torch.empty(NUM, dev.width)
+    dev._store.bottom.read_to(torch.arange(NUM), rows, torch.arange(NUM))
+    expected = before.clone()
+    expected[[hot, 299, 298], :D] = new
+    assert torch.equal(rows[:, :D], expected[:, :D]) and torch.equal(table(dev)[:, :D], expected[:, :D])
+
+
+def test_rows_never_written_are_drawn_on_the_device_as_on_the_host():
+    ids = torch.tensor([0, 1, 5, 12345, 10**9, 2**40, 7])
+    for kind, a, b in [(0, 0.0, 1.0), (1, -0.5, 0.25), (2, 0.0, 0.0)]:
+        for dim, width in [(8, 8), (5, 7), (128, 129)]:
+            want = torch.empty(len(ids), width)
+            _C.init_rows(ids, want, dim, kind, a, b, 42, 7)
+            got = torch.full((len(ids), width), 9.0)
+            rowinit.init_rows(ids, got, None, dim, kind, a, b, 42, 7)
+            assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (kind, dim)
+    # A whole-table tier 0 draws its first misses itself: the rows a host table reads.
+    dev = device_tier(tieredemb.TieredEmbeddingBag(NUM, D, "sum", seed=9), None)
+    assert dev._store.tier0.init_misses_here
+    with torch.no_grad():
+        got = dev(torch.arange(NUM), torch.arange(NUM))
+    assert torch.equal(got, tieredemb.TieredEmbeddingBag(NUM, D, "sum", seed=9).read_rows(torch.arange(NUM)))
+
+
+def test_set_index_keeps_pinned_rows_and_lends_overflow_slots():
+    index = SetIndex(4, "lru", torch.device("cpu"), overflow=2)
+    first = torch.tensor([10, 11, 12, 13])
+
+    def admit(ids):
+        plan = index.plan(ids, torch.tensor([len(ids)]), 100)
+        index.commit(plan, pin=True)
+        return plan
+
+    p1 = admit(first)
+    assert sorted(p1.slots.tolist()) == [0, 1, 2, 3] and p1.num_overflow == 0
+    p2 = admit(torch.tensor([20, 21, 22]))  # every regular slot pinned: overflow, grown past 2
+    assert p2.num_overflow == 3 and all(s >= 4 for s in p2.slots.tolist()) and index.overflow_slots >= 3
+    assert index.lookup(torch.tensor([21]))[0] == p2.slots[1]
+    index.unpin(p2.slots)
+    p3 = admit(torch.tensor([30]))  # the released overflow rows leave; 30 finds no regular slot either
+    assert p3.num_victims == 3 and index.lookup(torch.tensor([20, 21, 22])).tolist() == [-1, -1, -1]
+    index.unpin(p1.slots)
+    p4 = admit(torch.tensor([40, 41]))  # LRU: the oldest of the first batch go
+    assert p4.num_overflow == 0 and p4.num_victims >= 2
+    assert index.stats()["overflow_rows"] == 4
+
+
+def test_bad_ids_are_refused_before_anything_changes():
+    dev = device_tier(tieredemb.TieredEmbeddingBag(NUM, D, "sum", optimizer=tieredemb.SGD(lr=0.1), cache_rows=8), 8)
+    train(dev, batches(steps=2))
+    before = table(dev)
+    with pytest.raises(IndexError, match=rf"id {NUM + 4} out of range \[0, {NUM}\)"):
+        dev(torch.tensor([1, NUM + 4]), torch.tensor([0]))
+    assert torch.equal(table(dev), before) and dev._store.tier0.index.pinned == 0
+
+
+def test_pooling_kernels_match_the_native_ones():
+    g = torch.Generator().manual_seed(0)
+    for opt in OPTIMIZERS.values():
+        o = opt()
+        for mode in (0, 1, 2):
+            width = D + o.state_width(D)
+            pool = torch.randn(50, width, generator=g).abs()
+            ids = torch.randint(0, 20, (30,), generator=g)
+            offsets = torch.tensor([0, 3, 3, 10, 17, 30])
+            unique, inverse = (torch.from_numpy(a) for a in _C.dedup(ids, 100))
+            slots = unique * 2 + 1
+            native, triton_pool = pool.clone(), pool.clone()
+            out_n = torch.empty(5, D)
+            argmax = torch.empty(5 * D, dtype=torch.int64) if mode == 2 else None
+            _C.pool_forward(native, D, slots, inverse, offsets, None, mode, 2, out_n, argmax)
+            grad = torch.randn(5, D, generator=g)
+            _C.pool_backward_update(native, D, slots, inverse, offsets, None, mode, 2, grad, argmax,
+                                    o.native_args(3), 2, None)
+            out_t, argmax_t = pooling.forward(triton_pool, D, slots, unique, inverse, offsets, None, mode,
+                                              int(unique[2]))
+            dirty = torch.zeros(50, dtype=torch.uint8)
+            pooling.backward_update(triton_pool, dirty, D, slots, unique, torch.tensor([len(unique)]), inverse,
+                                    offsets, None, mode, int(unique[2]), int(unique[2]), grad, argmax_t, o, 3, False)
+            torch.testing.assert_close(out_t, out_n, rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(triton_pool, native, rtol=1e-5, atol=1e-5)
+            assert sorted(dirty.nonzero().squeeze(1).tolist()) == sorted(
+                s for k, s in enumerate(slots.tolist()) if k != 2)

@@ -1,0 +1,412 @@
+"""Tier 0's index in device memory, its operations torch ops over whole batches (no loop over ids,
+no Python per id, and one device-to-host transfer per plan).
+
+SetIndex, a bounded cache: ids -> slots through sets of `ways` slots (FBGEMM's cache layout: a
+row's set is a hash of its id; a batch's misses in one set take that set's victims), per-slot pins,
+dirty bits and policy state (LRU: the last batch that used the row; LFU: its uses, ties by LRU),
+and overflow slots after the sets, for rows that find no room in their set beside pinned rows:
+they exist only while pinned, and the next plan evicts them once released (a batch that uses such
+a row again reads it back after its write-back). DirectIndex: a tier that holds every row (slot =
+id); it only tracks which rows it holds.
+
+The contract is native/index/cache_index.h's: plan() chooses slots and victims and changes
+nothing; the caller moves rows (dirty victims down, then misses up); commit() applies the plan,
+evict() only its evictions (after a failed move). Victims are never pinned rows, nor rows of the
+batch. The lookahead window (window_push / window_pop) ranks victims as the native one does:
+rows no window batch uses first, in the policy's order, then the farthest next use first.
+
+Batches are given as id buffers of length N whose first U entries are the batch's distinct ids;
+U may be a device scalar (a batch deduplicated on the device).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+_HASH = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64: Fibonacci hashing
+_NEVER = 1 << 62  # a policy key larger than any stamp: not a candidate
+
+
+@dataclasses.dataclass
+class DevicePlan:
+    """What plan() chose, on the device (slots [N]: each id's slot, -1 past U) and on the host (the
+    ids and slots that must move: miss_ids / miss_slots, dirty victims; counts)."""
+
+    ids: torch.Tensor
+    valid: torch.Tensor          # bool [N]: u < U
+    slots: torch.Tensor          # int64 [N] device
+    fresh: torch.Tensor          # bool [N]: the id gets a new slot (a miss)
+    victim_slots: torch.Tensor   # int64 device: slots whose row leaves (regular and overflow)
+    miss_ids: torch.Tensor       # int64 host
+    miss_slots: torch.Tensor     # int64 device
+    dirty_ids: torch.Tensor      # int64 host
+    dirty_slots: torch.Tensor    # int64 device
+    num_overflow: int
+    num_victims: int
+    num_unique: int
+    version: int
+    lingering: int = 0           # overflow rows left unpinned, evicted by this plan
+
+
+class SetIndex:
+    """A bounded tier-0 index on `device`. capacity is rounded up to whole sets of `ways` slots;
+    overflow: overflow slots to start with (more are added when a plan needs them)."""
+
+    def __init__(self, capacity: int, policy: str, device: torch.device, *, ways: int = 32, overflow: int = 1024):
+        if policy not in ("lru", "lfu"):
+            raise ValueError(f"policy {policy!r} is not one a GPU tier 0 has: 'lru' or 'lfu' "
+                             "(clock is for CPU tiers)")
+        self.ways = min(ways, capacity)
+        self.sets = -(-capacity // self.ways)
+        self.capacity = self.sets * self.ways
+        self.policy = policy
+        self.device = device
+        self.clock = 0  # batches planned: the LRU stamp of this one
+        self.version = 0
+        self.overflow_in_use = 0
+        self.overflow_slots = 0
+        self.window: list[tuple[torch.Tensor, torch.Tensor]] = []  # (ids [N], valid [N]) of batches ahead
+        self._alloc(overflow)
+        self.reset_stats()
+
+    # -- state -------------------------------------------------------------------------------
+    def _alloc(self, overflow: int) -> None:
+        """Sizes the per-slot state for capacity + overflow slots, keeping what is there. Each
+        state tensor has one more entry, a dummy slot: writes meant for no slot go there."""
+        total, dev = self.capacity + overflow + 1, self.device
+        old = getattr(self, "slot_id", None)
+        grown = {"slot_id": torch.full((total,), -1, dtype=torch.int64, device=dev),
+                 "pins": torch.zeros(total, dtype=torch.int32, device=dev),
+                 "dirty": torch.zeros(total, dtype=torch.uint8, device=dev),
+                 "stamp": torch.zeros(total, dtype=torch.int64, device=dev),
+                 "uses": torch.zeros(total, dtype=torch.int64, device=dev)}
+        if old is not None:
+            for name, t in grown.items():
+                t[:old.numel() - 1] = getattr(self, name)[:-1]
+        for name, t in grown.items():
+            setattr(self, name, t)
+        self.overflow_slots = overflow
+        self._directory()
+
+    @property
+    def slots_total(self) -> int:
+        """Slots a pool must hold: the sets, then the overflow slots."""
+        return self.capacity + self.overflow_slots
+
+    def _directory(self) -> None:
+        """The overflow rows in use, sorted by id, to find them by binary search."""
+        ids = self.slot_id[self.capacity:self.slots_total]
+        ids = torch.where(ids >= 0, ids, torch.iinfo(torch.int64).max)
+        self.ovf_ids, order = torch.sort(ids)
+        self.ovf_slot = order + self.capacity
+
+    def _set_of(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.remainder((ids * _HASH) >> 29, self.sets)
+
+    # -- lookups ------------------------------------------------------------------------------
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        """Slot of each id (int64 [n], device), -1 where not resident. Changes nothing."""
+        base = self._set_of(ids) * self.ways
+        way_slots = base[:, None] + torch.arange(self.ways, device=self.device)
+        match = self.slot_id[way_slots] == ids[:, None]
+        slots = torch.where(match.any(1), base + match.to(torch.int8).argmax(1), -1)
+        if self.overflow_in_use:
+            pos = torch.searchsorted(self.ovf_ids, ids).clamp_(max=self.ovf_ids.numel() - 1)
+            slots = torch.where((slots < 0) & (self.ovf_ids[pos] == ids), self.ovf_slot[pos], slots)
+        return slots
+
+    # -- residency ----------------------------------------------------------------------------
+    def plan(self, ids: torch.Tensor, num_unique: torch.Tensor, num_embeddings: int) -> DevicePlan:
+        """Slots for the distinct ids[:U] (U = num_unique, int64 [1] on the device) and the victims
+        that make room; overflow slots for the misses that find none (more overflow slots are
+        added when there are too few). Changes nothing in the index. IndexError for an id out of
+        [0, num_embeddings). Ends with the plan's one device-to-host transfer."""
+        while True:
+            plan, need, free = self._plan_once(ids, num_unique, num_embeddings)
+            if need <= free:
+                return plan
+            self._alloc(max(2 * self.overflow_slots, self.overflow_slots + need - free))
+
+    def _plan_once(self, ids, num_unique, num_embeddings):
+        n, dev, cap = ids.numel(), self.device, self.capacity
+        total = self.slots_total
+        valid = torch.arange(n, device=dev) < num_unique
+        slots = torch.where(valid, self.lookup(ids.clamp(min=0)), -1)
+        # An overflow row the batch uses again but nobody pins any more leaves and comes back
+        # (written down first if dirty): overflow rows stay rows in flight.
+        pinned = self.pins[slots.clamp(min=0)] > 0
+        slots = torch.where((slots >= cap) & ~pinned, -1, slots)
+        fresh = valid & (slots < 0)
+        used = _mask(torch.where(slots >= 0, slots, total), total + 1)[:cap]
+        key = self._victim_key(used)
+        # The misses of each set, in batch order, take the set's candidates, best first.
+        sets = torch.where(fresh, self._set_of(ids), self.sets)
+        order = torch.sort(sets, stable=True).indices
+        in_set = sets[order]
+        first = torch.ones(n, dtype=torch.bool, device=dev)
+        first[1:] = in_set[1:] != in_set[:-1]
+        pos = torch.arange(n, device=dev)
+        rank = pos - torch.cummax(torch.where(first, pos, 0), 0).values
+        home = in_set.clamp(max=self.sets - 1)
+        cand_key, cand_way = torch.sort(key.view(self.sets, self.ways)[home], dim=1, stable=True)
+        rank_c = rank.clamp(max=self.ways - 1)[:, None]
+        placed = fresh[order] & (rank < self.ways) & (cand_key.gather(1, rank_c)[:, 0] < _NEVER)
+        chosen = torch.full((n,), -1, dtype=torch.int64, device=dev)
+        chosen[order] = torch.where(placed, home * self.ways + cand_way.gather(1, rank_c)[:, 0], -1)
+        # The rest take overflow slots: free ones, and those of lingering (unpinned) rows, lowest first.
+        need = fresh & (chosen < 0)
+        ovf_ids = self.slot_id[cap:total]
+        lingering = (ovf_ids >= 0) & (self.pins[cap:total] == 0)
+        free = (ovf_ids < 0) | lingering
+        if self.overflow_slots:
+            free_slots = torch.sort((~free).to(torch.int8), stable=True).indices + cap
+            k = (torch.cumsum(need, 0) - 1).clamp(0, self.overflow_slots - 1)
+            chosen = torch.where(need, free_slots[k], chosen)
+        slots = torch.where(fresh, chosen, slots)
+        # Victims: the rows in the regular slots chosen, and every lingering overflow row.
+        victim = _mask(torch.where(fresh & (chosen >= 0) & (chosen < cap), chosen, total), total + 1)[:total]
+        victim[:cap] &= self.slot_id[:cap] >= 0
+        victim[cap:] |= lingering
+        dirty_victim = victim & (self.dirty[:total] != 0)
+        bad = valid & ((ids < 0) | (ids >= num_embeddings))
+        counts = torch.stack([need.sum(), free.sum(), valid.sum(), fresh.sum(), victim.sum(), dirty_victim.sum(),
+                              bad.sum(), lingering.sum()])
+        miss_ids, miss_slots = _compact(fresh, ids, n), _compact(fresh, slots, n)
+        every = torch.arange(total, device=dev)
+        most = n + self.overflow_slots  # victims: at most a slot per miss, and the overflow rows
+        dirty_ids = _compact(dirty_victim, self.slot_id[:total], most)
+        dirty_slots, victim_slots = _compact(dirty_victim, every, most), _compact(victim, every, most)
+        host = _to_host(torch.cat([counts, miss_ids, dirty_ids]))
+        head = 8
+        c = host[:8].tolist()
+        if c[6]:
+            raise IndexError(f"id {int(ids[bad][0])} out of range [0, {num_embeddings})")
+        n_need, n_free, n_valid, n_miss, n_victims, n_dirty = c[:6]
+        plan = DevicePlan(ids=ids, valid=valid, slots=slots, fresh=fresh, victim_slots=victim_slots[:n_victims],
+                          miss_ids=host[head:head + n_miss], miss_slots=miss_slots[:n_miss],
+                          dirty_ids=host[head + n:head + n + n_dirty], dirty_slots=dirty_slots[:n_dirty],
+                          num_overflow=n_need, num_victims=n_victims, num_unique=n_valid, version=self.version,
+                          lingering=c[7])
+        return plan, n_need, n_free
+
+    def commit(self, plan: DevicePlan, pin: bool) -> None:
+        """Applies a plan made by the last plan() (the rows moved already). pin: pin the batch's rows."""
+        self._check(plan)
+        self.version += 1
+        self._evict_rows(plan)
+        fresh_at = torch.where(plan.fresh, plan.slots, self.slots_total)  # (the dummy slot elsewhere)
+        self.slot_id[fresh_at] = plan.ids
+        self.dirty[fresh_at] = 0
+        self.uses[fresh_at] = 0
+        at = torch.where(plan.valid, plan.slots, self.slots_total)
+        if pin:
+            self.pins.index_add_(0, at, torch.ones_like(at, dtype=torch.int32))
+        self.stamp[at] = self.clock
+        self.uses.index_add_(0, at, torch.ones_like(at))
+        self.clock += 1
+        self.overflow_in_use += plan.num_overflow
+        self._directory()
+        s = self.counts
+        s["hits"] += plan.num_unique - plan.miss_ids.numel()
+        s["misses"] += plan.miss_ids.numel()
+        s["evictions"] += plan.num_victims
+        s["dirty_writebacks"] += plan.dirty_ids.numel()
+        s["clean_drops"] += plan.num_victims - plan.dirty_ids.numel()
+        s["overflow_rows"] += plan.num_overflow
+
+    def evict(self, plan: DevicePlan) -> None:
+        """Applies only the plan's evictions (after a failed move): its victims leave."""
+        self._check(plan)
+        self.version += 1
+        self._evict_rows(plan)
+        self._directory()
+
+    def _evict_rows(self, plan: DevicePlan) -> None:
+        self.slot_id[plan.victim_slots] = -1
+        self.dirty[plan.victim_slots] = 0
+        self.overflow_in_use -= plan.lingering
+
+    def _check(self, plan: DevicePlan) -> None:
+        if plan.version != self.version:
+            raise RuntimeError("stale batch plan: the tier changed between plan and commit")
+
+    def unpin(self, slots: torch.Tensor) -> None:
+        """Unpins the rows in slots (int64 [n], device; entries < 0 are ignored), on the current stream."""
+        at = torch.where(slots >= 0, slots, self.slots_total)
+        self.pins.index_add_(0, at, torch.full_like(at, -1, dtype=torch.int32))
+
+    def mark_clean(self, slots: torch.Tensor) -> None:
+        self.dirty[slots] = 0
+
+    def dirty_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ids, slots) of every dirty row, on the device."""
+        total = self.slots_total
+        at = torch.nonzero((self.dirty[:total] != 0) & (self.slot_id[:total] >= 0)).squeeze(1)
+        return self.slot_id[at], at
+
+    # -- the lookahead window -----------------------------------------------------------------
+    def window_push(self, ids: torch.Tensor, num_unique: torch.Tensor) -> None:
+        self.window.append((ids, torch.arange(ids.numel(), device=self.device) < num_unique))
+
+    def window_pop(self) -> bool:
+        return bool(self.window) and self.window.pop(0) is not None
+
+    def window_clear(self) -> None:
+        self.window.clear()
+
+    def _victim_key(self, used: torch.Tensor) -> torch.Tensor:
+        """Per regular slot, the order victims are taken in (smallest first): empty slots, then rows
+        no window batch uses in the policy's order, then window rows, farthest next use first;
+        _NEVER for pinned rows and rows of the batch."""
+        cap = self.capacity
+        sid = self.slot_id[:cap]
+        key = self.stamp[:cap] if self.policy == "lru" else self.uses[:cap].clamp(max=(1 << 28) - 1) * (1 << 32) + \
+            self.stamp[:cap]
+        if self.window:
+            wid = torch.cat([torch.where(v, i, -1) for i, v in self.window])
+            batch = torch.cat([torch.full_like(i, j) for j, (i, _) in enumerate(self.window)])
+            order = torch.sort(wid, stable=True).indices  # by id, batches in order
+            wid, batch = wid[order], batch[order]
+            pos = torch.searchsorted(wid, sid).clamp(max=wid.numel() - 1)
+            in_window = (wid[pos] == sid) & (sid >= 0)
+            key = torch.where(in_window, (1 << 61) + (1 << 20) - batch[pos], key)
+        key = torch.where(sid < 0, -1, key)
+        return torch.where((self.pins[:cap] > 0) | used, _NEVER, key)
+
+    # -- counters -----------------------------------------------------------------------------
+    def stats(self) -> dict:
+        return dict(self.counts)
+
+    def reset_stats(self) -> None:
+        self.counts = dict.fromkeys(("hits", "misses", "writes", "evictions", "dirty_writebacks", "clean_drops",
+                                     "overflow_rows"), 0)
+
+    @property
+    def pinned(self) -> int:
+        return int((self.pins[:self.slots_total] > 0).sum())
+
+    @property
+    def size(self) -> int:
+        return int((self.slot_id[:self.slots_total] >= 0).sum())
+
+
+def _mask(at: torch.Tensor, size: int) -> torch.Tensor:
+    """A bool [size] tensor, True at the positions at (the last position is a dummy target)."""
+    m = torch.zeros(size, dtype=torch.bool, device=at.device)
+    m[at] = True
+    return m
+
+
+def _compact(mask: torch.Tensor, values: torch.Tensor, size: int) -> torch.Tensor:
+    """values[mask] packed in order into the first entries of an int64 [size] buffer, without a
+    device-to-host sync (the count is mask.sum())."""
+    k = torch.cumsum(mask, 0) - 1
+    out = torch.zeros(size + 1, dtype=torch.int64, device=mask.device)
+    out[torch.where(mask, k, size)] = values
+    return out[:size]
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """t on the host; from a GPU through pinned memory, the one wait of a plan."""
+    if t.device.type == "cpu":
+        return t
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    torch.cuda.current_stream(t.device).synchronize()
+    return host
+
+
+class DirectIndex:
+    """A tier 0 that holds every row (slot = id): it only tracks which rows it holds and which are
+    dirty. It never evicts, so it needs no pins and no policy."""
+
+    overflow_slots = 0
+    overflow_in_use = 0
+
+    def __init__(self, num_rows: int, device: torch.device):
+        self.capacity = self.slots_total = num_rows
+        self.device = device
+        self.version = 0
+        self.held = torch.zeros(num_rows + 1, dtype=torch.bool, device=device)  # (+1: a dummy slot)
+        self.dirty = torch.zeros(num_rows + 1, dtype=torch.uint8, device=device)
+        self.reset_stats()
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.where(self.held[ids], ids, -1)
+
+    def plan(self, ids: torch.Tensor, num_unique: torch.Tensor, num_embeddings: int, *,
+             to_host: bool = True) -> DevicePlan:
+        """The misses of ids[:U] (rows not held yet); their ids cross to the host only if to_host
+        (the caller reads them from below; else it initializes them on the device, and nothing
+        waits). Changes nothing."""
+        n, dev = ids.numel(), self.device
+        valid = torch.arange(n, device=dev) < num_unique
+        slots = torch.where(valid, ids, -1)
+        fresh = valid & ~self.held[torch.where(valid, ids, self.slots_total)]
+        miss_slots = _compact(fresh, ids, n)
+        none = torch.empty(0, dtype=torch.int64, device=dev)
+        if to_host:
+            host = _to_host(torch.cat([torch.stack([fresh.sum(), valid.sum()]), miss_slots]))
+            n_miss, n_valid = host[:2].tolist()
+            miss_ids, miss_slots = host[2:2 + n_miss], miss_slots[:n_miss]
+        else:
+            n_valid = n_miss = -1  # unknown on the host: counted on the device
+            miss_ids = none
+            self.device_counts = (fresh.sum(), valid.sum())
+        return DevicePlan(ids=ids, valid=valid, slots=slots, fresh=fresh, victim_slots=none, miss_ids=miss_ids,
+                          miss_slots=miss_slots, dirty_ids=none.cpu(), dirty_slots=none, num_overflow=0,
+                          num_victims=0, num_unique=n_valid, version=self.version)
+
+    def commit(self, plan: DevicePlan, pin: bool) -> None:
+        self.version += 1
+        at = torch.where(plan.fresh, plan.slots, self.slots_total)
+        self.held[at] = True
+        self.dirty[at] = 0
+        if plan.num_unique >= 0:
+            self.counts["misses"] += plan.miss_ids.numel()
+            self.counts["hits"] += plan.num_unique - plan.miss_ids.numel()
+        else:  # counted on the device, read when stats are asked for
+            fresh, valid = self.device_counts
+            self.pending = (self.pending[0] + fresh, self.pending[1] + valid)
+
+    def evict(self, plan: DevicePlan) -> None:
+        self.version += 1
+
+    def unpin(self, slots: torch.Tensor) -> None:
+        pass
+
+    def mark_clean(self, slots: torch.Tensor) -> None:
+        self.dirty[slots] = 0
+
+    def dirty_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        at = torch.nonzero(self.dirty[:self.slots_total] != 0).squeeze(1)
+        return at, at
+
+    def window_push(self, ids: torch.Tensor, num_unique: torch.Tensor) -> None:
+        pass
+
+    def window_pop(self) -> bool:
+        return False
+
+    def window_clear(self) -> None:
+        pass
+
+    def stats(self) -> dict:
+        fresh, valid = (int(t) for t in self.pending)
+        self.counts["misses"] += fresh
+        self.counts["hits"] += valid - fresh
+        self.pending = (0, 0)
+        return dict(self.counts)
+
+    def reset_stats(self) -> None:
+        self.counts = dict.fromkeys(("hits", "misses", "writes", "evictions", "dirty_writebacks", "clean_drops",
+                                     "overflow_rows"), 0)
+        self.pending = (0, 0)
+
+    pinned = 0
+
+    @property
+    def size(self) -> int:
+        return int(self.held[:self.slots_total].sum())

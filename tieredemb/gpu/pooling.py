@@ -1,0 +1,177 @@
+"""Tier 0's lookup math on the device, as Triton kernels: bag pooling forward, and backward fused
+with the optimizer. The same arithmetic as the native CPU kernels (native/kernels/pooling.cc)
+and the torch-ops twin (tieredemb/kernels.py), equal to them within float tolerance, and bit for
+bit from run to run: every sum has a fixed order (a bag's rows in occurrence order; a unique
+row's gradient over its occurrences in occurrence order), and no kernel uses atomics.
+
+Inputs, all on the pool's device: pool float32 [slots, width] (a row: dim weights ‖ state);
+slots int64 [>= U] (unique row u lives in pool row slots[u]); unique int64 [>= U] (its id, to
+find the padding row); inverse int64 [N] (occurrence i is unique row inverse[i]); offsets int64
+[B + 1] (bag b is occurrences offsets[b] .. offsets[b+1]); psw float32 [N] or None. Buffers may
+be longer than U (a batch deduplicated on the device, its U never read by the host): occurrences
+only name u < U.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_SUM, _MEAN, _MAX = 0, 1, 2
+
+
+@triton.jit
+def _forward_kernel(pool_ptr, slots_ptr, unique_ptr, inverse_ptr, offsets_ptr, psw_ptr, out_ptr, argmax_ptr,
+                    dim, width, skip_id, MODE: tl.constexpr, HAS_PSW: tl.constexpr, BLOCK: tl.constexpr):
+    """Bag b = program 0, columns block = program 1: out[b] = the pooled rows of the bag, row
+    skip_id left out (EmbeddingBag's padding_idx; -1: none). Max also writes argmax[b, d] (the
+    occurrence that gave the max, -1 for an empty bag)."""
+    b = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    in_row = cols < dim
+    begin = tl.load(offsets_ptr + b)
+    end = tl.load(offsets_ptr + b + 1)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    best = tl.full([BLOCK], -1, dtype=tl.int64)
+    count = 0.0
+    for i in range(begin, end):
+        u = tl.load(inverse_ptr + i)
+        if tl.load(unique_ptr + u) != skip_id:
+            row = tl.load(pool_ptr + tl.load(slots_ptr + u) * width + cols, mask=in_row, other=0.0)
+            if MODE == 2:
+                take = (best < 0) | (row > acc)
+                acc = tl.where(take, row, acc)
+                best = tl.where(take, i, best)
+            elif HAS_PSW:
+                acc += tl.load(psw_ptr + i) * row
+            else:
+                acc += row
+            count += 1.0
+    if MODE == 1:
+        acc = acc * tl.math.div_rn(1.0, tl.maximum(count, 1.0))
+    tl.store(out_ptr + b * dim + cols, acc, mask=in_row)
+    if MODE == 2:
+        tl.store(argmax_ptr + b * dim + cols, best, mask=in_row)
+
+
+def forward(pool: torch.Tensor, dim: int, slots: torch.Tensor, unique: torch.Tensor, inverse: torch.Tensor,
+            offsets: torch.Tensor, psw: torch.Tensor | None, mode: int, skip_id: int):
+    """The bags pooled (mode 0 sum, 1 mean, 2 max), row skip_id left out of every bag (-1: none):
+    (out float32 [B, dim], argmax int64 [B, dim] for max else None)."""
+    bags = offsets.numel() - 1
+    out = torch.empty(bags, dim, dtype=torch.float32, device=pool.device)
+    argmax = torch.empty(bags, dim, dtype=torch.int64, device=pool.device) if mode == _MAX else None
+    if bags == 0:
+        return out, argmax
+    block = min(128, triton.next_power_of_2(dim))
+    _forward_kernel[(bags, triton.cdiv(dim, block))](
+        pool, slots, unique, inverse, offsets, psw if psw is not None else out, out,
+        argmax if argmax is not None else offsets, dim, pool.shape[1], skip_id,
+        MODE=mode, HAS_PSW=psw is not None, BLOCK=block)
+    return out, argmax
+
+
+@triton.jit
+def _psw_grad_kernel(pool_ptr, slots_ptr, unique_ptr, inverse_ptr, bag_ptr, grad_ptr, out_ptr, dim, width,
+                     skip_id, BLOCK: tl.constexpr):
+    """Occurrence i: out[i] = <row of i, grad of its bag> (0 for row skip_id)."""
+    i = tl.program_id(0)
+    u = tl.load(inverse_ptr + i)
+    cols = tl.arange(0, BLOCK)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    if tl.load(unique_ptr + u) != skip_id:
+        base = tl.load(slots_ptr + u) * width
+        g_base = tl.load(bag_ptr + i) * dim
+        for start in range(0, dim, BLOCK):
+            c = start + cols
+            acc += tl.load(pool_ptr + base + c, mask=c < dim, other=0.0) * tl.load(grad_ptr + g_base + c, mask=c < dim,
+                                                                                 other=0.0)
+    tl.store(out_ptr + i, tl.sum(acc, axis=0))
+
+
+@triton.jit
+def _update_kernel(pool_ptr, dirty_ptr, slots_ptr, unique_ptr, num_unique_ptr, order_ptr, start_ptr, bag_ptr,
+                   scale_ptr, grad_ptr, argmax_ptr, dim, width, skip_id, frozen_id, lr, eps, beta1, beta2, adam_step,
+                   OPT: tl.constexpr, MODE: tl.constexpr, BLOCK: tl.constexpr):
+    """Unique row u = program 0: g = the sum of its occurrences' gradients, in occurrence order
+    (occurrences order[start[u]] .. order[start[u+1]-1], each the gradient of its bag times its
+    scale; for max only the columns it was the argmax of), then the optimizer applied to its
+    row in the pool, and the row marked dirty. Rows skip_id (left out of the bags) and
+    frozen_id (the padding row) are left alone."""
+    u = tl.program_id(0)
+    uid = tl.load(unique_ptr + u)
+    if (u < tl.load(num_unique_ptr)) & (uid != skip_id) & (uid != frozen_id):
+        cols = tl.arange(0, BLOCK)
+        w = cols < dim
+        g = tl.zeros([BLOCK], dtype=tl.float32)
+        for k in range(tl.load(start_ptr + u), tl.load(start_ptr + u + 1)):
+            i = tl.load(order_ptr + k)
+            bag = tl.load(bag_ptr + i)
+            grad = tl.load(grad_ptr + bag * dim + cols, mask=w, other=0.0)
+            if MODE == 2:
+                g += tl.where(tl.load(argmax_ptr + bag * dim + cols, mask=w, other=-1) == i, grad, 0.0)
+            else:
+                g += tl.load(scale_ptr + i) * grad
+        slot = tl.load(slots_ptr + u)
+        row = pool_ptr + slot * width
+        x = tl.load(row + cols, mask=w, other=0.0)
+        if OPT == 0:  # SGD
+            x = x - lr * g
+        elif OPT == 1:  # Adagrad: a squared-gradient sum per element
+            s = tl.load(row + dim + cols, mask=w, other=0.0) + g * g
+            tl.store(row + dim + cols, s, mask=w)
+            x = x - lr * tl.math.div_rn(g, tl.math.sqrt_rn(s) + eps)
+        elif OPT == 2:  # row-wise Adagrad: one accumulator, the mean squared gradient
+            acc = tl.load(row + dim) + tl.math.div_rn(tl.sum(g * g, axis=0), dim.to(tl.float32))
+            tl.store(row + dim, acc)
+            x = x - tl.math.div_rn(lr, tl.math.sqrt_rn(acc) + eps) * g
+        else:  # lazy Adam, torch.optim.SparseAdam's arithmetic
+            m = tl.load(row + dim + cols, mask=w, other=0.0)
+            v = tl.load(row + 2 * dim + cols, mask=w, other=0.0)
+            numer = (g - m) * (1.0 - beta1) + m
+            vv = (g * g - v) * (1.0 - beta2) + v
+            tl.store(row + dim + cols, numer, mask=w)
+            tl.store(row + 2 * dim + cols, vv, mask=w)
+            x = x - adam_step * tl.math.div_rn(numer, tl.math.sqrt_rn(vv) + eps)
+        tl.store(row + cols, x, mask=w)
+        tl.store(dirty_ptr + slot, 1)
+
+
+def backward_update(pool: torch.Tensor, dirty: torch.Tensor, dim: int, slots: torch.Tensor, unique: torch.Tensor,
+                    num_unique: torch.Tensor, inverse: torch.Tensor, offsets: torch.Tensor, psw: torch.Tensor | None,
+                    mode: int, skip_id: int, frozen_id: int, grad_out: torch.Tensor, argmax: torch.Tensor | None,
+                    optimizer, step: int, need_psw_grad: bool) -> torch.Tensor | None:
+    """Applies the optimizer to every unique row the batch used but rows skip_id and frozen_id,
+    with the gradients of duplicate ids summed first, and marks those rows dirty (dirty: uint8
+    [slots]). num_unique: int64 [1] on the device (U). Returns the per-sample weights' gradient
+    when asked."""
+    n, bags, dev = inverse.numel(), offsets.numel() - 1, pool.device
+    grad_out = grad_out.to(dev, torch.float32).contiguous()
+    lengths = offsets[1:] - offsets[:-1]
+    bag_of = torch.repeat_interleave(torch.arange(bags, device=dev), lengths, output_size=n)
+    psw_grad = None
+    block = triton.next_power_of_2(dim)
+    if need_psw_grad:
+        psw_grad = torch.empty(n, dtype=torch.float32, device=dev)
+        if n:
+            _psw_grad_kernel[(n,)](pool, slots, unique, inverse, bag_of, grad_out, psw_grad, dim, pool.shape[1],
+                                   skip_id, BLOCK=min(block, 128))
+    if n == 0:
+        return psw_grad
+    if psw is not None:
+        scale = psw.to(dev, torch.float32)
+    elif mode == _MEAN:  # 1 / the bag's rows, the padding row not counted
+        counted = (unique[inverse] != skip_id).to(torch.float32)
+        per_bag = torch.zeros(bags, dtype=torch.float32, device=dev).index_add_(0, bag_of, counted)
+        scale = (1.0 / per_bag.clamp_min(1.0))[bag_of]
+    else:
+        scale = torch.ones(n, dtype=torch.float32, device=dev)
+    order = torch.sort(inverse, stable=True).indices  # occurrences grouped by unique row, in occurrence order
+    start = torch.zeros(n + 1, dtype=torch.int64, device=dev)
+    torch.cumsum(torch.bincount(inverse, minlength=n)[:n], 0, out=start[1:])
+    a = optimizer.native_args(step)
+    _update_kernel[(n,)](pool, dirty, slots, unique, num_unique, order, start, bag_of, scale, grad_out,
+                         argmax if argmax is not None else order, dim, pool.shape[1], skip_id, frozen_id, a.lr, a.eps,
+                         a.beta1, a.beta2, a.adam_step_size, OPT=optimizer.kind, MODE=mode, BLOCK=block)
+    return psw_grad

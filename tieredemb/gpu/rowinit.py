@@ -1,0 +1,119 @@
+"""The initial value of a row never written, computed on the device: a Triton port of
+native/kernels/random.cc, bit for bit (see random.h for why it is reproducible everywhere).
+
+Only integer hashing, IEEE +, -, *, correctly rounded / and sqrt (div_rn, sqrt_rn), and the same
+polynomials in the same order; the kernel is compiled without fused multiply-adds
+(enable_fp_fusion=False), as random.cc is built with -ffp-contract=off. So a row reads the same
+whether a CPU or a GPU initialized it, and a 10^9-row table on a GPU is created in O(1): each row
+is drawn when it is first missed.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+_GAMMA = 0x9E3779B97F4A7C15
+
+
+@triton.jit
+def _mix64(x):
+    """The splitmix64 output function (a bijection of uint64)."""
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EB
+    return x ^ (x >> 31)
+
+
+@triton.jit
+def _row_key(seed, row_id):
+    """random.cc's row_key: splitmix64(seed ^ splitmix64(id + c)), with splitmix64(x) = mix64(x + gamma)."""
+    inner = _mix64(row_id.to(tl.uint64, bitcast=True) + 0x632BE59BD9B4E019 + 0x9E3779B97F4A7C15)
+    return _mix64((seed ^ inner) + 0x9E3779B97F4A7C15)
+
+
+@triton.jit
+def _unit_float(k):
+    """An int32 value as float32 (exact below 2^24)."""
+    return k.to(tl.int32, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _neg2_log_u24(m):
+    """-2 ln(m / 2^24) for m in [1, 2^24] (uint32), as random.cc's neg2_log_u24."""
+    ix = _unit_float(m).to(tl.uint32, bitcast=True) - 0x3F3504F3
+    dk = ((ix >> 23).to(tl.int32, bitcast=True) - 24).to(tl.float32)
+    f = ((ix & 0x007FFFFF) + 0x3F3504F3).to(tl.float32, bitcast=True) - 1.0
+    s = tl.math.div_rn(f, 2.0 + f)
+    z = s * s
+    w = z * z
+    r = z * (0.6666666269302368 + w * 0.2849878668785095) + w * (0.40000972151756287 + w * 0.24279078841209412)
+    hfsq = 0.5 * f * f
+    log_u = dk * 0.6931381225585938 - ((hfsq - (s * (hfsq + r) + dk * 9.05800061445916e-06)) - f)
+    return -2.0 * log_u
+
+
+@triton.jit
+def _cos_sin_u24(b):
+    """(cos a, sin a) of the angle given by the 24-bit uniform b (uint32), as random.cc's cos_sin_u24."""
+    q = b >> 22
+    t = ((b & 0x3FFFFF).to(tl.int32, bitcast=True) - 0x200000).to(tl.float32) * 3.7450703871400037e-07
+    z = t * t
+    # (the float32 values of random.cc's literals, written exactly)
+    s = ((-0.00019515295571181923 * z + 0.008332161232829094) * z - 0.16666655242443085) * z * t + t
+    c = ((2.44331567955669e-05 * z - 0.0013887316454201937) * z + 0.04166664555668831) * z * z - 0.5 * z + 1.0
+    swap = (q & 1) != 0
+    x = tl.where(swap, s, c)
+    y = tl.where(swap, c, s)
+    cos = (x.to(tl.uint32, bitcast=True) ^ ((((q + 1) >> 1) & 1) << 31)).to(tl.float32, bitcast=True)
+    sin = (y.to(tl.uint32, bitcast=True) ^ ((q >> 1) << 31)).to(tl.float32, bitcast=True)
+    return cos, sin
+
+
+@triton.jit
+def _init_rows_kernel(ids_ptr, out_ptr, rows_ptr, n, dim, width, seed, kind, a, b, below_high, zero_id,
+                      HAS_ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """Row i of the batch: the initial row of ids[i] into out[rows[i]] (out[i] without rows):
+    columns [0, dim) drawn (kind 0 normal(a, b), 1 uniform [a, b), 2 zeros), the rest zero."""
+    i = tl.program_id(0)
+    row_id = tl.load(ids_ptr + i)
+    dst = tl.load(rows_ptr + i) if HAS_ROWS else i.to(tl.int64)
+    if dst < 0:  # no row of the batch to initialize here
+        return
+    base = out_ptr + dst * width
+    key = _row_key(seed.to(tl.uint64), row_id)
+    zero = (kind == 2) | (row_id == zero_id)
+    for start in range(0, width, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        pair = (cols // 2).to(tl.uint64)
+        h = _mix64(key + (pair + 1) * 0x9E3779B97F4A7C15)
+        hi = (h >> 40).to(tl.uint32)
+        lo = ((h >> 8) & 0xFFFFFF).to(tl.uint32)
+        even = (cols % 2) == 0
+        if kind == 1:
+            u = _unit_float(tl.where(even, hi, lo)) * 5.9604644775390625e-08  # k / 2^24
+            v = a + (b - a) * u
+            value = tl.where(v < below_high, v, below_high)
+        else:
+            r = tl.math.sqrt_rn(_neg2_log_u24(hi + 1))
+            cos, sin = _cos_sin_u24(lo)
+            value = a + b * (r * tl.where(even, cos, sin))
+        value = tl.where((cols < dim) & (zero == 0), value, 0.0)
+        tl.store(base + cols, value, mask=cols < width)
+
+
+def init_rows(ids: torch.Tensor, out: torch.Tensor, rows: torch.Tensor | None, dim: int, kind: int, a: float,
+              b: float, seed: int, zero_id: int) -> None:
+    """The initial rows of ids (int64 [n], on out's device) into out (float32 [*, width]) at rows
+    (int64 [n]; entries < 0 are skipped; None: rows 0..n-1). Arguments as RowInit's: bit for bit
+    native init_rows'."""
+    n = ids.numel()
+    if n == 0:
+        return
+    width = out.shape[1]
+    a32, b32 = np.float32(a), np.float32(b)
+    below_high = float(np.nextafter(b32, a32)) if kind == 1 else 0.0
+    _init_rows_kernel[(n,)](ids, out, rows if rows is not None else ids, n, dim, width, seed, kind,
+                            float(a32), float(b32), below_high, zero_id, HAS_ROWS=rows is not None,
+                            BLOCK=min(256, triton.next_power_of_2(width)), enable_fp_fusion=False)

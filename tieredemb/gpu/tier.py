@@ -1,0 +1,287 @@
+"""DeviceTier: tier 0 on a GPU, device-resident. Its index (gpu/index.py), pins, dirty bits and
+policy state live in device memory; a batch's dedup, hits and misses, victims and slots are
+computed on the device over the whole batch; only the miss ids and the dirty victims cross to the
+host, as blocks through pinned staging, and the layer below (a RowStore: the host cache, the host
+store or an SSD store) reads and writes them there.
+
+Streams: a batch is made resident on the tier's own stream (a prefetch worker's residency then
+overlaps the compute of the batch before); its rows are ready for the compute stream once that
+stream waits for the batch's event (ResidentBatch.await_rows). Releases run on the stream that
+computed with the batch, so a row is unpinned only after every kernel that reads it. A plan waits
+for the device once (its one device-to-host transfer); a table held whole in tier 0 whose misses
+are initialized on the device waits for nothing.
+
+The same code runs on CPU tensors (device "cpu", no streams): that is how the tests check it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import numpy as np
+import torch
+
+from .. import _C
+from . import rowinit
+from .index import DirectIndex, SetIndex
+
+_ROWS_PER_MOVE = 1 << 16  # write-backs at flush: staging blocks of at most this many rows
+
+
+class DeviceRows:
+    """A device tier's slots: a float32 [slots, width] device tensor (the kernels read and update
+    it in place), and its moves to and from host blocks."""
+
+    kernels = "triton"  # tier 0's lookup math on these rows (tieredemb/kernels.py)
+
+    def __init__(self, rows: torch.Tensor):
+        self.rows = rows
+        self.width = rows.shape[1]
+        self.device = rows.device
+
+    def gather(self, slots: torch.Tensor) -> torch.Tensor:
+        return self.rows.index_select(0, slots.to(self.device))
+
+    def scatter(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
+        self.rows.index_copy_(0, slots.to(self.device), rows.to(self.device))
+
+    def to_host(self, slots: torch.Tensor) -> torch.Tensor:
+        """The rows in slots as a host block (pinned on a GPU), complete on return."""
+        rows = self.gather(slots)
+        if self.device.type == "cpu":
+            return rows
+        host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
+        host.copy_(rows, non_blocking=True)
+        torch.cuda.current_stream(self.device).synchronize()
+        return host
+
+    def from_host(self, slots: torch.Tensor, block: torch.Tensor) -> None:
+        """block (host rows; pinned on a GPU) into slots, on the current stream."""
+        self.scatter(slots, block.to(self.device, non_blocking=True))
+
+    def staging(self, n: int) -> torch.Tensor:
+        """A host block for n rows in transit (pinned on a GPU)."""
+        return torch.empty(n, self.width, dtype=torch.float32, pin_memory=self.device.type == "cuda")
+
+    def copy_out(self, slots: torch.Tensor, dst: torch.Tensor, dst_rows: torch.Tensor) -> None:
+        block = self.to_host(slots).contiguous()
+        _C.copy_rows(block, torch.arange(len(slots)), dst, dst_rows)
+
+    def copy_in(self, slots: torch.Tensor, src: torch.Tensor, src_rows: torch.Tensor) -> None:
+        block = torch.empty(len(slots), self.width, dtype=torch.float32)
+        _C.copy_rows(src, src_rows, block, torch.arange(len(slots)))
+        self.from_host(slots, block)
+
+
+class DeviceTier:
+    """Tier 0 on a device: capacity rows (None: every row, slot = id), policy 'lru' or 'lfu',
+    lower: the RowStore below it. init: the table's RowInit (rows never written are drawn on the
+    device, bit for bit as on the host, when nothing below can hold them)."""
+
+    name = "tier0"
+
+    def __init__(self, num_embeddings: int, width: int, capacity: int | None, policy: str, lower, init,
+                 device: torch.device):
+        self.num_embeddings = num_embeddings
+        self.width = width
+        self.device = device
+        self.lower = lower
+        self.init = init
+        if capacity is None or capacity >= num_embeddings:
+            self.index = DirectIndex(num_embeddings, device)
+        else:
+            self.index = SetIndex(capacity, policy, device)
+        self.pool = DeviceRows(torch.zeros(self.index.slots_total, width, device=device))
+        self.row_bytes = width * 4
+        self.bytes_in = self.bytes_out = 0
+        # Misses of a whole-table tier are rows it never held: when nothing was ever stored below
+        # (a new table), they are drawn on the device; set False once rows reach the layer below
+        # from elsewhere (TableStore.write).
+        self.init_misses_here = isinstance(self.index, DirectIndex) and _stores_nothing(lower)
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.index_lock = threading.RLock()  # as CacheTier's (the worker plans while training releases)
+
+    @property
+    def state(self) -> dict:
+        return self.lower.state
+
+    def _on_stream(self):
+        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+
+    # -- batches ------------------------------------------------------------------------------
+    def dedup(self, ids: torch.Tensor):
+        """ids int [N] (any device) -> (unique [N]: the distinct ids, ascending, in the first U
+        entries; inverse [N]: ids[i] == unique[inverse[i]]; U as an int64 [1] tensor), computed
+        on the tier's stream (after the caller's stream: ids may come from it), without waiting for
+        the device. IndexError for an id out of range: checked on the host for host ids (the
+        cheap way), else with one wait for the device. Changes nothing."""
+        if ids.device.type == "cpu":
+            _check_range(ids.numpy(), self.num_embeddings)
+        elif bool((ids.min() < 0) | (ids.max() >= self.num_embeddings)):
+            _check_range(ids.cpu().numpy(), self.num_embeddings)
+        if self.stream is not None:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with self._on_stream():
+            ids = ids.to(self.device, torch.int64, non_blocking=True)
+            n = ids.numel()
+            if n == 0:
+                empty = torch.empty(0, dtype=torch.int64, device=self.device)
+                return empty, empty, torch.zeros(1, dtype=torch.int64, device=self.device)
+            sorted_ids, perm = torch.sort(ids)
+            new = torch.ones(n, dtype=torch.bool, device=self.device)
+            new[1:] = sorted_ids[1:] != sorted_ids[:-1]
+            seg = torch.cumsum(new, 0) - 1
+            inverse = torch.empty(n, dtype=torch.int64, device=self.device)
+            inverse[perm] = seg
+            unique = torch.full((n,), -1, dtype=torch.int64, device=self.device)
+            unique[seg] = sorted_ids
+            return unique, inverse, seg[-1:] + 1
+
+    def resident(self, unique: torch.Tensor, num_unique: torch.Tensor, *, pin: bool, allow_overflow: bool = True):
+        """Makes the distinct ids unique[:U] resident, on the tier's stream. Returns (slots [N] on
+        the device, misses (an int; -1 when only the device counted them), the event after which the
+        rows are in place), or None (nothing changed) if the batch needs overflow slots and
+        allow_overflow is False. A failed read below leaves the plan's victims evicted (written
+        down already) and the batch not resident."""
+        with self._on_stream():
+            with self.index_lock:
+                local = self.init_misses_here
+                plan = (self.index.plan(unique, num_unique, self.num_embeddings, to_host=not local) if local
+                        else self.index.plan(unique, num_unique, self.num_embeddings))
+            if plan.num_overflow and not allow_overflow:
+                return None
+            self._fit_pool()
+            if plan.dirty_ids.numel():
+                self.lower.write_from(plan.dirty_ids, self.pool.to_host(plan.dirty_slots),
+                                      torch.arange(plan.dirty_ids.numel()))
+                self.bytes_out += plan.dirty_ids.numel() * self.row_bytes
+            if local:
+                rowinit.init_rows(plan.ids, self.pool.rows, torch.where(plan.fresh, plan.slots, -1), *self.init.args)
+            elif plan.miss_ids.numel():
+                block = self.pool.staging(plan.miss_ids.numel())
+                try:
+                    self.lower.read_to(plan.miss_ids, block, torch.arange(plan.miss_ids.numel()))
+                except BaseException:
+                    with self.index_lock:
+                        self.index.evict(plan)
+                    raise
+                self.pool.from_host(plan.miss_slots, block)
+                self.bytes_in += plan.miss_ids.numel() * self.row_bytes
+            with self.index_lock:
+                self.index.commit(plan, pin)
+            event = None
+            if self.stream is not None:
+                event = torch.cuda.Event()
+                event.record(self.stream)
+        # (a whole-table tier counts the misses it initializes on the device: see stats())
+        return plan.slots, 0 if local else plan.miss_ids.numel(), event
+
+    def _fit_pool(self) -> None:
+        """Grows the pool to the index's slots (overflow slots added by a plan): rare; the device
+        is synchronized first, so no queued kernel reads the old pool."""
+        total = self.index.slots_total
+        if self.pool.rows.shape[0] < total:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            grown = torch.zeros(total, self.width, device=self.device)
+            grown[:self.pool.rows.shape[0]] = self.pool.rows
+            self.pool.rows = grown
+
+    def admit(self, unique: torch.Tensor, count: torch.Tensor, *, allow_overflow: bool = True):
+        """A batch's distinct ids made resident and pinned: see resident()."""
+        return self.resident(unique, count, pin=True, allow_overflow=allow_overflow)
+
+    def mark_dirty(self, slots: torch.Tensor) -> None:
+        """Slots whose rows were updated in place (the Triton backward marks them itself)."""
+        with self.index_lock:
+            slots = slots.to(self.device)
+            self.index.dirty[torch.where(slots >= 0, slots, self.index.slots_total)] = 1
+
+    def below_written(self) -> None:
+        """Rows reached the layer below from elsewhere: misses must now be read from it."""
+        self.init_misses_here = False
+
+    def unpin(self, slots: torch.Tensor, stream=None) -> None:
+        """Unpins a batch's slots, on stream (the one its kernels ran on) if given."""
+        ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+        with ctx, self.index_lock:
+            self.index.unpin(slots)
+
+    @property
+    def dirty(self) -> torch.Tensor:
+        """uint8 [slots] on the device: the backward kernel marks the rows it updates."""
+        return self.index.dirty
+
+    # -- what TableStore reads and writes in place --------------------------------------------
+    def lookup(self, ids: torch.Tensor) -> np.ndarray:
+        with self.index_lock:
+            return self.index.lookup(ids.to(self.device)).cpu().numpy()
+
+    def update(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
+        self.pool.scatter(slots, rows)
+        with self.index_lock:
+            self.index.dirty[slots.to(self.device)] = 1
+
+    def write_back(self) -> None:
+        """Writes every dirty row down (they stay resident, now clean)."""
+        with self.index_lock:
+            ids, slots = self.index.dirty_rows()
+        for start in range(0, ids.numel(), _ROWS_PER_MOVE):
+            part_ids, part_slots = ids[start:start + _ROWS_PER_MOVE], slots[start:start + _ROWS_PER_MOVE]
+            self.lower.write_from(part_ids.cpu(), self.pool.to_host(part_slots), torch.arange(part_ids.numel()))
+            with self.index_lock:
+                self.index.mark_clean(part_slots)
+            self.bytes_out += part_ids.numel() * self.row_bytes
+
+    # The lookahead window: unique ids of the batches ahead, as dedup gives them.
+    def window_push(self, unique: torch.Tensor, num_unique: torch.Tensor) -> None:
+        self.index.window_push(unique.to(self.device), num_unique.to(self.device))
+
+    def window_pop(self) -> None:
+        self.index.window_pop()
+
+    def window_clear(self) -> None:
+        self.index.window_clear()
+
+    # -- RowStore, as the others (nothing sits above tier 0, but flush and close come through) ---
+    def flush(self, state: dict | None = None) -> None:
+        self.write_back()
+        self.lower.flush(state)
+
+    def checkpoint(self, path: str) -> None:
+        self.write_back()
+        self.lower.checkpoint(path)
+
+    def written_ids(self, start: int = 0, limit: int | None = None) -> torch.Tensor:
+        self.write_back()
+        return self.lower.written_ids(start, limit)
+
+    def stats(self) -> dict:
+        with self.index_lock:
+            s = self.index.stats()
+            s.update(capacity=self.index.capacity, resident=self.index.size, overflow=self.index.overflow_in_use)
+        lookups = s["hits"] + s["misses"]
+        s.update(hit_rate=s["hits"] / lookups if lookups else 0.0, bytes_in=self.bytes_in,
+                 bytes_out=self.bytes_out, bytes_moved=self.bytes_in + self.bytes_out)
+        return s
+
+    def reset_stats(self) -> None:
+        with self.index_lock:
+            self.index.reset_stats()
+        self.bytes_in = self.bytes_out = 0
+
+    def close(self) -> None:
+        self.flush()
+        self.lower.close()
+
+
+def _check_range(ids: np.ndarray, num_embeddings: int) -> None:
+    if ids.size and (ids.min() < 0 or ids.max() >= num_embeddings):
+        bad = int(ids.min()) if ids.min() < 0 else int(ids.max())
+        raise IndexError(f"id {bad} out of range [0, {num_embeddings})")
+
+
+def _stores_nothing(store) -> bool:
+    """Whether the layer below holds no row (a new table): its first written id, if any."""
+    return len(store.written_ids(0, 1)) == 0
