@@ -1,39 +1,122 @@
-"""device='cuda': tier 0 on the GPU, same results as the CPU tables. Skipped without a GPU."""
+"""device='cuda': the device-resident tier 0 on a real GPU. Results equal the CPU path within
+float tolerance and are bit for bit the same from run to run; the Triton kernels equal their
+torch-ops twin; rows never written are drawn on the GPU bit for bit as on the CPU; a table held
+whole in HBM waits for the device at most once per batch. Skipped without a GPU (the same code
+runs on CPU tensors in test_gpu_tier.py)."""
 
 import pytest
 import torch
 
 import tieredemb
+from tieredemb import _C
 
 pytestmark = pytest.mark.gpu
 
 NUM, DIM = 300, 16
+TIERS = [dict(cache_rows=None), dict(cache_rows=100), dict(cache_rows=100, host_rows=150), dict(cache_rows=8)]
 
 
-def _train(device, **tiers):
-    emb = tieredemb.TieredEmbeddingBag(NUM, DIM, mode="mean", padding_idx=5, optimizer=tieredemb.Adagrad(lr=0.1),
-                                       seed=3, device=device, **tiers)
+def _train(device, mode="mean", opt=lambda: tieredemb.Adagrad(lr=0.1), steps=30, depth=0, **tiers):
+    emb = tieredemb.TieredEmbeddingBag(NUM, DIM, mode=mode, padding_idx=5, optimizer=opt(), seed=3, device=device,
+                                       **tiers)
     g = torch.Generator().manual_seed(0)
+    data = [(torch.randint(0, NUM, (64,), generator=g), torch.arange(0, 64, 4), torch.randn(16, DIM, generator=g))
+            for _ in range(steps)]
+    loader = data if depth == 0 else tieredemb.PrefetchLoader(data, [emb], depth=depth)
     outs = []
-    for _ in range(30):
-        ids = torch.randint(0, NUM, (64,), generator=g)
-        offsets = torch.arange(0, 64, 4)
-        grad = torch.randn(16, DIM, generator=g)
-        out = emb(ids.to(device), offsets.to(device))
+    for ids, offsets, grad in loader:
+        out = emb(ids, offsets)
         assert out.device.type == torch.device(device).type
         out.backward(grad.to(device))
         outs.append(out.detach().cpu())
     return emb, torch.stack(outs)
 
 
-@pytest.mark.parametrize("tiers", [dict(cache_rows=None), dict(cache_rows=100), dict(cache_rows=100, host_rows=150)])
-def test_cuda_matches_cpu(tiers):
-    cpu, out_cpu = _train("cpu", **tiers)
-    gpu, out_gpu = _train("cuda", **tiers)
-    torch.testing.assert_close(out_gpu, out_cpu, rtol=1e-4, atol=1e-5)
+def _table(emb):
     ids = torch.arange(NUM)
-    torch.testing.assert_close(gpu.read_rows(ids), cpu.read_rows(ids), rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(gpu.read_optimizer_state(ids), cpu.read_optimizer_state(ids), rtol=1e-4, atol=1e-5)
+    return torch.cat([emb.read_rows(ids), emb.read_optimizer_state(ids)], 1)
+
+
+@pytest.mark.parametrize("tiers", TIERS, ids=["whole", "cache", "host", "overflow"])
+@pytest.mark.parametrize("mode", ["sum", "mean", "max"])
+def test_cuda_matches_cpu(tiers, mode):
+    cpu, out_cpu = _train("cpu", mode, **tiers)
+    gpu, out_gpu = _train("cuda", mode, **tiers)
+    torch.testing.assert_close(out_gpu, out_cpu, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(_table(gpu), _table(cpu), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("opt", [lambda: tieredemb.SGD(lr=0.1), lambda: tieredemb.RowWiseAdagrad(lr=0.1),
+                                 lambda: tieredemb.Adam(lr=0.01)], ids=["sgd", "rowwise", "adam"])
+def test_cuda_optimizers_match_cpu(opt):
+    cpu, _ = _train("cpu", "sum", opt, cache_rows=60)
+    gpu, _ = _train("cuda", "sum", opt, cache_rows=60)
+    torch.testing.assert_close(_table(gpu), _table(cpu), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("tiers", TIERS, ids=["whole", "cache", "host", "overflow"])
+def test_bit_for_bit_from_run_to_run(tiers):
+    a, out_a = _train("cuda", "sum", **tiers)
+    b, out_b = _train("cuda", "sum", **tiers)
+    assert torch.equal(out_a, out_b) and torch.equal(_table(a), _table(b))
+
+
+def test_prefetch_over_ssd_gives_the_same_weights(tmp_path):
+    plain, out_plain = _train("cuda", "sum", cache_rows=50, ssd_path=tmp_path / "a", ssd_options={"backend": "log"})
+    ahead, out_ahead = _train("cuda", "sum", cache_rows=50, ssd_path=tmp_path / "b", ssd_options={"backend": "log"},
+                              depth=2)
+    assert torch.equal(out_plain, out_ahead) and torch.equal(_table(plain), _table(ahead))
+    assert ahead.stats()["prefetch"]["prefetched_rows"] > 0
+
+
+def test_rows_never_written_are_drawn_on_the_gpu_as_on_the_cpu():
+    from tieredemb.gpu import rowinit
+
+    ids = torch.tensor([0, 1, 5, 12345, 10**9, 2**40, 7])
+    for kind, a, b in [(0, 0.0, 1.0), (1, -0.5, 0.25)]:
+        for dim, width in [(16, 17), (128, 129), (5, 7)]:
+            want = torch.empty(len(ids), width)
+            _C.init_rows(ids, want, dim, kind, a, b, 42, 7)
+            got = torch.full((len(ids), width), 9.0, device="cuda")
+            rowinit.init_rows(ids.cuda(), got, None, dim, kind, a, b, 42, 7)
+            assert torch.equal(got.cpu().view(torch.int32), want.view(torch.int32)), (kind, dim)
+    big = tieredemb.TieredEmbeddingBag(10**9, DIM, "sum", cache_rows=1000, device="cuda", seed=4)
+    ref = tieredemb.TieredEmbeddingBag(10**9, DIM, "sum", cache_rows=1000, seed=4)
+    ids = torch.tensor([3, 10**9 - 1, 123456789])
+    with torch.no_grad():
+        assert torch.equal(big(ids, torch.arange(3)).cpu(), ref(ids, torch.arange(3)))
+
+
+def test_triton_kernels_equal_the_torch_twin(monkeypatch):
+    import tieredemb.kernels
+
+    triton_run, _ = _train("cuda", "max", cache_rows=60)
+    monkeypatch.setattr(tieredemb.kernels, "implementation", lambda pool: "torch")
+    twin, _ = _train("cuda", "max", cache_rows=60)
+    torch.testing.assert_close(_table(triton_run), _table(twin), rtol=1e-5, atol=1e-6)
+
+
+def test_whole_table_in_hbm_waits_for_the_device_at_most_once_per_batch(monkeypatch):
+    """Host ids and offsets (as a data loader gives them): the whole-table tier initializes its
+    misses on the GPU, so training never waits for the device."""
+    waits = []
+    for owner in (torch.cuda.Stream, torch.cuda.Event):
+        original = owner.synchronize
+        monkeypatch.setattr(owner, "synchronize", lambda self, _o=original: (waits.append(1), _o(self))[1])
+    emb = tieredemb.TieredEmbeddingBag(NUM, DIM, "sum", optimizer=tieredemb.SGD(lr=0.1), device="cuda")
+    ids, offsets = torch.randint(0, NUM, (64,)), torch.arange(0, 64, 4)
+    torch.cuda.set_sync_debug_mode("error")  # an implicit wait (.item(), nonzero ...) raises
+    try:
+        for _ in range(5):
+            emb(ids, offsets).sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert len(waits) == 0
+
+
+def test_clock_is_refused_on_cuda():
+    with pytest.raises(ValueError, match="policy 'clock' is not one a GPU tier 0 has"):
+        tieredemb.TieredEmbeddingBag(NUM, DIM, cache_rows=50, policy="clock", device="cuda")
 
 
 def test_cuda_embedding_and_flush():

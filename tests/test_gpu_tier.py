@@ -25,7 +25,9 @@ OPTIMIZERS = {"sgd": lambda: tieredemb.SGD(lr=0.1), "adagrad": lambda: tieredemb
 def device_tier(emb, cache_rows, policy="lru"):
     """emb with its tier 0 replaced by a DeviceTier on CPU tensors, over the same layers below."""
     st = emb._store
-    tier = DeviceTier(emb.num_embeddings, emb.width, cache_rows, policy, st.tier0.lower, st.init, torch.device("cpu"))
+    lower = st.tier0.lower
+    tier = DeviceTier(emb.num_embeddings, emb.width, cache_rows, policy, lower, st.init, torch.device("cpu"),
+                      lower_is_store=lower is st.bottom)
     st.tier0 = st.tiers[0] = tier
     return emb
 
@@ -137,6 +139,22 @@ def test_rows_never_written_are_drawn_on_the_device_as_on_the_host():
     with torch.no_grad():
         got = dev(torch.arange(NUM), torch.arange(NUM))
     assert torch.equal(got, tieredemb.TieredEmbeddingBag(NUM, D, "sum", seed=9).read_rows(torch.arange(NUM)))
+
+
+@pytest.mark.parametrize("below", ["host", "log", "host-cache"])
+def test_misses_never_stored_are_drawn_by_the_device_tier(tmp_path, below):
+    """A cache tier 0 reading its misses from a store: the store only marks the rows it never
+    stored, and tier 0 draws them (bit for bit the host's draw); with a host cache between,
+    the host draws them (the cache keeps them)."""
+    kw = {"host": {}, "log": dict(ssd_path=tmp_path / "t", ssd_options={"backend": "log"}),
+          "host-cache": dict(host_rows=64)}[below]
+    dev = device_tier(tieredemb.TieredEmbeddingBag(NUM, D, "sum", cache_rows=16, seed=9, **kw), 16)
+    assert dev._store.tier0.draws_misses == (below != "host-cache")
+    with torch.no_grad():
+        got = torch.cat([dev(torch.arange(k, k + 50), torch.arange(50)) for k in range(0, NUM, 50)])
+    want = tieredemb.TieredEmbeddingBag(NUM, D, "sum", seed=9).read_rows(torch.arange(NUM))
+    assert torch.equal(got, want)
+    assert torch.equal(dev.read_rows(torch.arange(NUM)), want)  # host reads draw them too, undeferred
 
 
 def test_set_index_keeps_pinned_rows_and_lends_overflow_slots():

@@ -40,6 +40,7 @@ class DevicePlan:
     fresh: torch.Tensor          # bool [N]: the id gets a new slot (a miss)
     victim_slots: torch.Tensor   # int64 device: slots whose row leaves (regular and overflow)
     miss_ids: torch.Tensor       # int64 host
+    miss_ids_device: torch.Tensor  # the same, on the device
     miss_slots: torch.Tensor     # int64 device
     dirty_ids: torch.Tensor      # int64 host
     dirty_slots: torch.Tensor    # int64 device
@@ -185,7 +186,8 @@ class SetIndex:
             raise IndexError(f"id {int(ids[bad][0])} out of range [0, {num_embeddings})")
         n_need, n_free, n_valid, n_miss, n_victims, n_dirty = c[:6]
         plan = DevicePlan(ids=ids, valid=valid, slots=slots, fresh=fresh, victim_slots=victim_slots[:n_victims],
-                          miss_ids=host[head:head + n_miss], miss_slots=miss_slots[:n_miss],
+                          miss_ids=host[head:head + n_miss], miss_ids_device=miss_ids[:n_miss],
+                          miss_slots=miss_slots[:n_miss],
                           dirty_ids=host[head + n:head + n + n_dirty], dirty_slots=dirty_slots[:n_dirty],
                           num_overflow=n_need, num_victims=n_victims, num_unique=n_valid, version=self.version,
                           lingering=c[7])
@@ -350,13 +352,13 @@ class DirectIndex:
         if to_host:
             host = _to_host(torch.cat([torch.stack([fresh.sum(), valid.sum()]), miss_slots]))
             n_miss, n_valid = host[:2].tolist()
-            miss_ids, miss_slots = host[2:2 + n_miss], miss_slots[:n_miss]
+            miss_ids, miss_slots = host[2:2 + n_miss], miss_slots[:n_miss]  # (slot = id)
         else:
             n_valid = n_miss = -1  # unknown on the host: counted on the device
             miss_ids = none
             self.device_counts = (fresh.sum(), valid.sum())
         return DevicePlan(ids=ids, valid=valid, slots=slots, fresh=fresh, victim_slots=none, miss_ids=miss_ids,
-                          miss_slots=miss_slots, dirty_ids=none.cpu(), dirty_slots=none, num_overflow=0,
+                          miss_ids_device=miss_slots, miss_slots=miss_slots, dirty_ids=none.cpu(), dirty_slots=none, num_overflow=0,
                           num_victims=0, num_unique=n_valid, version=self.version)
 
     def commit(self, plan: DevicePlan, pin: bool) -> None:

@@ -169,7 +169,8 @@ def backward_update(pool: torch.Tensor, dirty: torch.Tensor, dim: int, slots: to
         scale = torch.ones(n, dtype=torch.float32, device=dev)
     order = torch.sort(inverse, stable=True).indices  # occurrences grouped by unique row, in occurrence order
     start = torch.zeros(n + 1, dtype=torch.int64, device=dev)
-    torch.cumsum(torch.bincount(inverse, minlength=n)[:n], 0, out=start[1:])
+    per_unique = torch.zeros(n, dtype=torch.int64, device=dev).index_add_(0, inverse, torch.ones_like(inverse))
+    torch.cumsum(per_unique, 0, out=start[1:])  # (bincount would wait for the device to size its output)
     a = optimizer.native_args(step)
     _update_kernel[(n,)](pool, dirty, slots, unique, num_unique, order, start, bag_of, scale, grad_out,
                          argmax if argmax is not None else order, dim, pool.shape[1], skip_id, frozen_id, a.lr, a.eps,

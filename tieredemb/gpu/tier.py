@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from .. import _C
+from ..tiers.rowstore import DEFERRED_MARK
 from . import rowinit
 from .index import DirectIndex, SetIndex
 
@@ -82,7 +83,7 @@ class DeviceTier:
     name = "tier0"
 
     def __init__(self, num_embeddings: int, width: int, capacity: int | None, policy: str, lower, init,
-                 device: torch.device):
+                 device: torch.device, *, lower_is_store: bool = True):
         self.num_embeddings = num_embeddings
         self.width = width
         self.device = device
@@ -99,6 +100,9 @@ class DeviceTier:
         # (a new table), they are drawn on the device; set False once rows reach the layer below
         # from elsewhere (TableStore.write).
         self.init_misses_here = isinstance(self.index, DirectIndex) and _stores_nothing(lower)
+        # The store below leaves the misses it never stored for this tier to draw (RowInit.deferred);
+        # a host cache between would keep such rows, so then the host draws them.
+        self.draws_misses = lower_is_store
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.index_lock = threading.RLock()  # as CacheTier's (the worker plans while training releases)
 
@@ -161,12 +165,17 @@ class DeviceTier:
             elif plan.miss_ids.numel():
                 block = self.pool.staging(plan.miss_ids.numel())
                 try:
-                    self.lower.read_to(plan.miss_ids, block, torch.arange(plan.miss_ids.numel()))
+                    with self.init.deferred() if self.draws_misses else contextlib.nullcontext():
+                        self.lower.read_to(plan.miss_ids, block, torch.arange(plan.miss_ids.numel()))
                 except BaseException:
                     with self.index_lock:
                         self.index.evict(plan)
                     raise
                 self.pool.from_host(plan.miss_slots, block)
+                if self.draws_misses:  # rows never stored: drawn here, bit for bit as the host would
+                    marked = self.pool.rows[plan.miss_slots, 0].view(torch.int32) == DEFERRED_MARK
+                    rowinit.init_rows(plan.miss_ids_device, self.pool.rows, torch.where(marked, plan.miss_slots, -1),
+                                      *self.init.args)
                 self.bytes_in += plan.miss_ids.numel() * self.row_bytes
             with self.index_lock:
                 self.index.commit(plan, pin)

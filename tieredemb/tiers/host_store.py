@@ -35,7 +35,13 @@ class HostStore:
             self.rows_found += len(ids) - int(fresh.sum())
             self.init(ids[fresh], dst, dst_rows[fresh])
             return
-        self.rows_found += _C.read_or_init(self.rows, found, ids, dst, dst_rows, *self.init.args)
+        if not self.init.is_deferred():
+            self.rows_found += _C.read_or_init(self.rows, found, ids, dst, dst_rows, *self.init.args)
+            return
+        here = found >= 0  # the stored rows copied, the others marked for the reader to draw
+        _C.copy_rows(self.rows, found[here], dst, dst_rows[here])
+        self.init(ids[~here], dst, dst_rows[~here])
+        self.rows_found += int(here.sum())
 
     def write_from(self, ids: torch.Tensor, src: torch.Tensor, src_rows: torch.Tensor) -> None:
         plan = self.index.plan(ids)

@@ -17,6 +17,8 @@ Conventions (every method):
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -56,18 +58,42 @@ class RowStore(Protocol):
         """Flushes and releases the layer's resources (files, locks). Safe to call twice."""
 
 
+# The mark of a row left for its reader to draw (RowInit.deferred): this float32 NaN in column 0.
+# Arithmetic never makes it (its NaNs carry no payload, or an operand's), so no stored row holds it
+# unless written so on purpose.
+DEFERRED_MARK = 0x7FA55A5A
+
+
 class RowInit:
     """The table's initial rows: a function of (seed, row id) only, optimizer state zero.
     Every store gets one for the rows it never stored."""
 
     def __init__(self, dim: int, kind: int, a: float, b: float, seed: int, zero_id: int):
         self.args = (dim, kind, a, b, seed, zero_id)
+        self._local = threading.local()
 
     def __call__(self, ids: torch.Tensor, out: torch.Tensor, rows: torch.Tensor | None = None) -> None:
-        """ids int64 [n] -> their initial rows in out float32 [n, width], or in out[rows] (no temporary)."""
+        """ids int64 [n] -> their initial rows in out float32 [n, width], or in out[rows] (no
+        temporary). Inside deferred() (on this thread): only marked, column 0 = DEFERRED_MARK."""
         if not len(ids):
             return
-        if rows is None:
+        if self.is_deferred():
+            marks = out.view(torch.int32)
+            marks[slice(None) if rows is None else rows, 0] = DEFERRED_MARK
+        elif rows is None:
             _C.init_rows(ids, out, *self.args)
         else:
             _C.read_or_init(out, torch.full((len(ids),), -1, dtype=torch.int64), ids, out, rows, *self.args)
+
+    def is_deferred(self) -> bool:
+        return getattr(self._local, "deferred", False)
+
+    @contextlib.contextmanager
+    def deferred(self):
+        """Within (on the calling thread), the rows a store initializes are marked instead of drawn:
+        a device tier reading its misses draws them itself, on the device (gpu/rowinit.py)."""
+        self._local.deferred = True
+        try:
+            yield
+        finally:
+            self._local.deferred = False

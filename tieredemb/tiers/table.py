@@ -35,11 +35,11 @@ from .rowstore import RowInit, RowStore
 _C.set_num_threads(torch.get_num_threads())
 
 
-def _device_tier0(num_embeddings, width, cache_rows, policy, lower, init, device):
+def _device_tier0(num_embeddings, width, cache_rows, policy, lower, init, device, lower_is_store):
     """Tier 0 on a GPU: device-resident (tieredemb.gpu, which needs Triton)."""
     from ..gpu.tier import DeviceTier
 
-    return DeviceTier(num_embeddings, width, cache_rows, policy, lower, init, device)
+    return DeviceTier(num_embeddings, width, cache_rows, policy, lower, init, device, lower_is_store=lower_is_store)
 
 
 def _ids(t: torch.Tensor) -> torch.Tensor:
@@ -112,7 +112,8 @@ class TableStore:
             lower = CacheTier("host", _C.CacheIndex(host_rows, policy), HostPool(pool), lower, num_embeddings)
             self.tiers.append(lower)
         self.tier0 = (self._host_tier0(num_embeddings, width, cache_rows, policy, lower) if on_host else
-                      _device_tier0(num_embeddings, width, cache_rows, policy, lower, init, device))
+                      _device_tier0(num_embeddings, width, cache_rows, policy, lower, init, device,
+                                    lower_is_store=lower is self.bottom))
         self.tiers.insert(0, self.tier0)
         self.lock = threading.RLock()
         # Notified whenever pinned rows are released (releases counts them): a residency

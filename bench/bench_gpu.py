@@ -1,0 +1,242 @@
+"""Training on a GPU: tieredemb's device-resident tier 0 against FBGEMM's GPU TBE and torch, in
+one process, on the same batches.
+
+Workload (the GPU issue's): 10M rows x 128 fp32, batches of 8192 bags x 20 ids, Zipf 1.05 over
+permuted rows; forward + backward + row-wise Adagrad. Each system: 20 warm-up batches, then
+--runs runs of 20 timed batches (the device synchronized around each run); lookups/s is the
+median over runs. Batches are made on the host (as a data loader gives them) and each system
+moves them to the device as it needs, inside the timed step.
+
+Systems:
+  fbgemm-hbm     FBGEMM TBE, the table in HBM (EmbeddingLocation.DEVICE), EXACT_ROWWISE_ADAGRAD
+  fbgemm-uvm10   FBGEMM TBE, UVM cache holding 10% of the rows (MANAGED_CACHING, LRU)
+  torch-ops      plain torch ops, table in HBM: unique, F.embedding_bag, row-wise Adagrad by index_add_
+  torch-sparse   torch.nn.EmbeddingBag(sparse=True) + torch.optim.Adagrad
+  ours-hbm       TieredEmbeddingBag(cache_rows=None, device="cuda")
+  ours-host10    tier 0 = 10% of the rows, over host memory
+  ours-ssd10     tier 0 = 10%, over the SSD log store (--ssd-path), PrefetchLoader depth 2
+
+Also the device index alone: lookups and plan+commit (inserts) per second for a batch of 1M ids.
+Printed: lookups/s, the ratio to each FBGEMM figure, peak GPU memory, device syncs per batch
+(ours: the waits our code makes, counted), and the targets. --json for the record.
+
+    python bench/bench_gpu.py                      # everything (about 10 minutes on an H100)
+    python bench/bench_gpu.py --only fbgemm-hbm,ours-hbm --runs 3
+    python bench/bench_gpu.py --rows 1000000 --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from workload import BatchSource, Workload  # noqa: E402
+
+SYSTEMS = ("fbgemm-hbm", "fbgemm-uvm10", "torch-ops", "torch-sparse", "ours-hbm", "ours-host10", "ours-ssd10")
+# The issue's targets: ours / peer, at least.
+TARGETS = {"ours-hbm": ("fbgemm-hbm", 1.0), "ours-host10": ("fbgemm-uvm10", 1.0), "ours-ssd10": ("fbgemm-uvm10", 0.5)}
+
+
+class SyncCounter:
+    """Counts the host's waits for the device made by our code: stream / event / device
+    synchronizations (patched), and implicit ones torch reports (sync debug mode)."""
+
+    def __init__(self):
+        self.count = 0
+        for owner, name in ((torch.cuda.Stream, "synchronize"), (torch.cuda.Event, "synchronize"),
+                            (torch.cuda, "synchronize")):
+            original = getattr(owner, name)
+
+            def counted(*args, _original=original, **kwargs):
+                self.count += 1
+                return _original(*args, **kwargs)
+
+            setattr(owner, name, counted)
+
+
+def build(name: str, w: Workload, a, dev: torch.device):
+    """(step(ids_cpu, offsets_cpu, grad), a description): one training step of a system."""
+    lr, eps, rows, dim = a.lr, a.eps, w.rows, w.dim
+    offsets_fb = torch.arange(0, w.bags * w.ids_per_bag + 1, w.ids_per_bag, device=dev)
+    if name.startswith("fbgemm"):
+        from fbgemm_gpu.split_embedding_configs import EmbOptimType, SparseType
+        from fbgemm_gpu.split_table_batched_embeddings_ops_common import (CacheAlgorithm, ComputeDevice,
+                                                                          EmbeddingLocation, PoolingMode)
+        from fbgemm_gpu.split_table_batched_embeddings_ops_training import SplitTableBatchedEmbeddingBagsCodegen
+
+        where = EmbeddingLocation.DEVICE if name == "fbgemm-hbm" else EmbeddingLocation.MANAGED_CACHING
+        tbe = SplitTableBatchedEmbeddingBagsCodegen(
+            embedding_specs=[(rows, dim, where, ComputeDevice.CUDA)], optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+            learning_rate=lr, eps=eps, pooling_mode=PoolingMode.SUM, weights_precision=SparseType.FP32,
+            output_dtype=SparseType.FP32, cache_load_factor=a.cache_fraction, cache_algorithm=CacheAlgorithm.LRU,
+            device=dev)
+
+        def step(ids, offsets, grad):
+            tbe(ids.to(dev, non_blocking=True), offsets_fb).backward(grad)
+        return step, f"TBE {where.name}, EXACT_ROWWISE_ADAGRAD"
+    if name == "torch-ops":
+        table = torch.randn(rows, dim, device=dev)
+        acc = torch.zeros(rows, device=dev)
+
+        def step(ids, offsets, grad):
+            ids = ids.to(dev, non_blocking=True)
+            unique, inverse = torch.unique(ids, return_inverse=True)
+            leaf = table[unique].requires_grad_(True)
+            out = torch.nn.functional.embedding_bag(inverse, leaf, offsets.to(dev), mode="sum")
+            (g,) = torch.autograd.grad(out, leaf, grad)
+            with torch.no_grad():
+                acc.index_add_(0, unique, g.square().mean(1))
+                table.index_add_(0, unique, -lr * g / (acc[unique].sqrt() + eps)[:, None])
+        return step, "unique + F.embedding_bag + index_add_ row-wise Adagrad"
+    if name == "torch-sparse":
+        emb = torch.nn.EmbeddingBag(rows, dim, mode="sum", sparse=True, device=dev)
+        opt = torch.optim.Adagrad(emb.parameters(), lr=lr, eps=eps)
+
+        def step(ids, offsets, grad):
+            emb(ids.to(dev, non_blocking=True), offsets.to(dev, non_blocking=True)).backward(grad)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return step, "nn.EmbeddingBag(sparse=True) + optim.Adagrad"
+
+    import tieredemb
+
+    cache = None if name == "ours-hbm" else int(rows * a.cache_fraction)
+    kw = dict(ssd_path=a.ssd_dir, ssd_options={"backend": "log"}) if name == "ours-ssd10" else {}
+    emb = tieredemb.TieredEmbeddingBag(rows, dim, "sum", cache_rows=cache, device=dev,
+                                       optimizer=tieredemb.RowWiseAdagrad(lr=lr, eps=eps), **kw)
+
+    def step(ids, offsets, grad):
+        emb(ids, offsets).backward(grad)
+    step.module = emb
+    return step, f"TieredEmbeddingBag cache_rows={cache}" + (", log store, prefetch depth 2" if kw else "")
+
+
+def run_system(name: str, w: Workload, source: BatchSource, a, dev: torch.device, syncs: SyncCounter) -> dict:
+    torch.cuda.reset_peak_memory_stats(dev)
+    before = torch.cuda.memory_allocated(dev)
+    step, what = build(name, w, a, dev)
+    grad = torch.randn(w.bags, w.dim, device=dev, generator=torch.Generator(dev).manual_seed(7))
+    batches = [source.batch(i) for i in range(a.warmup + a.runs * w.batches)]
+    module = getattr(step, "module", None)
+    prefetch = name == "ours-ssd10"
+    stream = iter(tieredemb_loader(module, batches, depth=2) if prefetch else batches)
+    for _ in range(a.warmup):
+        ids, offsets = next(stream)[:2]
+        step(ids, offsets, grad)
+    rates, sync_rates = [], []
+    for _ in range(a.runs):
+        torch.cuda.synchronize(dev)
+        syncs.count, start = 0, time.perf_counter()
+        for _ in range(w.batches):
+            ids, offsets = next(stream)[:2]
+            step(ids, offsets, grad)
+        torch.cuda.synchronize(dev)
+        seconds = time.perf_counter() - start
+        rates.append(w.batches * w.lookups_per_batch / seconds)
+        sync_rates.append((syncs.count - 2) / w.batches)
+    out = {"system": name, "config": what, "lookups_per_s": statistics.median(rates), "runs": rates,
+           "gpu_bytes": torch.cuda.max_memory_allocated(dev) - before}
+    if module is not None:
+        out["syncs_per_batch"] = statistics.median(sync_rates)
+        out["tier0_hit_rate"] = module.stats()["tier0"]["hit_rate"]
+        module.close()
+    del step
+    torch.cuda.empty_cache()
+    return out
+
+
+def tieredemb_loader(module, batches, depth):
+    import tieredemb
+
+    return tieredemb.PrefetchLoader(batches, [module], depth=depth)
+
+
+def index_speed(dev: torch.device, a) -> dict:
+    """The device index alone: lookups and inserts (plan + commit) per second, batches of 1M ids."""
+    from tieredemb.gpu.index import SetIndex
+
+    n, capacity = 1 << 20, 1 << 23
+    index = SetIndex(capacity, "lru", dev)
+    g = torch.Generator(dev).manual_seed(3)
+    times = {"lookups": [], "inserts": []}
+    for k in range(a.runs + 1):
+        ids = torch.randint(0, 1 << 40, (n,), device=dev, generator=g).unique()
+        count = torch.tensor([ids.numel()], device=dev)
+        torch.cuda.synchronize(dev)
+        t0 = time.perf_counter()
+        plan = index.plan(ids, count, 1 << 40)
+        index.commit(plan, pin=False)
+        torch.cuda.synchronize(dev)
+        t1 = time.perf_counter()
+        index.lookup(ids)
+        torch.cuda.synchronize(dev)
+        t2 = time.perf_counter()
+        if k:  # the first run compiles and allocates
+            times["inserts"].append(ids.numel() / (t1 - t0))
+            times["lookups"].append(ids.numel() / (t2 - t1))
+    return {key: statistics.median(v) for key, v in times.items()}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--only", default=",".join(SYSTEMS), help="systems to run, comma-separated")
+    p.add_argument("--rows", type=int, default=10_000_000)
+    p.add_argument("--alpha", type=float, default=1.05)
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--cache-fraction", type=float, default=0.1)
+    p.add_argument("--lr", type=float, default=0.01)
+    p.add_argument("--eps", type=float, default=1e-8)
+    p.add_argument("--ssd-path", default=None, help="directory for ours-ssd10's log store (default: a temp dir)")
+    p.add_argument("--quick", action="store_true", help="5 timed batches, 5 warm-up, 1 run")
+    p.add_argument("--json", default=None, help="write the results here")
+    a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_gpu: no CUDA device here; run it on a GPU machine", file=sys.stderr)
+        return 2
+    dev = torch.device("cuda")
+    w = Workload(rows=a.rows, dim=128, bags=8192, ids_per_bag=20, alpha=a.alpha, batches=5 if a.quick else 20)
+    if a.quick:
+        a.runs, a.warmup = 1, 5
+    source = BatchSource(w)
+    syncs = SyncCounter()
+    results = {}
+    for name in a.only.split(","):
+        if name not in SYSTEMS:
+            p.error(f"unknown system {name!r}; systems: {', '.join(SYSTEMS)}")
+        with tempfile.TemporaryDirectory(dir=a.ssd_path) as tmp:
+            a.ssd_dir = os.path.join(tmp, "table")
+            try:
+                results[name] = run_system(name, w, source, a, dev, syncs)
+            except ImportError as e:
+                print(f"{name}: skipped ({e})", file=sys.stderr)
+                continue
+        r = results[name]
+        print(f"{name:13s} {r['lookups_per_s'] / 1e6:8.1f} M lookups/s  (runs {', '.join(f'{x / 1e6:.1f}' for x in r['runs'])})"
+              f"  GPU {r['gpu_bytes'] / 2**30:5.2f} GiB" + (f"  syncs/batch {r['syncs_per_batch']:.1f}"
+                                                           f"  tier-0 hit {r['tier0_hit_rate']:.3f}" if "syncs_per_batch" in r else "")
+              + f"  [{r['config']}]", flush=True)
+    print(f"\ndevice: {torch.cuda.get_device_name(dev)}; torch {torch.__version__}")
+    for ours, (peer, target) in TARGETS.items():
+        if ours in results and peer in results:
+            ratio = results[ours]["lookups_per_s"] / results[peer]["lookups_per_s"]
+            print(f"{ours} / {peer}: {ratio:.2f}x (target >= {target}x: {'met' if ratio >= target else 'NOT met'})")
+    idx = index_speed(dev, a)
+    print(f"device index, 1M ids: {idx['lookups'] / 1e9:.2f} G lookups/s, {idx['inserts'] / 1e9:.3f} G inserts/s")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(dev), "workload": vars(w) if hasattr(w, "__dict__") else str(w),
+                       "systems": results, "index": idx}, f, indent=1, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
