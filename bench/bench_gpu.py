@@ -23,6 +23,7 @@ Printed: lookups/s, the ratio to each FBGEMM figure, peak GPU memory, device syn
     python bench/bench_gpu.py                      # everything (about 10 minutes on an H100)
     python bench/bench_gpu.py --only fbgemm-hbm,ours-hbm --runs 3
     python bench/bench_gpu.py --rows 1000000 --quick
+    python bench/bench_gpu.py --dtype float16      # 16-bit weights (FBGEMM: weights_precision FP16)
 """
 
 from __future__ import annotations
@@ -75,7 +76,8 @@ def build(name: str, w: Workload, a, dev: torch.device):
         where = EmbeddingLocation.DEVICE if name == "fbgemm-hbm" else EmbeddingLocation.MANAGED_CACHING
         tbe = SplitTableBatchedEmbeddingBagsCodegen(
             embedding_specs=[(rows, dim, where, ComputeDevice.CUDA)], optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD,
-            learning_rate=lr, eps=eps, pooling_mode=PoolingMode.SUM, weights_precision=SparseType.FP32,
+            learning_rate=lr, eps=eps, pooling_mode=PoolingMode.SUM,
+            weights_precision={"float32": SparseType.FP32, "float16": SparseType.FP16, "bfloat16": SparseType.BF16}[a.dtype],
             output_dtype=SparseType.FP32, cache_load_factor=a.cache_fraction, cache_algorithm=CacheAlgorithm.LRU,
             device=dev)
 
@@ -110,7 +112,7 @@ def build(name: str, w: Workload, a, dev: torch.device):
 
     cache = None if name == "ours-hbm" else int(rows * a.cache_fraction)
     kw = dict(ssd_path=a.ssd_dir, ssd_options={"backend": "log"}) if name == "ours-ssd10" else {}
-    emb = tieredemb.TieredEmbeddingBag(rows, dim, "sum", cache_rows=cache, device=dev,
+    emb = tieredemb.TieredEmbeddingBag(rows, dim, "sum", cache_rows=cache, device=dev, dtype=getattr(torch, a.dtype),
                                        optimizer=tieredemb.RowWiseAdagrad(lr=lr, eps=eps), **kw)
 
     def step(ids, offsets, grad):
@@ -196,6 +198,8 @@ def main(argv=None) -> int:
     p.add_argument("--lr", type=float, default=0.01)
     p.add_argument("--eps", type=float, default=1e-8)
     p.add_argument("--ssd-path", default=None, help="directory for ours-ssd10's log store (default: a temp dir)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"],
+                   help="the weights' type, ours and FBGEMM's (the torch peers stay float32)")
     p.add_argument("--quick", action="store_true", help="5 timed batches, 5 warm-up, 1 run")
     p.add_argument("--json", default=None, help="write the results here")
     a = p.parse_args(argv)

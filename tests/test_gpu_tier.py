@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import tieredemb
+from training import rows_and_state, train
 from tieredemb import _C
 
 pytest.importorskip("triton")
@@ -42,19 +43,8 @@ def weights(num=NUM):
     return torch.randn(num, D, generator=torch.Generator().manual_seed(1))
 
 
-def table(emb):
-    ids = torch.arange(emb.num_embeddings)
-    return torch.cat([emb.read_rows(ids), emb.read_optimizer_state(ids)], 1)
 
 
-def train(emb, data, depth=0):
-    outs = []
-    loader = data if depth == 0 else tieredemb.PrefetchLoader(data, [emb], depth=depth)
-    for ids, offsets, grad in loader:
-        out = emb(ids, offsets)
-        out.backward(grad)
-        outs.append(out.detach())
-    return outs
 
 
 @pytest.mark.parametrize("opt", sorted(OPTIMIZERS))
@@ -68,7 +58,7 @@ def test_trains_as_the_cpu_engine(opt, mode, tiers):
     data = batches()
     for got, want in zip(train(dev, data), train(ref, data)):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(table(dev), table(ref), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(rows_and_state(dev), rows_and_state(ref), rtol=1e-5, atol=1e-5)
     assert dev._store.tier0.index.pinned == 0
 
 
@@ -79,7 +69,7 @@ def test_bit_for_bit_from_run_to_run_with_prefetch_and_overflow(tmp_path):
             NUM, D, "sum", optimizer=tieredemb.Adam(lr=0.05), _weight=weights(), cache_rows=8,
             ssd_path=tmp_path / f"t{k}", ssd_options={"backend": "log"}), 8)
         outs = train(emb, batches(seed=2), depth=2)
-        runs.append((torch.stack(outs), table(emb)))
+        runs.append((torch.stack(outs), rows_and_state(emb)))
         assert emb.stats()["tier0"]["overflow_rows"] > 0
         emb.close()
     assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
@@ -96,21 +86,21 @@ def test_per_sample_weights_and_unpooled_lookups():
             emb(ids, offsets, per_sample_weights=psw).backward(grad)
             outs.append(psw.grad)
         torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(table(dev), table(ref), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(rows_and_state(dev), rows_and_state(ref), rtol=1e-5, atol=1e-5)
     ref_e = tieredemb.TieredEmbedding(NUM, D, optimizer=tieredemb.SGD(lr=0.5), _weight=weights(), padding_idx=0)
     dev_e = device_tier(tieredemb.TieredEmbedding(NUM, D, optimizer=tieredemb.SGD(lr=0.5), _weight=weights(),
                                                   padding_idx=0, cache_rows=16), 16)
     ids = torch.tensor([[0, 5, 5], [7, 0, 299]])
     for emb in (ref_e, dev_e):
         emb(ids).pow(2).sum().backward()
-    torch.testing.assert_close(table(dev_e), table(ref_e), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(rows_and_state(dev_e), rows_and_state(ref_e), rtol=1e-5, atol=1e-5)
 
 
 def test_flush_writes_every_update_down_and_rows_read_where_they_live():
     dev = device_tier(tieredemb.TieredEmbeddingBag(NUM, D, "sum", optimizer=tieredemb.SGD(lr=0.1), cache_rows=32,
                                                    host_rows=64), 32)
     train(dev, batches(seed=5))
-    before = table(dev)
+    before = rows_and_state(dev)
     new = torch.arange(3 * D, dtype=torch.float32).reshape(3, D)
     resident = dev._store.tier0.lookup(torch.arange(NUM))
     hot = int((resident >= 0).nonzero()[0][0])
@@ -121,7 +111,7 @@ def test_flush_writes_every_update_down_and_rows_read_where_they_live():
     dev._store.bottom.read_to(torch.arange(NUM), rows, torch.arange(NUM))
     expected = before.clone()
     expected[[hot, 299, 298], :D] = new
-    assert torch.equal(rows[:, :D], expected[:, :D]) and torch.equal(table(dev)[:, :D], expected[:, :D])
+    assert torch.equal(rows[:, :D], expected[:, :D]) and torch.equal(rows_and_state(dev)[:, :D], expected[:, :D])
 
 
 def test_rows_never_written_are_drawn_on_the_device_as_on_the_host():
@@ -162,7 +152,8 @@ def test_set_index_keeps_pinned_rows_and_lends_overflow_slots():
     first = torch.tensor([10, 11, 12, 13])
 
     def admit(ids):
-        plan = index.plan(ids, torch.tensor([len(ids)]), 100)
+        while isinstance(plan := index.plan(ids, torch.tensor([len(ids)]), 100), int):
+            index.grow(plan)  # too few overflow slots: add what the plan asks for
         index.commit(plan, pin=True)
         return plan
 
@@ -183,10 +174,10 @@ def test_set_index_keeps_pinned_rows_and_lends_overflow_slots():
 def test_bad_ids_are_refused_before_anything_changes():
     dev = device_tier(tieredemb.TieredEmbeddingBag(NUM, D, "sum", optimizer=tieredemb.SGD(lr=0.1), cache_rows=8), 8)
     train(dev, batches(steps=2))
-    before = table(dev)
+    before = rows_and_state(dev)
     with pytest.raises(IndexError, match=rf"id {NUM + 4} out of range \[0, {NUM}\)"):
         dev(torch.tensor([1, NUM + 4]), torch.tensor([0]))
-    assert torch.equal(table(dev), before) and dev._store.tier0.index.pinned == 0
+    assert torch.equal(rows_and_state(dev), before) and dev._store.tier0.index.pinned == 0
 
 
 def test_pooling_kernels_match_the_native_ones():
@@ -216,3 +207,20 @@ def test_pooling_kernels_match_the_native_ones():
             torch.testing.assert_close(triton_pool, native, rtol=1e-5, atol=1e-5)
             assert sorted(dirty.nonzero().squeeze(1).tolist()) == sorted(
                 s for k, s in enumerate(slots.tolist()) if k != 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_16_bit_weights_train_as_on_the_cpu(dtype, stochastic):
+    """Reduced precision on the device tier: the same float32 math, rounded (to the nearest, or
+    stochastically with the native kernels' random bits): within a unit of the 16-bit type."""
+    kw = dict(dtype=dtype, stochastic_rounding=stochastic, optimizer=tieredemb.Adam(lr=0.05), seed=5)
+    ref = tieredemb.TieredEmbeddingBag(NUM, D, "mean", **kw)
+    dev = device_tier(tieredemb.TieredEmbeddingBag(NUM, D, "mean", cache_rows=16, **kw), 16)
+    for got, want in zip(train(dev, batches(seed=6, steps=5)), train(ref, batches(seed=6, steps=5))):
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+    unit = 2 ** -7 if dtype == torch.bfloat16 else 2 ** -10
+    rows = torch.arange(NUM)
+    assert (dev.read_rows(rows) - ref.read_rows(rows)).abs().max() <= 4 * unit * ref.read_rows(rows).abs().max()
+    torch.testing.assert_close(dev.read_optimizer_state(rows), ref.read_optimizer_state(rows), rtol=5e-2, atol=1e-3)
+    assert dev.width == ref.width == (D + 1) // 2 + 2 * D

@@ -1,10 +1,13 @@
-"""The native core's own contracts: thread-count independence, dedup, lazy host pools, and the
-overflow slots of a CacheIndex (through the Python bindings)."""
+"""The native core's own contracts: thread-count independence, dedup, lazy host pools, the
+overflow slots of a CacheIndex, and rows of 16-bit weights (through the Python bindings)."""
+
+import math
 
 import numpy as np
 import pytest
 import torch
 
+from test_random_init import mix64, row_key  # the numpy twins of random.cc's hashes
 import tieredemb
 from tieredemb import _C
 
@@ -243,3 +246,283 @@ def test_host_pool_faults_in_a_prefix_and_keeps_the_positional_form():
     assert _C.host_pool(4, 2, True, False).shape == (4, 2)
     with pytest.raises(ValueError, match=r"populate_rows 11 must be in \[0, rows = 10\]"):
         _C.host_pool(10, 8, populate_rows=11)
+
+
+# -- reduced-precision weights: float16 / bfloat16 rows, float32 optimizer state -----------------
+#
+# A row of 16-bit weights holds weight d as the 16-bit value at byte 2d; its weights take
+# weight_words = (dim + 1) / 2 float32 words (the last half-word of an odd dim is padding, 0) and
+# the float32 optimizer state follows. The kernels compute in float32 on the decoded weights.
+
+F16, BF16 = 1, 2
+_DTYPE = {F16: torch.float16, BF16: torch.bfloat16}
+_BITS16 = pytest.mark.parametrize("wt", [F16, BF16], ids=["float16", "bfloat16"])
+
+
+def _halves(x, wt):
+    """torch's round-to-nearest-even of float32 x to the 16-bit type, as int16 bits."""
+    return torch.as_tensor(x).to(_DTYPE[wt]).view(torch.int16)
+
+
+def _pack(w, wt, extra=0):
+    """float32 [n, dim] -> rows of 16-bit weights (rounded by torch), then `extra` state words."""
+    n, dim = w.shape
+    h = torch.zeros(n, 2 * _C.weight_words(wt, dim), dtype=torch.int16)
+    h[:, :dim] = _halves(w, wt)
+    return torch.cat([h.view(torch.float32), torch.zeros(n, extra)], 1).contiguous()
+
+
+def _weights(rows, dim, wt):
+    """The 16-bit weights of rows as int16 bits [n, dim]."""
+    return rows[:, :_C.weight_words(wt, dim)].contiguous().view(torch.int16)[:, :dim]
+
+
+def _decoded(rows, dim, wt):
+    """The 16-bit weights of rows as float32 [n, dim] (exact)."""
+    return _weights(rows, dim, wt).view(_DTYPE[wt]).float()
+
+
+def _padding(rows, dim, wt):
+    """The padding half-word of rows of an odd dim as int16 [n, 1] ([n, 0] for an even dim)."""
+    words = _C.weight_words(wt, dim)
+    return rows[:, :words].contiguous().view(torch.int16)[:, dim:]
+
+
+def test_weight_words_and_the_weight_type_is_checked():
+    assert [_C.weight_words(t, 5) for t in (0, F16, BF16)] == [5, 3, 3]
+    assert _C.weight_words(F16, 128) == 64
+    for call in (lambda: _C.weight_words(5, 8),
+                 lambda: _C.init_rows(np.arange(2), np.zeros((2, 8), np.float32), 8, 0, 0.0, 1.0, 0, -1, weights=5)):
+        with pytest.raises(ValueError, match=r"weights type 5 is not 0 \(float32\), 1 \(float16\) or 2 \(bfloat16\)"):
+            call()
+    with pytest.raises(ValueError, match=r"dim 9 must be in \[1, 2 \* row width = 8\] for 16-bit weights"):
+        _C.init_rows(np.arange(2), np.zeros((2, 4), np.float32), 9, 0, 0.0, 1.0, 0, -1, weights=F16)
+
+
+@_BITS16
+@pytest.mark.parametrize("dim", [1, 13, 64])
+@pytest.mark.parametrize("kind", [0, 1, 2])
+def test_init_rows_are_the_float32_draws_rounded_to_nearest_even(wt, dim, kind):
+    ids = np.array([0, 5, 7, 10**9, 123456789], np.int64)
+    want = np.empty((len(ids), dim), np.float32)
+    _C.init_rows(ids, want, dim, kind, -0.5, 2.0, 42, 7)
+    width = _C.weight_words(wt, dim) + 3
+    got = np.full((len(ids), width), np.nan, np.float32)  # init writes every word of its rows
+    _C.init_rows(ids, got, dim, kind, -0.5, 2.0, 42, 7, weights=wt)
+    got = torch.from_numpy(got)
+    assert torch.equal(_weights(got, dim, wt), _halves(want, wt))
+    assert not _padding(got, dim, wt).any() and not got[:, _C.weight_words(wt, dim):].any()
+    # read_or_init: absent rows (src row -1) are the same initial rows; present rows are copied
+    src = torch.randn(3, width)
+    dst = torch.zeros(4, width)
+    copied = _C.read_or_init(src, torch.tensor([2, -1, 0, -1]), torch.tensor([9, 5, 9, 10**9]), dst,
+                             torch.tensor([3, 0, 1, 2]), dim, kind, -0.5, 2.0, 42, 7, weights=wt)
+    assert copied == 2 and torch.equal(dst[3], src[2]) and torch.equal(dst[1], src[0])
+    assert torch.equal(dst[0], got[1]) and torch.equal(dst[2], got[3])
+
+
+def _bags(seed, rows, num_unique, n, num_bags):
+    """A deduplicated batch: slots of its unique rows in a pool of `rows`, inverse [n], offsets
+    [num_bags + 1] (some bags empty)."""
+    g = torch.Generator().manual_seed(seed)
+    slots = torch.randperm(rows, generator=g)[:num_unique]
+    inverse = torch.randint(0, num_unique, (n,), generator=g)
+    inverse[:num_unique] = torch.arange(num_unique)  # every unique row occurs
+    inner = torch.sort(torch.randint(0, n + 1, (num_bags - 1,), generator=g)).values
+    offsets = torch.cat([torch.tensor([0]), inner, torch.tensor([n])])
+    return slots, inverse, offsets, torch.rand(n, generator=g) + 0.5
+
+
+def _forward(pool, dim, batch, mode, weighted, skip_u, wt):
+    slots, inverse, offsets, psw = batch
+    out = torch.empty(len(offsets) - 1, dim)
+    argmax = torch.empty((len(offsets) - 1) * dim, dtype=torch.int64) if mode == 2 else None
+    _C.pool_forward(pool, dim, slots, inverse, offsets, psw if weighted else None, mode, skip_u, out, argmax,
+                    weights=wt)
+    return out, argmax
+
+
+@_BITS16
+@pytest.mark.parametrize("dim", [5, 13, 40, 128])
+@pytest.mark.parametrize("mode, weighted", [(0, False), (0, True), (1, False), (2, False)])
+def test_forward_of_16bit_rows_is_the_float32_forward_of_the_decoded_weights(wt, dim, mode, weighted):
+    batch = _bags(dim + mode, rows=300, num_unique=60, n=500, num_bags=64)
+    pool = _pack(torch.randn(300, dim, generator=torch.Generator().manual_seed(3)), wt, extra=2)
+    decoded = _decoded(pool, dim, wt)
+    for skip_u in (-1, 4):
+        out, argmax = _forward(pool, dim, batch, mode, weighted, skip_u, wt)
+        want, want_argmax = _forward(decoded, dim, batch, mode, weighted, skip_u, 0)
+        assert torch.equal(out, want)
+        assert mode != 2 or torch.equal(argmax, want_argmax)
+
+
+def _opt(kind, *, sr=False, seed=0, step=0, lr=0.05):
+    o = _C.OptimizerArgs()
+    o.kind, o.lr, o.adam_step_size = kind, lr, lr * 0.9
+    o.stochastic_rounding, o.sr_seed, o.step = sr, seed, step
+    return o
+
+
+def _state(kind, rows, dim, g):
+    """Optimizer state [rows, state_width] that the optimizer can continue from."""
+    s = torch.rand(rows, _C.state_width(kind, dim), generator=g)
+    if kind == 3:
+        s[:, :dim] -= 0.5  # Adam's first moment has either sign
+    return s
+
+
+def _backward(pool, dim, batch, mode, weighted, opt, wt, unique_ids=None):
+    """Forward (for max pooling's argmax), then the fused backward; returns psw_grad."""
+    slots, inverse, offsets, psw = batch
+    _, argmax = _forward(pool, dim, batch, mode, weighted, 2, wt)
+    grad = torch.randn(len(offsets) - 1, dim, generator=torch.Generator().manual_seed(11))
+    psw_grad = torch.empty(len(inverse))
+    _C.pool_backward_update(pool, dim, slots, inverse, offsets, psw if weighted else None, mode, 2, grad, argmax,
+                            opt, 5, psw_grad if weighted else None, weights=wt, unique_ids=unique_ids)
+    return psw_grad
+
+
+@_BITS16
+@pytest.mark.parametrize("kind", [0, 1, 2, 3], ids=["sgd", "adagrad", "rowwise_adagrad", "adam"])
+@pytest.mark.parametrize("dim, mode, weighted", [(13, 0, True), (40, 1, False), (128, 2, False)])
+def test_backward_updates_the_decoded_weights_then_rounds_to_nearest_even(wt, kind, dim, mode, weighted):
+    g = torch.Generator().manual_seed(kind)
+    batch = _bags(dim, rows=200, num_unique=50, n=400, num_bags=48)
+    w, state = torch.randn(200, dim, generator=g), _state(kind, 200, dim, g)
+    pool = torch.cat([_pack(w, wt), state], 1)
+    reference = torch.cat([_decoded(pool, dim, wt), state], 1)  # float32 rows of the same values
+    psw_grad = _backward(pool, dim, batch, mode, weighted, _opt(kind), wt)
+    want_psw_grad = _backward(reference, dim, batch, mode, weighted, _opt(kind), 0)
+    assert torch.equal(_weights(pool, dim, wt), _halves(reference[:, :dim], wt))
+    assert torch.equal(pool[:, _C.weight_words(wt, dim):], reference[:, dim:])  # the state, bit for bit
+    assert not _padding(pool, dim, wt).any()
+    assert not weighted or torch.equal(psw_grad, want_psw_grad)
+    changed = (_weights(pool, dim, wt) != _halves(w, wt)).any(1)
+    assert changed.sum() >= 40  # the batch's rows moved (not the frozen or skipped ones)
+
+
+def _stochastic_reference(x, wt, ids, seed, step):
+    """The documented stochastic rounding of float32 x [n, dim] (row i is row id ids[i]), in
+    numpy: int16 bits [n, dim]. Weight d of row id takes r = the high 32 bits of
+    mix64(row_key(seed, id) + (step << 20) + d + 1)."""
+    n, dim = x.shape
+    keys = np.array([(row_key(seed, int(i)) + (step << 20)) % 2**64 for i in ids], np.uint64)
+    with np.errstate(over="ignore"):
+        r = (mix64(keys[:, None] + np.arange(1, dim + 1, dtype=np.uint64)) >> np.uint64(32)).astype(np.uint32)
+    nearest = _halves(x, wt).numpy().view(np.uint16)
+    x = x.numpy()
+    finite = np.isfinite(x)
+    if wt == BF16:  # a uniform 16-bit value added to the magnitude, then truncated
+        out = ((x.view(np.uint32) + (r >> np.uint32(16))) >> np.uint32(16)).astype(np.uint16)
+    else:  # lo: toward zero; hi: the next half away from zero; hi with probability frac
+        half_abs = lambda h: (h & np.uint16(0x7FFF)).view(np.float16).astype(np.float32)  # noqa: E731
+        ax = np.abs(x)
+        lo = np.where(half_abs(nearest) > ax, nearest - np.uint16(1), nearest).astype(np.uint16)
+        hi = (lo + np.uint16(1)).astype(np.uint16)
+        hi_inf = (hi & np.uint16(0x7FFF)) == 0x7C00
+        with np.errstate(invalid="ignore", divide="ignore"):
+            frac = np.where(hi_inf | ~finite, np.float32(0), (ax - half_abs(lo)) / (half_abs(hi) - half_abs(lo)))
+        u = (r >> np.uint32(8)).astype(np.float32) * np.float32(2.0**-24)
+        out = np.where(u < frac, hi, lo)
+    return torch.from_numpy(np.where(finite, out, nearest).view(np.int16))
+
+
+def _round_through_sgd(targets, wt, *, sr, ids=None, seed=0, step=0):
+    """Rows of zero weights, each alone in a bag, one SGD step (lr 1) with gradient -targets: the
+    optimizer computes exactly the targets in float32, and the kernel rounds them into the rows.
+    Returns the rows' weights as int16 bits."""
+    n, dim = targets.shape
+    pool = torch.zeros(n, _C.weight_words(wt, dim))
+    offsets, slots = torch.arange(n + 1), torch.arange(n)
+    _C.pool_backward_update(pool, dim, slots, slots, offsets, None, 0, -1, -targets, None,
+                            _opt(0, sr=sr, seed=seed, step=step, lr=1.0), -1, None, weights=wt,
+                            unique_ids=None if ids is None else torch.as_tensor(ids, dtype=torch.int64))
+    assert not _padding(pool, dim, wt).any()
+    return _weights(pool, dim, wt)
+
+
+def _edge_values(wt):
+    """float32 values around the 16-bit type's limits: zeros, ties, subnormals, overflow, inf, NaN."""
+    common = [0.0, 1.0, -1.0, 1 / 3, -1 / 3, 1 + 2**-11, 1 + 3 * 2**-11, 1 + 2**-8, 1 + 3 * 2**-8,
+              float("inf"), float("-inf"), float("nan"), 1e-30, -1e-40]
+    if wt == F16:
+        return common + [65504.0, 65519.0, 65520.0, 70000.0, -1e6, 2**-24, 2**-25, 3 * 2**-26, -1e-8,
+                         6.1e-5, 6.0e-5, 5.96e-8]
+    return common + [3.4e38, -3.4e38, 3.3895e38, 1.2e-38, 1e-45]
+
+
+@_BITS16
+def test_round_to_nearest_even_matches_torch_at_the_edges(wt):
+    targets = torch.randn(20, 13, generator=torch.Generator().manual_seed(1)) * 10.0 ** torch.arange(-8, 5)
+    edges = torch.tensor(_edge_values(wt), dtype=torch.float32)
+    targets.view(-1)[:len(edges)] = edges
+    got, want = _round_through_sgd(targets, wt, sr=False), _halves(targets, wt)
+    nan = torch.isnan(targets)
+    assert torch.equal(got[~nan], want[~nan]) and torch.isnan(got.view(_DTYPE[wt])[nan]).all()
+
+
+@_BITS16
+def test_stochastic_rounding_is_the_documented_function_of_seed_id_step_and_column(wt):
+    g = torch.Generator().manual_seed(wt)
+    edges = torch.tensor(_edge_values(wt), dtype=torch.float32)
+    targets = torch.randn(64, 13, generator=g) * 10.0 ** torch.randint(-6, 5, (64, 13), generator=g)
+    targets.view(-1)[:len(edges)] = edges
+    ids = torch.randint(0, 10**12, (64,), generator=g)
+    got = _round_through_sgd(targets, wt, sr=True, ids=ids, seed=99, step=7)
+    want = _stochastic_reference(targets, wt, ids.numpy(), 99, 7)
+    nan = torch.isnan(targets)
+    assert torch.equal(got[~nan], want[~nan]) and torch.isnan(got.view(_DTYPE[wt])[nan]).all()
+    assert torch.equal(got, _round_through_sgd(targets, wt, sr=True, ids=ids, seed=99, step=7))  # every run
+    other_step = _round_through_sgd(targets, wt, sr=True, ids=ids, seed=99, step=8)
+    assert not torch.equal(got, other_step)
+    # each value is one of the two 16-bit neighbours of the float32 value (itself if it has one)
+    nearest = _halves(targets, wt).view(_DTYPE[wt])
+    below = torch.where(nearest <= targets, nearest, torch.nextafter(nearest, torch.full_like(nearest, -math.inf)))
+    above = torch.where(nearest >= targets, nearest, torch.nextafter(nearest, torch.full_like(nearest, math.inf)))
+    finite = torch.isfinite(targets)
+    for rounded in (got, other_step):
+        value = rounded.view(_DTYPE[wt])
+        assert ((value == below) | (value == above))[finite].all()
+
+
+@_BITS16
+def test_stochastic_rounding_lets_sub_ulp_updates_accumulate_without_bias(wt):
+    """Weights 1.5 moved by 0.3 ulp a step: rounding to nearest even never moves them; stochastic
+    rounding moves them by 0.3 ulp a step on average, with a mean rounding error of 0. Over
+    2048 rows x 64 columns x 8 steps the mean's standard deviation is < 0.001 ulp."""
+    ulp = 2.0**-10 if wt == F16 else 2.0**-7
+    rows, dim, steps = 2048, 64, 8
+    ids = torch.arange(rows) * 7919 + 3
+    offsets, slots = torch.arange(rows + 1), torch.arange(rows)
+    grad = torch.full((rows, dim), 0.3 * ulp)
+    finals = {}
+    for sr in (False, True):
+        pool = _pack(torch.full((rows, dim), 1.5), wt)
+        errors = []
+        for step in range(1, steps + 1):
+            before = _decoded(pool, dim, wt)
+            _C.pool_backward_update(pool, dim, slots, slots, offsets, None, 0, -1, grad, None,
+                                    _opt(0, sr=sr, seed=5, step=step, lr=1.0), -1, None, weights=wt, unique_ids=ids)
+            x = before - grad  # the float32 update
+            after = _decoded(pool, dim, wt)
+            assert ((after == x.to(_DTYPE[wt]).float()) | (after == before) | (after == before - ulp)).all()
+            errors.append((after - x) / ulp)
+        finals[sr] = ((_decoded(pool, dim, wt) - 1.5) / ulp).mean().item()
+        mean_error = torch.stack(errors).double().mean().item()
+    assert finals[False] == 0.0
+    assert abs(finals[True] + 0.3 * steps) < 0.05
+    assert abs(mean_error) < 0.01
+
+
+def test_stochastic_rounding_needs_the_unique_ids_and_leaves_float32_rows_alone():
+    batch = _bags(0, rows=50, num_unique=10, n=40, num_bags=8)
+    pool = _pack(torch.randn(50, 8), BF16)
+    with pytest.raises(ValueError, match="stochastic rounding of 16-bit weights needs unique_ids"):
+        _backward(pool, 8, batch, 0, False, _opt(0, sr=True), BF16)
+    with pytest.raises(ValueError, match=r"unique_ids has 3 entries for 10 unique rows"):
+        _backward(pool, 8, batch, 0, False, _opt(0, sr=True), BF16, unique_ids=torch.arange(3))
+    rounded = torch.randn(50, 8)
+    plain = rounded.clone()
+    _backward(rounded, 8, batch, 0, False, _opt(0, sr=True), 0)  # float32 rows: nothing to round
+    _backward(plain, 8, batch, 0, False, _opt(0), 0)
+    assert torch.equal(rounded, plain)

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import tieredemb
+from training import rows_and_state, train
 
 NUM, DIM, BAGS, LEN, STEPS = 2000, 8, 40, 12, 6  # about 350 distinct ids a batch
 OPTIMIZERS = {"sgd": lambda: tieredemb.SGD(lr=0.05), "adagrad": lambda: tieredemb.Adagrad(lr=0.1),
@@ -42,24 +43,8 @@ def make(store, cache_rows, opt, tmp_path=None, mode="sum", num=NUM, **kw):
     return tieredemb.TieredEmbeddingBag(num, DIM, mode=mode, **args)
 
 
-def train(emb, data, depth=0):
-    outs = []
-    if depth == 0:
-        for ids, offsets, grad in data:
-            out = emb(ids, offsets)
-            out.backward(grad)
-            outs.append(out.detach())
-        return outs
-    for ids, offsets, grad in tieredemb.PrefetchLoader(data, [emb], depth=depth):  # the default ids_fn
-        out = emb(ids, offsets)
-        out.backward(grad)
-        outs.append(out.detach())
-    return outs
 
 
-def table(emb) -> torch.Tensor:
-    ids = torch.arange(emb.num_embeddings)
-    return torch.cat([emb.read_rows(ids), emb.read_optimizer_state(ids)], 1)
 
 
 @functools.lru_cache(maxsize=None)
@@ -67,7 +52,7 @@ def whole(opt: str):
     """The reference: the table whole in tier 0, no prefetch. (outputs, rows ‖ state)."""
     emb = make("host", None, opt)
     outs = train(emb, batches())
-    return outs, table(emb)
+    return outs, rows_and_state(emb)
 
 
 @pytest.mark.parametrize("depth", [0, 2])
@@ -80,7 +65,7 @@ def test_batches_larger_than_tier0_train_as_the_whole_table(tmp_path, cache_rows
     ref_outs, ref_table = whole(opt)
     for k, (got, want) in enumerate(zip(outs, ref_outs)):
         assert torch.equal(got, want), f"forward of batch {k} differs"
-    assert torch.equal(table(emb), ref_table)
+    assert torch.equal(rows_and_state(emb), ref_table)
     s = emb.stats()["tier0"]
     assert s["overflow_rows"] > 0 and s["capacity"] == cache_rows
     emb.flush()
@@ -130,7 +115,7 @@ def test_overflow_rows_leave_tier0_once_released():
     assert emb.stats()["tier0"]["dirty_writebacks"] >= distinct - 8
     ref_table = make("host", None, "adagrad")
     train(ref_table, batches()[:1])
-    assert torch.equal(table(emb), table(ref_table))
+    assert torch.equal(rows_and_state(emb), rows_and_state(ref_table))
 
 
 def test_two_forwards_sharing_overflow_rows_before_one_backward():
@@ -144,7 +129,7 @@ def test_two_forwards_sharing_overflow_rows_before_one_backward():
     for k in range(0, len(data) - 1, 2):
         for emb in (small, big):
             step(emb, data[k], data[k + 1])
-    assert torch.equal(table(small), table(big))
+    assert torch.equal(rows_and_state(small), rows_and_state(big))
 
 
 class SlowStore:
@@ -189,7 +174,7 @@ def test_prefetch_deeper_than_tier0_holds_never_fails(tmp_path, seed):
         out = emb(ids, offsets)
         time.sleep(rng.random() * 0.003)
         out.backward(grad)
-    assert torch.equal(table(emb), table(ref))
+    assert torch.equal(rows_and_state(emb), rows_and_state(ref))
     assert emb._store.tier0.index.pinned == 0
     emb.close()
 
@@ -212,4 +197,4 @@ def test_prefetch_waits_for_room_instead_of_overflowing():
     assert emb.stats()["tier0"]["overflow_rows"] == 0
     ref = make("host", None, "sgd", num=600)
     train(ref, data)
-    assert torch.equal(table(emb), table(ref))
+    assert torch.equal(rows_and_state(emb), rows_and_state(ref))

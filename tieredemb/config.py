@@ -20,7 +20,7 @@ import torch
 from ssd_backend import detect_backend
 from ssd_backend.options import DEFAULT_BACKEND, LogOptions, RocksDBOptions, SlotOptions, StoreOptions, parse_options
 
-from .optim import Optimizer
+from .optim import WEIGHT_TYPES, Optimizer, RowLayout
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -92,7 +92,11 @@ class TableConfig:
     init, seed: rows never written read as init's draw for (seed, row id).
     padding_idx: a row that starts at zero and is never updated (torch's padding_idx).
     device: where tier 0 lives: 'cpu' or 'cuda[:k]'.
-    dtype: the rows' dtype in the tiers (float32).
+    dtype: the weights' dtype in every tier: float32, float16 or bfloat16 (half the bytes moved and
+        stored); the optimizer state stays float32, and the math is float32 (pooled outputs too).
+    stochastic_rounding: with a 16-bit dtype, the updated weights are rounded stochastically
+        (unbiased; deterministic: a function of seed, row id, step and column) instead of to the
+        nearest.
 
     Sizes given in bytes are resolved to rows, and ssd_options dicts to typed options, when the
     config is made: the fields then read as rows and StoreOptions.
@@ -111,6 +115,7 @@ class TableConfig:
     padding_idx: int | None = None
     device: torch.device | str = "cpu"
     dtype: torch.dtype = torch.float32
+    stochastic_rounding: bool = False
 
     def __post_init__(self):
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
@@ -122,9 +127,10 @@ class TableConfig:
                     or not -n <= self.padding_idx < n:
                 raise ValueError(f"padding_idx {self.padding_idx!r} out of range [{-n}, {n})")
             set_("padding_idx", self.padding_idx % n)
-        if self.dtype != torch.float32:
-            raise ValueError(f"dtype {self.dtype} is not supported: tiers hold float32 rows "
-                             "(the SSD tier can store them as float16/bfloat16: storage_dtype)")
+        if self.dtype not in WEIGHT_TYPES:
+            raise ValueError(f"dtype {self.dtype} is not supported: use torch.float32, torch.float16 or torch.bfloat16")
+        if not isinstance(self.stochastic_rounding, bool):
+            raise TypeError(f"stochastic_rounding must be a bool, got {self.stochastic_rounding!r}")
         if self.policy not in POLICIES:
             raise ValueError(f"policy {self.policy!r} is not one of {POLICIES}")
         if self.optimizer is not None and not isinstance(self.optimizer, Optimizer):
@@ -151,11 +157,20 @@ class TableConfig:
         else:
             set_("ssd_path", os.fspath(self.ssd_path))
             set_("ssd", parse_options(self.ssd, detect_backend(self.ssd_path) or DEFAULT_BACKEND))
+            if self.dtype != torch.float32 and self.ssd is not None and self.ssd.storage_dtype != torch.float32:
+                raise ValueError(f"storage_dtype {self.ssd.storage_dtype} with dtype {self.dtype}: the rows' weights are "
+                                 "already 16-bit; storage_dtype must stay torch.float32 (the store keeps rows as they are)")
+
+    @property
+    def layout(self) -> RowLayout:
+        """How a stored row holds the weights and the optimizer's state."""
+        return RowLayout(self.embedding_dim, self.dtype,
+                         self.optimizer.state_width(self.embedding_dim) if self.optimizer else 0)
 
     @property
     def width(self) -> int:
-        """Floats per stored row: the weights, then the optimizer's state."""
-        return self.embedding_dim + (self.optimizer.state_width(self.embedding_dim) if self.optimizer else 0)
+        """32-bit words per stored row: the weights, then the optimizer's state."""
+        return self.layout.width
 
     @property
     def tier0_rows(self) -> int:
@@ -164,7 +179,7 @@ class TableConfig:
     def meta(self) -> dict:
         """What a stored table must match when reopened (JSON-able)."""
         return {"num_embeddings": self.num_embeddings, "embedding_dim": self.embedding_dim, "width": self.width,
-                "dtype": "float32", "seed": self.seed,
+                "dtype": str(self.dtype).removeprefix("torch."), "seed": self.seed,
                 "optimizer": self.optimizer.to_meta() if self.optimizer else None,
                 "init": {"kind": self.init.kind, "a": self.init.a, "b": self.init.b},
                 "padding_idx": self.padding_idx}

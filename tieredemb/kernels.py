@@ -7,14 +7,18 @@ Three implementations of the same arithmetic, chosen by where tier 0 keeps its r
   the optimizer in torch ops), the reference twin. The tests run each on the CPU (Triton under
   its interpreter) by replacing `implementation`, and check them against one another.
 
-Inputs: tier0, the table's tier 0 (its pool, and mark_dirty); batch, a ResidentBatch (unique ids,
-inverse, count, slots); bags, a Bags. forward returns what backward needs (`saved`).
+Inputs: tier0, the table's tier 0 (its pool, and mark_dirty); config, the table's TableConfig (its
+row layout: float32 or 16-bit weights; stochastic rounding; seed); batch, a ResidentBatch (unique
+ids, inverse, count, slots); bags, a Bags. forward returns what backward needs (`saved`). The
+math is float32 whatever the weights' type: 16-bit weights are read exactly and written back
+rounded (to the nearest, or stochastically).
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -42,37 +46,40 @@ def implementation(pool) -> str:
 
 
 def _unique_index(batch, row_id: int) -> int:
-    """The position of row_id among the batch's distinct ids, -1 if absent (host code paths)."""
+    """The position of row_id among the batch's distinct ids, -1 if absent (host code paths;
+    numpy: torch's intra-op threads cost milliseconds per call on a busy 2-core machine)."""
     if row_id < 0:
         return -1
-    hit = (batch.unique[:int(batch.count)] == row_id).nonzero()
-    return int(hit[0, 0]) if len(hit) else -1
+    hit = np.flatnonzero(batch.unique[:int(batch.count)].cpu().numpy() == row_id)
+    return int(hit[0]) if len(hit) else -1
 
 
 def _psw_cpu(psw):
     return None if psw is None else psw.detach().to("cpu", torch.float32).contiguous()
 
 
-def forward(tier0, dim: int, batch, bags: Bags):
+def forward(tier0, config, batch, bags: Bags):
     """Pools the batch's bags from tier 0. Returns (float32 [B, dim] on tier 0's device, saved)."""
-    pool = tier0.pool
+    pool, layout = tier0.pool, config.layout
+    dim = layout.dim
     how = implementation(pool)
     if how == "native":
         out = torch.empty(len(bags.offsets) - 1, dim, dtype=torch.float32)
         argmax = torch.empty((len(bags.offsets) - 1) * dim, dtype=torch.int64) if bags.mode == 2 else None
         _C.pool_forward(pool.rows, dim, batch.slots, batch.inverse, bags.offsets, _psw_cpu(bags.psw), bags.mode,
-                        _unique_index(batch, bags.skip_id), out, argmax)
+                        _unique_index(batch, bags.skip_id), out, argmax, weights=layout.code)
         return out, argmax
     if how == "triton":
         from .gpu import pooling
 
         dev = pool.device
         psw = None if bags.psw is None else bags.psw.detach().to(dev, torch.float32).contiguous()
-        return pooling.forward(pool.rows, dim, batch.slots, batch.unique, batch.inverse,
-                               bags.offsets.to(dev, non_blocking=True), psw, bags.mode, bags.skip_id)
+        with tier0.pool_lock:
+            return pooling.forward(pool.rows, dim, batch.slots, batch.unique, batch.inverse,
+                                   bags.offsets.to(dev, non_blocking=True), psw, bags.mode, bags.skip_id, layout.code)
     count = int(batch.count)
     dev = pool.device
-    leaf = pool.gather(batch.slots[:count])[:, :dim].contiguous().requires_grad_(True)
+    leaf = layout.weights(pool.gather(batch.slots[:count])).contiguous().requires_grad_(True)
     psw = None
     if bags.psw is not None:
         psw = bags.psw.detach().to(dev, torch.float32).requires_grad_(bags.psw.requires_grad)
@@ -84,46 +91,55 @@ def forward(tier0, dim: int, batch, bags: Bags):
     return out.detach(), (out, leaf, psw)
 
 
-def backward_update(tier0, dim: int, batch, bags: Bags, saved, grad_out: torch.Tensor, optimizer, step: int,
+def backward_update(tier0, config, batch, bags: Bags, saved, grad_out: torch.Tensor, step: int,
                     need_psw_grad: bool) -> torch.Tensor | None:
-    """Sums each unique row's gradient and applies the optimizer to its row in tier 0, except the
-    padding row, and marks the rows it updated dirty. Returns the gradient of the per-sample
-    weights when asked."""
-    pool = tier0.pool
+    """Sums each unique row's gradient and applies the table's optimizer to its row in tier 0,
+    except the padding row, and marks the rows it updated dirty. Returns the gradient of the
+    per-sample weights when asked."""
+    pool, layout, optimizer = tier0.pool, config.layout, config.optimizer
+    dim = layout.dim
     how = implementation(pool)
     if how == "triton":
         from .gpu import pooling
 
         dev = pool.device
         psw = None if bags.psw is None else bags.psw.detach().to(dev, torch.float32).contiguous()
-        psw_grad = pooling.backward_update(pool.rows, tier0.dirty, dim, batch.slots, batch.unique, batch.count,
-                                           batch.inverse, bags.offsets.to(dev, non_blocking=True), psw, bags.mode,
-                                           bags.skip_id, bags.frozen_id, grad_out, saved, optimizer, step,
-                                           need_psw_grad)
+        with tier0.pool_lock:
+            psw_grad = pooling.backward_update(pool.rows, tier0.dirty, dim, batch.slots, batch.unique, batch.count,
+                                               batch.inverse, bags.offsets.to(dev, non_blocking=True), psw, bags.mode,
+                                               bags.skip_id, bags.frozen_id, grad_out, saved, optimizer, step,
+                                               need_psw_grad, layout.code, config.stochastic_rounding, config.seed)
         return None if psw_grad is None else psw_grad.to(bags.psw.device, bags.psw.dtype)
     skip_u, frozen_u = _unique_index(batch, bags.skip_id), _unique_index(batch, bags.frozen_id)
     count = int(batch.count)
-    keep = torch.ones(count, dtype=torch.bool)
-    for u in (frozen_u, skip_u):
-        if u >= 0:
-            keep[u] = False
-    updated = batch.slots[:count].cpu()[keep]
+    left_alone = [u for u in (frozen_u, skip_u) if u >= 0]
+    keep = np.delete(np.arange(count), left_alone)  # the unique rows the update touches
+    updated = batch.slots[:count].cpu() if not left_alone else torch.from_numpy(np.delete(
+        batch.slots[:count].cpu().numpy(), left_alone))
     if how == "native":
         psw_grad = torch.empty(len(batch.inverse), dtype=torch.float32) if need_psw_grad else None
+        args = optimizer.native_args(step)
+        args.stochastic_rounding, args.sr_seed, args.step = config.stochastic_rounding, config.seed, step
         _C.pool_backward_update(pool.rows, dim, batch.slots, batch.inverse, bags.offsets, _psw_cpu(bags.psw),
                                 bags.mode, skip_u, grad_out.detach().to("cpu", torch.float32).contiguous(),
-                                saved, optimizer.native_args(step), frozen_u, psw_grad)
+                                saved, args, frozen_u, psw_grad, weights=layout.code,
+                                unique_ids=batch.unique if config.stochastic_rounding else None)
         tier0.mark_dirty(updated)
         if psw_grad is not None and bags.psw is not None:
             psw_grad = psw_grad.to(bags.psw.device, bags.psw.dtype)
         return psw_grad
+    if config.stochastic_rounding and layout.code:
+        raise NotImplementedError("the torch-ops twin rounds 16-bit weights to the nearest only")
     out, leaf, psw = saved
     inputs = [leaf] + ([psw] if need_psw_grad and psw is not None else [])
     grads = torch.autograd.grad(out, inputs, grad_out.to(out.device, out.dtype), allow_unused=True)
     grad = grads[0] if grads[0] is not None else torch.zeros_like(leaf)
-    rows = pool.gather(updated)
-    optimizer.apply_torch(rows, grad[keep.to(grad.device)], dim, step)
-    pool.scatter(updated, rows)
+    stored = pool.gather(updated)
+    rows = torch.cat([layout.weights(stored), layout.state(stored)], 1)  # float32 weights ‖ state
+    optimizer.apply_torch(rows, grad[torch.from_numpy(keep).to(grad.device)], dim, step)
+    layout.set_weights(stored, rows[:, :dim])
+    layout.state(stored)[:] = rows[:, dim:]
+    pool.scatter(updated, stored)
     tier0.mark_dirty(updated)
     if need_psw_grad and psw is not None:
         g = grads[1] if grads[1] is not None else torch.zeros_like(psw)

@@ -23,7 +23,7 @@ class _Pool(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, table, batch, bags: Bags, psw: Tensor | None, anchor: Tensor) -> Tensor:
-        out, saved = kernels.forward(table._store.tier0, table.embedding_dim, batch, bags)
+        out, saved = kernels.forward(table._store.tier0, table.config, batch, bags)
         ctx.lookup = (table, batch, bags, saved)
         return out
 
@@ -45,7 +45,7 @@ def pooled(table, ids: Tensor, offsets: Tensor, psw: Tensor | None, mode: int, e
     training = torch.is_grad_enabled() and table._grad_anchor.requires_grad
     if not training:
         try:
-            return kernels.forward(table._store.tier0, table.embedding_dim, batch, bags)[0]
+            return kernels.forward(table._store.tier0, table.config, batch, bags)[0]
         finally:
             batch.release()
     try:
@@ -64,7 +64,7 @@ def _backward(table, batch, bags: Bags, saved, grad_out: Tensor, need_psw_grad: 
             raise RuntimeError(f"{type(table).__name__} has no optimizer: pass optimizer=tieredemb.SGD(lr=...) "
                                "(or Adagrad, RowWiseAdagrad, Adam); its update is fused into backward")
         table.step += 1
-        return kernels.backward_update(table._store.tier0, table.embedding_dim, batch, bags, saved, grad_out,
-                                       table.optimizer, table.step, need_psw_grad)
+        return kernels.backward_update(table._store.tier0, table.config, batch, bags, saved, grad_out, table.step,
+                                       need_psw_grad)
     finally:
         batch.release()

@@ -68,6 +68,7 @@ class _TieredBase(Persistence, nn.Module):
     seed = property(lambda self: self.config.seed)
     device = property(lambda self: self.config.device)
     width = property(lambda self: self.config.width)
+    layout = property(lambda self: self.config.layout)
 
     # -- rows ---------------------------------------------------------------------------------
     def _check_ids(self, ids) -> Tensor:
@@ -77,30 +78,32 @@ class _TieredBase(Persistence, nn.Module):
         return ids.reshape(-1).to(torch.int64)
 
     def read_rows(self, ids) -> Tensor:
-        """ids: int [n]. Returns float32 [n, D] (CPU): current values wherever the rows live."""
-        return self._store.read(self._check_ids(ids))[:, :self.embedding_dim]
+        """ids: int [n]. Returns float32 [n, D] (CPU): current values wherever the rows live
+        (16-bit weights converted exactly)."""
+        return self.layout.weights(self._store.read(self._check_ids(ids)))
 
     def read_optimizer_state(self, ids) -> Tensor:
         """ids: int [n]. Returns float32 [n, S]: the optimizer state stored with each row."""
-        return self._store.read(self._check_ids(ids))[:, self.embedding_dim:]
+        return self.layout.state(self._store.read(self._check_ids(ids)))
 
     def write_rows(self, ids, values: Tensor, optimizer_state: Tensor | None = None) -> None:
-        """Sets rows: ids int [n] unique; values [n, D]; optimizer_state [n, S] (kept if None)."""
+        """Sets rows: ids int [n] unique; values [n, D] (rounded to the nearest value of the table's
+        dtype); optimizer_state [n, S] (kept if None)."""
         ids = self._check_ids(ids)
         values = torch.as_tensor(values)
         if tuple(values.shape) != (len(ids), self.embedding_dim):
             raise ValueError(f"values has shape {tuple(values.shape)}, expected ({len(ids)}, {self.embedding_dim})")
         if not values.dtype.is_floating_point:
             raise TypeError(f"values must be floating point, got {values.dtype}")
-        state_w = self.width - self.embedding_dim
+        state_w = self.layout.state_width
         if optimizer_state is not None and tuple(optimizer_state.shape) != (len(ids), state_w):
             raise ValueError(f"optimizer_state has shape {tuple(optimizer_state.shape)}, expected ({len(ids)}, {state_w})")
         if len(torch.unique(ids)) != len(ids):
             raise ValueError("write_rows ids must be unique")
         rows = self._store.read(ids)  # validates the range before anything changes
-        rows[:, :self.embedding_dim] = values.detach().cpu().to(torch.float32)
+        self.layout.set_weights(rows, values.detach().cpu())
         if optimizer_state is not None:
-            rows[:, self.embedding_dim:] = optimizer_state.detach().cpu().to(torch.float32)
+            self.layout.state(rows)[:] = optimizer_state.detach().cpu().to(torch.float32)
         self._store.write(ids, rows)
 
     def close(self) -> None:

@@ -1,4 +1,4 @@
-"""Fused optimizers and the row layout: a row is weights (D floats) ‖ optimizer state.
+"""Fused optimizers and the row layout: a row is its weights ‖ the optimizer's float32 state.
 
 Each optimizer is applied inside backward to the rows a batch touched, with the gradients of
 duplicate ids summed first (exact). Its state lives in the same row, so it moves with the row
@@ -160,3 +160,49 @@ def from_meta(meta: dict | None) -> Optimizer | None:
         return None
     fields = {k: (tuple(v) if isinstance(v, list) else v) for k, v in meta.items() if k != "name"}
     return OPTIMIZERS[meta["name"]](**fields)
+
+
+# The weights' dtype in every tier: its code in the native and Triton kernels.
+WEIGHT_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+
+@dataclasses.dataclass(frozen=True)
+class RowLayout:
+    """How a stored row holds its values: `width` 32-bit words, the first weight_words the dim
+    weights (float32, or float16 / bfloat16 two to a word: weight d is the 16-bit value at byte
+    2 d, an odd dim's last half-word zero), then the optimizer's float32 state. Tier pools and
+    stores move rows as float32 [n, width] blocks without looking inside."""
+
+    dim: int
+    dtype: torch.dtype
+    state_width: int
+
+    @property
+    def code(self) -> int:
+        return WEIGHT_TYPES[self.dtype]
+
+    @property
+    def weight_words(self) -> int:
+        return self.dim if self.dtype == torch.float32 else (self.dim + 1) // 2
+
+    @property
+    def width(self) -> int:
+        return self.weight_words + self.state_width
+
+    def weights(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows [n, width] -> their weights as float32 [n, dim] (exact)."""
+        w = rows[:, :self.weight_words]
+        return w if self.dtype == torch.float32 else w.contiguous().view(self.dtype)[:, :self.dim].float()
+
+    def state(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows [n, width] -> their optimizer state, float32 [n, state_width]."""
+        return rows[:, self.weight_words:]
+
+    def set_weights(self, rows: torch.Tensor, weights: torch.Tensor) -> None:
+        """Writes weights (float [n, dim]) into rows [n, width], rounded to the nearest (even) value of dtype."""
+        if self.dtype == torch.float32:
+            rows[:, :self.dim] = weights.to(torch.float32)
+            return
+        half = torch.zeros(len(rows), 2 * self.weight_words, dtype=self.dtype)
+        half[:, :self.dim] = weights.to(self.dtype)
+        rows[:, :self.weight_words] = half.view(torch.float32)

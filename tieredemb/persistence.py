@@ -42,7 +42,7 @@ def restored_step(store, ssd_path: str | None) -> int:
 
 class Persistence:
     """The saving and restoring half of a tiered module (mixed into it): needs self._store (a
-    TableStore), self.config (a TableConfig), self.step, self.embedding_dim, self.width."""
+    TableStore), self.config (a TableConfig), self.step, self.layout, self.width."""
 
     def flush(self) -> None:
         """Returns when every update made before it is in the backing store (durable on SSD),
@@ -64,7 +64,7 @@ class Persistence:
             if len(ids) == 0:
                 return
             rows = self._store.read(ids)
-            yield ids, rows[:, :self.embedding_dim], rows[:, self.embedding_dim:]
+            yield ids, self.layout.weights(rows), self.layout.state(rows)
             start = int(ids[-1]) + 1
 
     def export_rows(self, directory, chunk_rows: int = 1 << 18) -> int:
@@ -99,8 +99,8 @@ class Persistence:
     # -- state_dict for tables that fit in memory ---------------------------------------------
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         rows = self._all_rows()
-        destination[prefix + "weight"] = rows[:, :self.embedding_dim].clone()
-        destination[prefix + "optimizer_state"] = rows[:, self.embedding_dim:].clone()
+        destination[prefix + "weight"] = self.layout.weights(rows).to(self.config.dtype)
+        destination[prefix + "optimizer_state"] = self.layout.state(rows).clone()
         destination[prefix + "optimizer_step"] = torch.tensor(self.step)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
@@ -110,12 +110,12 @@ class Persistence:
             missing_keys.append(key)
             return
         w = state_dict[key]
-        n, d = self.config.num_embeddings, self.embedding_dim
+        n, d = self.config.num_embeddings, self.config.embedding_dim
         if tuple(w.shape) != (n, d):
             error_msgs.append(f"size mismatch for {key}: {tuple(w.shape)} vs ({n}, {d})")
             return
         st = state_dict.get(prefix + "optimizer_state")
-        if st is not None and st.shape[1] != self.width - d:
+        if st is not None and st.shape[1] != self.layout.state_width:
             st = None
         self.write_rows(torch.arange(n), w, st)
         if prefix + "optimizer_step" in state_dict:

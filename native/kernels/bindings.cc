@@ -1,5 +1,6 @@
 // Python bindings of the batch kernels (tieredemb._C): dedup, initial rows, bag pooling forward
-// and the fused backward with its optimizer arguments.
+// and the fused backward with its optimizer arguments, on rows of float32 or 16-bit weights
+// (`weights`: 0 float32, 1 float16, 2 bfloat16; the layout in weights.h).
 // Only whole batches cross: 1-D int64 id arrays and 2-D float32 row blocks (DLPack: torch
 // tensors pass without copies). Every batch call releases the GIL, its checks included
 // (common/bindings.h).
@@ -13,6 +14,7 @@
 #include "kernels/dedup.h"
 #include "kernels/init.h"
 #include "kernels/pooling.h"
+#include "kernels/weights.h"
 
 namespace tieredemb {
 
@@ -28,19 +30,34 @@ InitSpec init_spec(int kind, double a, double b, uint64_t seed, int64_t zero_id)
   return InitSpec{static_cast<InitKind>(kind), a, b, seed, zero_id};
 }
 
-// ValueError unless the first dim columns of rows of `width` floats can be weights.
-void check_dim(int64_t dim, int64_t width) {
-  if (dim <= 0 || dim > width)
+// The WeightType of a binding's `weights` argument. Call with the GIL held.
+WeightType weight_type(int type) {
+  if (type < 0 || type > 2)
     throw nb::value_error(
-        ("dim " + std::to_string(dim) + " must be in [1, row width " + std::to_string(width) + "]").c_str());
+        ("weights type " + std::to_string(type) + " is not 0 (float32), 1 (float16) or 2 (bfloat16)").c_str());
+  return static_cast<WeightType>(type);
+}
+
+// ValueError unless dim weights of the type fit in rows of `width` words.
+void check_dim(int64_t dim, int64_t width, WeightType weights) {
+  if (weights == WeightType::kFloat32) {
+    if (dim <= 0 || dim > width)
+      throw nb::value_error(
+          ("dim " + std::to_string(dim) + " must be in [1, row width " + std::to_string(width) + "]").c_str());
+  } else if (dim <= 0 || weight_words(weights, dim) > width) {
+    throw nb::value_error(("dim " + std::to_string(dim) + " must be in [1, 2 * row width = " +
+                           std::to_string(2 * width) + "] for 16-bit weights")
+                              .c_str());
+  }
 }
 
 // The PoolingArgs of a batch, after the checks that take O(1) (with the GIL held).
 PoolingArgs pooling_args(const Rows& pool, int64_t dim, const Ids& slots_u, const Ids& inverse, const Ids& offsets,
-                         std::optional<Floats> psw, int mode, int64_t skip_u) {
+                         std::optional<Floats> psw, int mode, int64_t skip_u, int weights) {
   if (mode < 0 || mode > 2)
     throw nb::value_error(("mode must be 0 (sum), 1 (mean) or 2 (max), got " + std::to_string(mode)).c_str());
-  check_dim(dim, static_cast<int64_t>(pool.shape(1)));
+  const WeightType type = weight_type(weights);
+  check_dim(dim, static_cast<int64_t>(pool.shape(1)), type);
   if (offsets.shape(0) < 1) throw nb::value_error("offsets must have num_bags + 1 entries, got none");
   PoolingArgs a;
   a.dim = dim;
@@ -59,6 +76,7 @@ PoolingArgs pooling_args(const Rows& pool, int64_t dim, const Ids& slots_u, cons
   }
   a.mode = static_cast<PoolingMode>(mode);
   a.skip_u = skip_u;
+  a.weights = type;
   return a;
 }
 
@@ -92,18 +110,26 @@ void register_kernels(nb::module_& m) {
       }, "ids"_a.noconvert(), "num_embeddings"_a,
       "unique ids in order of first occurrence and the inverse map; IndexError for an id out of range");
 
-  m.def("init_rows", [](Ids ids, Rows out, int64_t dim, int kind, double a, double b, uint64_t seed, int64_t zero_id) {
+  m.def("weight_words", [](int type, int64_t dim) { return weight_words(weight_type(type), dim); }, "type"_a, "dim"_a,
+        "32-bit words of a row taken by dim weights of the type (0 float32: dim; 1 float16, 2 bfloat16: "
+        "(dim + 1) / 2); the optimizer state follows");
+
+  m.def("init_rows", [](Ids ids, Rows out, int64_t dim, int kind, double a, double b, uint64_t seed, int64_t zero_id,
+                        int weights) {
         raise_if_error(check_rows("init_rows out", out.shape(0), ids.shape(0), out.shape(1), -1));
-        check_dim(dim, static_cast<int64_t>(out.shape(1)));
+        const WeightType type = weight_type(weights);
+        check_dim(dim, static_cast<int64_t>(out.shape(1)), type);
         const InitSpec spec = init_spec(kind, a, b, seed, zero_id);
         nb::gil_scoped_release release;
-        init_rows(spec, ids.data(), ids.shape(0), dim, out.shape(1), out.data());
+        init_rows(spec, ids.data(), ids.shape(0), dim, out.shape(1), out.data(), type);
       }, "ids"_a.noconvert(), "out"_a.noconvert(), "dim"_a, "kind"_a, "a"_a, "b"_a, "seed"_a, "zero_id"_a,
+      "weights"_a = 0,
       "out[i] = the initial row of ids[i]: dim weights (kind 0: normal(a, b), 1: uniform [a, b), 2: zeros; "
-      "zeros for zero_id), a function of (seed, id) only, then zero optimizer state");
+      "zeros for zero_id), a function of (seed, id) only, drawn in float32 and stored as `weights` (0 float32, "
+      "1 float16, 2 bfloat16: rounded to nearest even), then zero optimizer state");
 
   m.def("read_or_init", [](ConstRows src, Ids src_rows, Ids ids, Rows dst, Ids dst_rows, int64_t dim, int kind,
-                           double a, double b, uint64_t seed, int64_t zero_id) {
+                           double a, double b, uint64_t seed, int64_t zero_id, int weights) {
         if (src.shape(1) != dst.shape(1))
           throw nb::value_error(("read_or_init: src rows have " + std::to_string(src.shape(1)) + " floats, dst rows " +
                                  std::to_string(dst.shape(1))).c_str());
@@ -112,7 +138,8 @@ void register_kernels(nb::module_& m) {
           throw nb::value_error(("read_or_init: " + std::to_string(n) + " src_rows, " + std::to_string(ids.shape(0)) +
                                  " ids and " + std::to_string(dst_rows.shape(0)) + " dst_rows differ in length")
                                     .c_str());
-        check_dim(dim, static_cast<int64_t>(dst.shape(1)));
+        const WeightType type = weight_type(weights);
+        check_dim(dim, static_cast<int64_t>(dst.shape(1)), type);
         const InitSpec spec = init_spec(kind, a, b, seed, zero_id);
         int64_t copied = 0;
         run_without_gil([&] {
@@ -125,20 +152,21 @@ void register_kernels(nb::module_& m) {
           Status s = check_slots("read_or_init dst row", dst_rows.data(), n, static_cast<int64_t>(dst.shape(0)));
           if (s.ok())
             copied = read_or_init(src.data(), src_rows.data(), ids.data(), dst.data(), dst_rows.data(), n, dim,
-                                  dst.shape(1), spec);
+                                  dst.shape(1), spec, type);
           return s;
         });
         return copied;
       }, "src"_a.noconvert(), "src_rows"_a.noconvert(), "ids"_a.noconvert(), "dst"_a.noconvert(),
-      "dst_rows"_a.noconvert(), "dim"_a, "kind"_a, "a"_a, "b"_a, "seed"_a, "zero_id"_a,
-      "dst[dst_rows[i]] = src[src_rows[i]], or the initial row of ids[i] where src_rows[i] < 0; returns rows copied");
+      "dst_rows"_a.noconvert(), "dim"_a, "kind"_a, "a"_a, "b"_a, "seed"_a, "zero_id"_a, "weights"_a = 0,
+      "dst[dst_rows[i]] = src[src_rows[i]], or the initial row of ids[i] where src_rows[i] < 0 (weights as in "
+      "init_rows); returns rows copied");
 
   m.def("state_width", [](int kind, int64_t dim) { return state_width(static_cast<OptimizerKind>(kind), dim); },
         "kind"_a, "dim"_a, "floats of optimizer state per row");
 
   m.def("pool_forward", [](Rows pool, int64_t dim, Ids slots_u, Ids inverse, Ids offsets, std::optional<Floats> psw,
-                           int mode, int64_t skip_u, Rows out, std::optional<MutIds> argmax) {
-        PoolingArgs a = pooling_args(pool, dim, slots_u, inverse, offsets, psw, mode, skip_u);
+                           int mode, int64_t skip_u, Rows out, std::optional<MutIds> argmax, int weights) {
+        PoolingArgs a = pooling_args(pool, dim, slots_u, inverse, offsets, psw, mode, skip_u, weights);
         raise_if_error(check_rows("pool_forward out", out.shape(0), a.num_bags, out.shape(1), dim));
         check_argmax(a, argmax ? static_cast<int64_t>(argmax->shape(0)) : -1);
         int64_t* am = argmax ? argmax->data() : nullptr;
@@ -148,7 +176,10 @@ void register_kernels(nb::module_& m) {
           return s;
         });
       }, "pool"_a.noconvert(), "dim"_a, "slots_u"_a.noconvert(), "inverse"_a.noconvert(), "offsets"_a.noconvert(),
-      "per_sample_weights"_a.noconvert().none(), "mode"_a, "skip_u"_a, "out"_a.noconvert(), "argmax"_a.noconvert().none());
+      "per_sample_weights"_a.noconvert().none(), "mode"_a, "skip_u"_a, "out"_a.noconvert(),
+      "argmax"_a.noconvert().none(), "weights"_a = 0,
+      "out[b] = the pooled float32 weights of bag b's rows (pool rows of `weights` type: 0 float32, 1 float16, "
+      "2 bfloat16); for max pooling argmax[b * dim + d] = the occurrence that gave the max");
 
   nb::class_<OptimizerArgs>(m, "OptimizerArgs")
       .def(nb::init<>())
@@ -162,17 +193,30 @@ void register_kernels(nb::module_& m) {
       .def_rw("eps", &OptimizerArgs::eps)
       .def_rw("beta1", &OptimizerArgs::beta1)
       .def_rw("beta2", &OptimizerArgs::beta2)
-      .def_rw("adam_step_size", &OptimizerArgs::adam_step_size);
+      .def_rw("adam_step_size", &OptimizerArgs::adam_step_size)
+      .def_rw("stochastic_rounding", &OptimizerArgs::stochastic_rounding)
+      .def_rw("sr_seed", &OptimizerArgs::sr_seed)
+      .def_rw("step", &OptimizerArgs::step);
 
   m.def("pool_backward_update", [](Rows pool, int64_t dim, Ids slots_u, Ids inverse, Ids offsets, std::optional<Floats> psw,
                                    int mode, int64_t skip_u, ConstRows grad_out, std::optional<Ids> argmax,
-                                   const OptimizerArgs& opt, int64_t frozen_u, std::optional<MutFloats> psw_grad) {
-        PoolingArgs a = pooling_args(pool, dim, slots_u, inverse, offsets, psw, mode, skip_u);
+                                   const OptimizerArgs& opt, int64_t frozen_u, std::optional<MutFloats> psw_grad,
+                                   int weights, std::optional<Ids> unique_ids) {
+        PoolingArgs a = pooling_args(pool, dim, slots_u, inverse, offsets, psw, mode, skip_u, weights);
         raise_if_error(check_rows("grad_output", grad_out.shape(0), a.num_bags, grad_out.shape(1), dim));
         check_argmax(a, argmax ? static_cast<int64_t>(argmax->shape(0)) : -1);
         if (psw_grad && static_cast<int64_t>(psw_grad->shape(0)) != a.num_ids)
           throw nb::value_error(("psw_grad has " + std::to_string(psw_grad->shape(0)) + " entries for " +
                                  std::to_string(a.num_ids) + " ids").c_str());
+        if (unique_ids) {
+          if (static_cast<int64_t>(unique_ids->shape(0)) != a.num_unique)
+            throw nb::value_error(("unique_ids has " + std::to_string(unique_ids->shape(0)) + " entries for " +
+                                   std::to_string(a.num_unique) + " unique rows (slots_u)").c_str());
+          a.unique_ids = unique_ids->data();
+        } else if (opt.stochastic_rounding && a.weights != WeightType::kFloat32) {
+          throw nb::value_error(
+              "stochastic rounding of 16-bit weights needs unique_ids (the row id of each unique row)");
+        }
         const int64_t* am = argmax ? argmax->data() : nullptr;
         float* pg = psw_grad ? psw_grad->data() : nullptr;
         run_without_gil([&] {
@@ -182,7 +226,11 @@ void register_kernels(nb::module_& m) {
         });
       }, "pool"_a.noconvert(), "dim"_a, "slots_u"_a.noconvert(), "inverse"_a.noconvert(), "offsets"_a.noconvert(),
       "per_sample_weights"_a.noconvert().none(), "mode"_a, "skip_u"_a, "grad_out"_a.noconvert(),
-      "argmax"_a.noconvert().none(), "opt"_a, "frozen_u"_a, "psw_grad"_a.noconvert().none());
+      "argmax"_a.noconvert().none(), "opt"_a, "frozen_u"_a, "psw_grad"_a.noconvert().none(), "weights"_a = 0,
+      "unique_ids"_a.noconvert().none() = nb::none(),
+      "sums each unique row's gradient and applies the optimizer to its row in place (16-bit weights: to the "
+      "decoded float32 weights, then written back rounded to nearest even, or stochastically with "
+      "opt.stochastic_rounding, which needs unique_ids [U], the row id of each unique row)");
 }
 
 }  // namespace tieredemb

@@ -9,26 +9,35 @@
 
 namespace tieredemb {
 
-void init_rows(const InitSpec& spec, const int64_t* ids, int64_t n, int64_t dim, int64_t width, float* out) {
+void init_rows(const InitSpec& spec, const int64_t* ids, int64_t n, int64_t dim, int64_t width, float* out,
+               WeightType weights) {
   // The draws (random.h) are bit-reproducible on every machine and build: a table reopened
   // elsewhere reads its unwritten rows as the same values.
-  parallel_for(n, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      float* row = out + i * width;
-      std::fill(row + dim, row + width, 0.f);
-      if (spec.kind == InitKind::kZeros || ids[i] == spec.zero_id) {
-        std::fill(row, row + dim, 0.f);
-      } else if (spec.kind == InitKind::kUniform) {
-        fill_uniform(row_key(spec.seed, ids[i]), row, dim, static_cast<float>(spec.a), static_cast<float>(spec.b));
-      } else {
-        fill_normal(row_key(spec.seed, ids[i]), row, dim, static_cast<float>(spec.a), static_cast<float>(spec.b));
+  dispatch_weight_type(weights, [&](auto type) {
+    constexpr WeightType W = decltype(type)::value;
+    const int64_t words = weight_words(W, dim);
+    parallel_for(n, 64, [&](int64_t begin, int64_t end) {
+      std::vector<float> drawn(W == WeightType::kFloat32 ? 0 : dim);
+      for (int64_t i = begin; i < end; ++i) {
+        float* row = out + i * width;
+        std::fill(row + words, row + width, 0.f);
+        float* w = W == WeightType::kFloat32 ? row : drawn.data();  // float32 weights are drawn in place
+        if (spec.kind == InitKind::kZeros || ids[i] == spec.zero_id) {
+          std::fill(w, w + dim, 0.f);
+        } else if (spec.kind == InitKind::kUniform) {
+          fill_uniform(row_key(spec.seed, ids[i]), w, dim, static_cast<float>(spec.a), static_cast<float>(spec.b));
+        } else {
+          fill_normal(row_key(spec.seed, ids[i]), w, dim, static_cast<float>(spec.a), static_cast<float>(spec.b));
+        }
+        if constexpr (W != WeightType::kFloat32) encode_weights<W>(w, dim, row);
       }
-    }
+    });
   });
 }
 
 int64_t read_or_init(const float* src, const int64_t* src_rows, const int64_t* ids, float* dst,
-                     const int64_t* dst_rows, int64_t n, int64_t dim, int64_t width, const InitSpec& spec) {
+                     const int64_t* dst_rows, int64_t n, int64_t dim, int64_t width, const InitSpec& spec,
+                     WeightType weights) {
   std::vector<int64_t> absent;
   std::vector<int64_t> copy_src, copy_dst;
   copy_src.reserve(n);
@@ -53,7 +62,7 @@ int64_t read_or_init(const float* src, const int64_t* src_rows, const int64_t* i
       packed[k] = k;
     }
     std::vector<float> block(static_cast<size_t>(m) * width);
-    init_rows(spec, absent_ids.data(), m, dim, width, block.data());
+    init_rows(spec, absent_ids.data(), m, dim, width, block.data(), weights);
     copy_rows(block.data(), packed.data(), dst, absent_dst.data(), m, width);
   }
   return static_cast<int64_t>(copy_src.size());

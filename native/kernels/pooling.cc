@@ -27,29 +27,31 @@ inline float dot(const float* __restrict x, const float* __restrict y, int64_t n
   return ((part[0] + part[4]) + (part[2] + part[6])) + ((part[1] + part[5]) + (part[3] + part[7]));
 }
 
-inline void apply_optimizer(const OptimizerArgs& o, int64_t dim, float* __restrict row, const float* __restrict g) {
+// One optimizer step on weights w[0, dim) with gradient g and the row's state.
+inline void apply_optimizer(const OptimizerArgs& o, int64_t dim, float* __restrict w, float* __restrict state,
+                            const float* __restrict g) {
   switch (o.kind) {
     case OptimizerKind::kSGD:
-      for (int64_t d = 0; d < dim; ++d) row[d] += -o.lr * g[d];
+      for (int64_t d = 0; d < dim; ++d) w[d] += -o.lr * g[d];
       break;
     case OptimizerKind::kAdagrad: {
-      float* __restrict sum = row + dim;
+      float* __restrict sum = state;
       for (int64_t d = 0; d < dim; ++d) {
         sum[d] += g[d] * g[d];
-        row[d] += -o.lr * (g[d] / (std::sqrt(sum[d]) + o.eps));
+        w[d] += -o.lr * (g[d] / (std::sqrt(sum[d]) + o.eps));
       }
       break;
     }
     case OptimizerKind::kRowWiseAdagrad: {
-      row[dim] += dot(g, g, dim) / static_cast<float>(dim);
-      float multiplier = o.lr / (std::sqrt(row[dim]) + o.eps);
-      for (int64_t d = 0; d < dim; ++d) row[d] -= multiplier * g[d];
+      state[0] += dot(g, g, dim) / static_cast<float>(dim);
+      float multiplier = o.lr / (std::sqrt(state[0]) + o.eps);
+      for (int64_t d = 0; d < dim; ++d) w[d] -= multiplier * g[d];
       break;
     }
     case OptimizerKind::kAdam: {
       // Lazy Adam with torch.optim.SparseAdam's arithmetic, step by step.
-      float* __restrict m = row + dim;
-      float* __restrict v = row + 2 * dim;
+      float* __restrict m = state;
+      float* __restrict v = state + dim;
       for (int64_t d = 0; d < dim; ++d) {
         float m_update = (g[d] - m[d]) * (1.f - o.beta1);
         float v_update = (g[d] * g[d] - v[d]) * (1.f - o.beta2);
@@ -57,15 +59,18 @@ inline void apply_optimizer(const OptimizerArgs& o, int64_t dim, float* __restri
         float vv = v_update + v[d];
         m[d] = numer;
         v[d] = vv;
-        row[d] += -o.adam_step_size * (numer / (std::sqrt(vv) + o.eps));
+        w[d] += -o.adam_step_size * (numer / (std::sqrt(vv) + o.eps));
       }
       break;
     }
   }
 }
 
-// Rows a pooling kernel reads, in the order it adds them: row(k) and, for a weighted sum, scale(k).
+// Rows a pooling kernel reads, in the order it adds them: row(k), whose weights are of type
+// kWeights, and, for a weighted sum, scale(k).
+template <WeightType W>
 struct RowList {
+  static constexpr WeightType kWeights = W;
   const float* const* rows;
   const float* scales;
   const float* row(int64_t k) const { return rows[k]; }
@@ -76,19 +81,20 @@ struct RowList {
 // terms added in order k = 0, 1, ... into one accumulator per column, held in registers.
 template <int NV, bool kScaled, class Rows>
 inline void sum_rows_block(const Rows& src, int64_t n, int64_t col, float* __restrict out) {
+  constexpr WeightType W = Rows::kWeights;
 #if defined(__AVX2__) && defined(__FMA__)
   __m256 acc[NV];
 #pragma GCC unroll 16
   for (int v = 0; v < NV; ++v) acc[v] = _mm256_setzero_ps();
   for (int64_t k = 0; k < n; ++k) {
-    const float* r = src.row(k) + col;
+    const WeightBits<W>* r = stored_weights<W>(src.row(k)) + col;
     if constexpr (kScaled) {
       __m256 s = _mm256_set1_ps(src.scale(k));
 #pragma GCC unroll 16
-      for (int v = 0; v < NV; ++v) acc[v] = _mm256_fmadd_ps(s, _mm256_loadu_ps(r + 8 * v), acc[v]);
+      for (int v = 0; v < NV; ++v) acc[v] = _mm256_fmadd_ps(s, load8_weights<W>(r + 8 * v), acc[v]);
     } else {
 #pragma GCC unroll 16
-      for (int v = 0; v < NV; ++v) acc[v] = _mm256_add_ps(acc[v], _mm256_loadu_ps(r + 8 * v));
+      for (int v = 0; v < NV; ++v) acc[v] = _mm256_add_ps(acc[v], load8_weights<W>(r + 8 * v));
     }
   }
 #pragma GCC unroll 16
@@ -96,9 +102,12 @@ inline void sum_rows_block(const Rows& src, int64_t n, int64_t col, float* __res
 #else
   float acc[8 * NV] = {};
   for (int64_t k = 0; k < n; ++k) {
-    const float* r = src.row(k) + col;
+    const WeightBits<W>* r = stored_weights<W>(src.row(k)) + col;
     float s = kScaled ? src.scale(k) : 1.f;
-    for (int c = 0; c < 8 * NV; ++c) acc[c] = kScaled ? std::fma(s, r[c], acc[c]) : acc[c] + r[c];
+    for (int c = 0; c < 8 * NV; ++c) {
+      float x = weight_value<W>(r + c);
+      acc[c] = kScaled ? std::fma(s, x, acc[c]) : acc[c] + x;
+    }
   }
   std::memcpy(out + col, acc, sizeof(acc));
 #endif
@@ -106,8 +115,10 @@ inline void sum_rows_block(const Rows& src, int64_t n, int64_t col, float* __res
 
 // out[0, dim) = the (scaled) sum of n rows, each column summed in order k = 0, 1, ..., so the
 // result depends only on the rows and their order. Columns go in register-sized blocks.
+// Always inlined: the backward of every weight type sums its gradient rows with it, and GCC
+// leaves a function of several callers out of line (a call per row update).
 template <bool kScaled, class Rows>
-void sum_rows(const Rows& src, int64_t n, int64_t dim, float* __restrict out) {
+__attribute__((always_inline)) inline void sum_rows(const Rows& src, int64_t n, int64_t dim, float* __restrict out) {
   // 16 ymm registers: 16 accumulators for a plain sum, 8 when a broadcast scale needs one too.
   constexpr int kWide = kScaled ? 8 : 16;
   int64_t col = 0;
@@ -120,7 +131,10 @@ void sum_rows(const Rows& src, int64_t n, int64_t dim, float* __restrict out) {
   if (dim - col >= 8) sum_rows_block<1, kScaled>(src, n, col, out), col += 8;
   for (; col < dim; ++col) {
     float acc = 0.f;
-    for (int64_t k = 0; k < n; ++k) acc = kScaled ? std::fma(src.scale(k), src.row(k)[col], acc) : acc + src.row(k)[col];
+    for (int64_t k = 0; k < n; ++k) {
+      float x = weight_value<Rows::kWeights>(stored_weights<Rows::kWeights>(src.row(k)) + col);
+      acc = kScaled ? std::fma(src.scale(k), x, acc) : acc + x;
+    }
     out[col] = acc;
   }
 }
@@ -139,6 +153,35 @@ constexpr int64_t kPrefetchAhead = 16;
 // Row updates ahead of the current one whose rows (weights and state) are prefetched.
 constexpr int64_t kRowsAhead = 8;
 
+// The weights of a row as float32: the row itself, or (16-bit weights) decoded into buf[dim].
+template <WeightType W>
+inline const float* row_weights(const float* row, int64_t dim, float* buf) {
+  if constexpr (W == WeightType::kFloat32) {
+    return row;
+  } else {
+    decode_weights<W>(row, dim, buf);
+    return buf;
+  }
+}
+
+// One optimizer step on unique row u (its row in the pool is `row`) with gradient g. 16-bit
+// weights are decoded into buf[dim], updated there, and written back rounded (opt).
+template <WeightType W>
+inline void update_row(const OptimizerArgs& opt, const PoolingArgs& a, int64_t u, float* row, const float* g,
+                       float* buf) {
+  if constexpr (W == WeightType::kFloat32) {
+    apply_optimizer(opt, a.dim, row, row + a.dim, g);
+  } else {
+    decode_weights<W>(row, a.dim, buf);
+    apply_optimizer(opt, a.dim, buf, row + weight_words(W, a.dim), g);
+    if (opt.stochastic_rounding) {
+      encode_weights_stochastic<W>(buf, a.dim, rounding_key(opt.sr_seed, a.unique_ids[u], opt.step), row);
+    } else {
+      encode_weights<W>(buf, a.dim, row);
+    }
+  }
+}
+
 }  // namespace
 
 int64_t state_width(OptimizerKind kind, int64_t dim) {
@@ -151,14 +194,18 @@ int64_t state_width(OptimizerKind kind, int64_t dim) {
   return 0;
 }
 
-void pool_forward(const PoolingArgs& a, const float* pool, float* out, int64_t* argmax) {
-  const int64_t dim = a.dim;
+namespace {
+
+template <WeightType W>
+void pool_forward_typed(const PoolingArgs& a, const float* pool, float* out, int64_t* argmax) {
+  const int64_t dim = a.dim, words = weight_words(W, dim);
   const bool weighted = a.per_sample_weights != nullptr;
   parallel_for(a.num_bags, 64, [&](int64_t begin, int64_t end) {
     const int64_t stream_end = a.offsets[end];
     auto row_of = [&](int64_t i) { return pool + a.slots_u[a.inverse[i]] * a.width; };
     std::vector<const float*> rows;
     std::vector<float> scales;
+    std::vector<float> decoded(W == WeightType::kFloat32 ? 0 : dim);
     for (int64_t b = begin; b < end; ++b) {
       float* __restrict o = out + b * dim;
       if (a.mode == PoolingMode::kMax) {
@@ -167,9 +214,9 @@ void pool_forward(const PoolingArgs& a, const float* pool, float* out, int64_t* 
         std::fill(am, am + dim, int64_t{-1});
         bool empty = true;
         for (int64_t i = a.offsets[b]; i < a.offsets[b + 1]; ++i) {
-          if (i + kPrefetchAhead < stream_end) prefetch_floats(row_of(i + kPrefetchAhead), dim);
+          if (i + kPrefetchAhead < stream_end) prefetch_floats(row_of(i + kPrefetchAhead), words);
           if (a.inverse[i] == a.skip_u) continue;
-          const float* __restrict row = row_of(i);
+          const float* __restrict row = row_weights<W>(row_of(i), dim, decoded.data());
           if (empty) {
             std::copy(row, row + dim, o);
             std::fill(am, am + dim, i);
@@ -187,12 +234,12 @@ void pool_forward(const PoolingArgs& a, const float* pool, float* out, int64_t* 
       rows.clear();
       scales.clear();
       for (int64_t i = a.offsets[b]; i < a.offsets[b + 1]; ++i) {
-        if (i + kPrefetchAhead < stream_end) prefetch_floats(row_of(i + kPrefetchAhead), dim);
+        if (i + kPrefetchAhead < stream_end) prefetch_floats(row_of(i + kPrefetchAhead), words);
         if (a.inverse[i] == a.skip_u) continue;
         rows.push_back(row_of(i));
         if (weighted) scales.push_back(a.per_sample_weights[i]);
       }
-      RowList src{rows.data(), scales.data()};
+      RowList<W> src{rows.data(), scales.data()};
       int64_t count = static_cast<int64_t>(rows.size());
       if (weighted) {
         sum_rows<true>(src, count, dim, o);
@@ -207,6 +254,12 @@ void pool_forward(const PoolingArgs& a, const float* pool, float* out, int64_t* 
   });
 }
 
+}  // namespace
+
+void pool_forward(const PoolingArgs& a, const float* pool, float* out, int64_t* argmax) {
+  dispatch_weight_type(a.weights, [&](auto w) { pool_forward_typed<decltype(w)::value>(a, pool, out, argmax); });
+}
+
 namespace {
 
 // One occurrence of a unique row in the backward: its bag and the factor on that bag's gradient.
@@ -217,6 +270,7 @@ struct GradTerm {
 
 // Gradient rows of one unique row's occurrences, for sum_rows.
 struct GradTerms {
+  static constexpr WeightType kWeights = WeightType::kFloat32;
   const GradTerm* terms;
   const float* grad_out;
   int64_t dim;
@@ -239,10 +293,9 @@ int64_t balanced_cut(int64_t n, int64_t parts, int64_t p, const Prefix& prefix) 
   return lo;
 }
 
-}  // namespace
-
-void pool_backward_update(const PoolingArgs& a, float* pool, const float* grad_out, const int64_t* argmax,
-                          const OptimizerArgs& opt, int64_t frozen_u, float* psw_grad) {
+template <WeightType W>
+void pool_backward_update_typed(const PoolingArgs& a, float* pool, const float* grad_out, const int64_t* argmax,
+                                const OptimizerArgs& opt, int64_t frozen_u, float* psw_grad) {
   const int64_t dim = a.dim, n = a.num_ids, num_u = a.num_unique, num_bags = a.num_bags;
   const int64_t first = num_bags > 0 ? a.offsets[0] : 0, last = num_bags > 0 ? a.offsets[num_bags] : 0;
   const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(ThreadPool::instance().num_threads(), num_bags));
@@ -256,17 +309,18 @@ void pool_backward_update(const PoolingArgs& a, float* pool, const float* grad_o
       if (i < first || i >= last) psw_grad[i] = 0.f;
     parallel_for(num_bags, 64, [&](int64_t begin, int64_t end) {
       const int64_t stream_end = a.offsets[end];
+      std::vector<float> decoded(W == WeightType::kFloat32 ? 0 : dim);
       for (int64_t b = begin; b < end; ++b) {
         const float* g = grad_out + b * dim;
         for (int64_t i = a.offsets[b]; i < a.offsets[b + 1]; ++i) {
           if (i + kPrefetchAhead < stream_end)
-            prefetch_floats(pool + a.slots_u[a.inverse[i + kPrefetchAhead]] * a.width, dim);
+            prefetch_floats(pool + a.slots_u[a.inverse[i + kPrefetchAhead]] * a.width, weight_words(W, dim));
           int64_t u = a.inverse[i];
           if (u == a.skip_u) {
             psw_grad[i] = 0.f;
             continue;
           }
-          const float* row = pool + a.slots_u[u] * a.width;
+          const float* row = row_weights<W>(pool + a.slots_u[u] * a.width, dim, decoded.data());
           psw_grad[i] = dot(g, row, dim);
         }
       }
@@ -282,9 +336,10 @@ void pool_backward_update(const PoolingArgs& a, float* pool, const float* grad_o
       }
     }
     parallel_for(num_u, kRowGrain, [&](int64_t begin, int64_t end) {
+      std::vector<float> weights(W == WeightType::kFloat32 ? 0 : dim);
       for (int64_t u = begin; u < end; ++u) {
         if (u == frozen_u || u == a.skip_u) continue;
-        apply_optimizer(opt, dim, pool + a.slots_u[u] * a.width, grad_u.data() + u * dim);
+        update_row<W>(opt, a, u, pool + a.slots_u[u] * a.width, grad_u.data() + u * dim, weights.data());
       }
     });
     return;
@@ -338,7 +393,7 @@ void pool_backward_update(const PoolingArgs& a, float* pool, const float* grad_o
   const bool unit_scale = !weighted && a.mode == PoolingMode::kSum;
   const int64_t pieces = std::max<int64_t>(1, std::min<int64_t>(num_u, parts * ThreadPool::kChunksPerThread));
   parallel_for(pieces, 1, [&](int64_t p0, int64_t p1) {
-    std::vector<float> buf(dim);
+    std::vector<float> buf(dim), weights(W == WeightType::kFloat32 ? 0 : dim);
     float* __restrict g = buf.data();
     for (int64_t p = p0; p < p1; ++p) {
       int64_t u_end = balanced_cut(num_u, pieces, p + 1, work);
@@ -359,9 +414,18 @@ void pool_backward_update(const PoolingArgs& a, float* pool, const float* grad_o
         } else {
           sum_rows<true>(src, k1 - k0, dim, g);
         }
-        apply_optimizer(opt, dim, pool + a.slots_u[u] * a.width, g);
+        update_row<W>(opt, a, u, pool + a.slots_u[u] * a.width, g, weights.data());
       }
     }
+  });
+}
+
+}  // namespace
+
+void pool_backward_update(const PoolingArgs& a, float* pool, const float* grad_out, const int64_t* argmax,
+                          const OptimizerArgs& opt, int64_t frozen_u, float* psw_grad) {
+  dispatch_weight_type(a.weights, [&](auto w) {
+    pool_backward_update_typed<decltype(w)::value>(a, pool, grad_out, argmax, opt, frozen_u, psw_grad);
   });
 }
 

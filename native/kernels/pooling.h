@@ -1,13 +1,17 @@
 // Bag pooling on host rows: the forward, and the fused backward that sums the gradient of each
 // unique row and applies the optimizer to it in place.
 //
-// Pools are float32 [rows, width], row-major; a row is weights (dim floats) ‖ optimizer state.
+// Pools are float32 [rows, width], row-major; a row is weights ‖ optimizer state, the weights
+// float32 or 16-bit (weights.h). The kernels compute in float32: they pool the decoded weights,
+// and the optimizer updates the decoded weights with the float32 state, then rounds them back.
 // Pooling inputs describe a batch after dedup: occurrence i of the batch reads unique row
 // inverse[i], which lives in pool slot slots_u[inverse[i]]. Bags are offsets[b]..offsets[b+1]
 // (offsets has num_bags + 1 entries).
 #pragma once
 
 #include <cstdint>
+
+#include "kernels/weights.h"
 
 namespace tieredemb {
 
@@ -25,6 +29,8 @@ struct PoolingArgs {
   const float* per_sample_weights = nullptr;  // [N] or null
   PoolingMode mode = PoolingMode::kSum;
   int64_t skip_u = -1;  // unique index left out of every bag (EmbeddingBag's padding_idx), or -1
+  WeightType weights = WeightType::kFloat32;  // of the pool's rows (weights.h)
+  const int64_t* unique_ids = nullptr;  // [U] the row id of each unique row (stochastic rounding), or null
 };
 
 // out[b] = pooled rows of bag b ([B, dim]). For max, argmax[b * dim + d] = the occurrence that
@@ -35,15 +41,21 @@ struct OptimizerArgs {
   OptimizerKind kind = OptimizerKind::kSGD;
   float lr = 0.01f, eps = 1e-8f, beta1 = 0.9f, beta2 = 0.999f;
   float adam_step_size = 0.f;  // lr * sqrt(1 - beta2^t) / (1 - beta1^t), set per step
+  // 16-bit weights are written back rounded to nearest even, or stochastically with the random
+  // bits of rounding_key(sr_seed, row id, step) (weights.h): the same result on every run.
+  bool stochastic_rounding = false;
+  uint64_t sr_seed = 0;
+  int64_t step = 0;
 };
 
-// Floats of optimizer state per row, after its dim weights: SGD 0, Adagrad dim, row-wise
-// Adagrad 1, Adam 2 * dim.
+// Floats of optimizer state per row, after its weights: SGD 0, Adagrad dim, row-wise Adagrad 1,
+// Adam 2 * dim.
 int64_t state_width(OptimizerKind kind, int64_t dim);
 
 // Sums the gradient of every unique row (duplicates in occurrence order) and applies the
 // optimizer to its row in place, except unique index frozen_u (padding). If psw_grad is not
 // null, first writes the gradient of each per-sample weight ([N]), from the rows before update.
+// Stochastic rounding of 16-bit weights (opt.stochastic_rounding) needs a.unique_ids.
 void pool_backward_update(const PoolingArgs& a, float* pool, const float* grad_out, const int64_t* argmax,
                           const OptimizerArgs& opt, int64_t frozen_u, float* psw_grad);
 

@@ -13,13 +13,6 @@ namespace {
 
 constexpr uint64_t kGamma = 0x9e3779b97f4a7c15ULL;
 
-// The splitmix64 output function (Steele, Lea, Flood 2014): a bijection with full avalanche.
-inline uint64_t mix64(uint64_t x) {
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
-  return x ^ (x >> 31);
-}
-
 // 64 random bits for pair p of the stream at key: element 2p takes bits 40..63, element
 // 2p+1 takes bits 8..31 (24 bits each).
 inline uint64_t pair_bits(uint64_t key, uint64_t p) { return mix64(key + (p + 1) * kGamma); }

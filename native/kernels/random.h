@@ -1,4 +1,4 @@
-// Counter-based random draws for initial row values.
+// Counter-based random draws for initial row values (and the bits of stochastic rounding).
 //
 // A row that was never written reads as its initial value, a function of (seed, row id) only;
 // a table stored on SSD may be reopened on another machine, so the draws are bit-identical on
@@ -27,5 +27,13 @@ void fill_uniform(uint64_t key, float* out, int64_t n, float low, float high);
 
 // The per-row key: a function of (seed, row id).
 uint64_t row_key(uint64_t seed, int64_t id);
+
+// The splitmix64 output function (Steele, Lea, Flood 2014): a bijection with full avalanche,
+// 64 random bits of a counter (also stochastic rounding's, weights.h).
+inline uint64_t mix64(uint64_t x) {
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+  return x ^ (x >> 31);
+}
 
 }  // namespace tieredemb

@@ -119,18 +119,20 @@ class SetIndex:
         return slots
 
     # -- residency ----------------------------------------------------------------------------
-    def plan(self, ids: torch.Tensor, num_unique: torch.Tensor, num_embeddings: int) -> DevicePlan:
+    def plan(self, ids: torch.Tensor, num_unique: torch.Tensor, num_embeddings: int) -> DevicePlan | int:
         """Slots for the distinct ids[:U] (U = num_unique, int64 [1] on the device) and the victims
-        that make room; overflow slots for the misses that find none (more overflow slots are
-        added when there are too few). Changes nothing in the index. IndexError for an id out of
-        [0, num_embeddings). Ends with the plan's one device-to-host transfer."""
-        while True:
-            plan, need, free = self._plan_once(ids, num_unique, num_embeddings)
-            if need <= free:
-                return plan
-            self._alloc(max(2 * self.overflow_slots, self.overflow_slots + need - free))
+        that make room; overflow slots for the misses that find none. Changes nothing. Returns the
+        plan, or the number of overflow slots to add (grow(), then plan again) when there are too
+        few. IndexError for an id out of [0, num_embeddings). Ends with its one device-to-host
+        transfer."""
+        plan, need, free = self._plan(ids, num_unique, num_embeddings)
+        return plan if need <= free else max(self.overflow_slots, need - free)
 
-    def _plan_once(self, ids, num_unique, num_embeddings):
+    def grow(self, slots: int) -> None:
+        """Adds overflow slots (the caller makes sure no queued kernel uses the state tensors)."""
+        self._alloc(self.overflow_slots + slots)
+
+    def _plan(self, ids, num_unique, num_embeddings):
         n, dev, cap = ids.numel(), self.device, self.capacity
         total = self.slots_total
         valid = torch.arange(n, device=dev) < num_unique

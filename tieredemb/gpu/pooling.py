@@ -18,12 +18,15 @@ import torch
 import triton
 import triton.language as tl
 
+from .rowinit import _mix64, _row_key, bf16_bits, load_weights, store_weights
+
 _SUM, _MEAN, _MAX = 0, 1, 2
 
 
 @triton.jit
 def _forward_kernel(pool_ptr, slots_ptr, unique_ptr, inverse_ptr, offsets_ptr, psw_ptr, out_ptr, argmax_ptr,
-                    dim, width, skip_id, MODE: tl.constexpr, HAS_PSW: tl.constexpr, BLOCK: tl.constexpr):
+                    dim, width, skip_id, MODE: tl.constexpr, HAS_PSW: tl.constexpr, WEIGHTS: tl.constexpr,
+                    BLOCK: tl.constexpr):
     """Bag b = program 0, columns block = program 1: out[b] = the pooled rows of the bag, row
     skip_id left out (EmbeddingBag's padding_idx; -1: none). Max also writes argmax[b, d] (the
     occurrence that gave the max, -1 for an empty bag)."""
@@ -38,7 +41,7 @@ def _forward_kernel(pool_ptr, slots_ptr, unique_ptr, inverse_ptr, offsets_ptr, p
     for i in range(begin, end):
         u = tl.load(inverse_ptr + i)
         if tl.load(unique_ptr + u) != skip_id:
-            row = tl.load(pool_ptr + tl.load(slots_ptr + u) * width + cols, mask=in_row, other=0.0)
+            row = load_weights(pool_ptr, tl.load(slots_ptr + u), cols, in_row, width, WEIGHTS)
             if MODE == 2:
                 take = (best < 0) | (row > acc)
                 acc = tl.where(take, row, acc)
@@ -56,9 +59,10 @@ def _forward_kernel(pool_ptr, slots_ptr, unique_ptr, inverse_ptr, offsets_ptr, p
 
 
 def forward(pool: torch.Tensor, dim: int, slots: torch.Tensor, unique: torch.Tensor, inverse: torch.Tensor,
-            offsets: torch.Tensor, psw: torch.Tensor | None, mode: int, skip_id: int):
-    """The bags pooled (mode 0 sum, 1 mean, 2 max), row skip_id left out of every bag (-1: none):
-    (out float32 [B, dim], argmax int64 [B, dim] for max else None)."""
+            offsets: torch.Tensor, psw: torch.Tensor | None, mode: int, skip_id: int, weights: int = 0):
+    """The bags pooled (mode 0 sum, 1 mean, 2 max), row skip_id left out of every bag (-1: none);
+    weights: the rows' weight type (optim.WEIGHT_TYPES): (out float32 [B, dim], argmax int64
+    [B, dim] for max else None)."""
     bags = offsets.numel() - 1
     out = torch.empty(bags, dim, dtype=torch.float32, device=pool.device)
     argmax = torch.empty(bags, dim, dtype=torch.int64, device=pool.device) if mode == _MAX else None
@@ -68,37 +72,39 @@ def forward(pool: torch.Tensor, dim: int, slots: torch.Tensor, unique: torch.Ten
     _forward_kernel[(bags, triton.cdiv(dim, block))](
         pool, slots, unique, inverse, offsets, psw if psw is not None else out, out,
         argmax if argmax is not None else offsets, dim, pool.shape[1], skip_id,
-        MODE=mode, HAS_PSW=psw is not None, BLOCK=block)
+        MODE=mode, HAS_PSW=psw is not None, WEIGHTS=weights, BLOCK=block)
     return out, argmax
 
 
 @triton.jit
 def _psw_grad_kernel(pool_ptr, slots_ptr, unique_ptr, inverse_ptr, bag_ptr, grad_ptr, out_ptr, dim, width,
-                     skip_id, BLOCK: tl.constexpr):
+                     skip_id, WEIGHTS: tl.constexpr, BLOCK: tl.constexpr):
     """Occurrence i: out[i] = <row of i, grad of its bag> (0 for row skip_id)."""
     i = tl.program_id(0)
     u = tl.load(inverse_ptr + i)
     cols = tl.arange(0, BLOCK)
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     if tl.load(unique_ptr + u) != skip_id:
-        base = tl.load(slots_ptr + u) * width
+        slot = tl.load(slots_ptr + u)
         g_base = tl.load(bag_ptr + i) * dim
         for start in range(0, dim, BLOCK):
             c = start + cols
-            acc += tl.load(pool_ptr + base + c, mask=c < dim, other=0.0) * tl.load(grad_ptr + g_base + c, mask=c < dim,
-                                                                                 other=0.0)
+            acc += load_weights(pool_ptr, slot, c, c < dim, width, WEIGHTS) * tl.load(grad_ptr + g_base + c,
+                                                                                      mask=c < dim, other=0.0)
     tl.store(out_ptr + i, tl.sum(acc, axis=0))
 
 
 @triton.jit
 def _update_kernel(pool_ptr, dirty_ptr, slots_ptr, unique_ptr, num_unique_ptr, order_ptr, start_ptr, bag_ptr,
-                   scale_ptr, grad_ptr, argmax_ptr, dim, width, skip_id, frozen_id, lr, eps, beta1, beta2, adam_step,
-                   OPT: tl.constexpr, MODE: tl.constexpr, BLOCK: tl.constexpr):
+                   scale_ptr, grad_ptr, argmax_ptr, dim, width, weight_words, skip_id, frozen_id, lr, eps, beta1,
+                   beta2, adam_step, sr_seed, step, OPT: tl.constexpr, MODE: tl.constexpr, WEIGHTS: tl.constexpr,
+                   STOCHASTIC: tl.constexpr, BLOCK: tl.constexpr):
     """Unique row u = program 0: g = the sum of its occurrences' gradients, in occurrence order
     (occurrences order[start[u]] .. order[start[u+1]-1], each the gradient of its bag times its
     scale; for max only the columns it was the argmax of), then the optimizer applied to its
     row in the pool, and the row marked dirty. Rows skip_id (left out of the bags) and
-    frozen_id (the padding row) are left alone."""
+    frozen_id (the padding row) are left alone. 16-bit weights (WEIGHTS 1, 2) are updated in
+    float32 and rounded back: to the nearest, or stochastically (STOCHASTIC)."""
     u = tl.program_id(0)
     uid = tl.load(unique_ptr + u)
     if (u < tl.load(num_unique_ptr)) & (uid != skip_id) & (uid != frozen_id):
@@ -114,8 +120,8 @@ def _update_kernel(pool_ptr, dirty_ptr, slots_ptr, unique_ptr, num_unique_ptr, o
             else:
                 g += tl.load(scale_ptr + i) * grad
         slot = tl.load(slots_ptr + u)
-        row = pool_ptr + slot * width
-        x = tl.load(row + cols, mask=w, other=0.0)
+        row = pool_ptr + slot * width + weight_words - dim  # the state: at row + dim + ...
+        x = load_weights(pool_ptr, slot, cols, w, width, WEIGHTS)
         if OPT == 0:  # SGD
             x = x - lr * g
         elif OPT == 1:  # Adagrad: a squared-gradient sum per element
@@ -134,14 +140,42 @@ def _update_kernel(pool_ptr, dirty_ptr, slots_ptr, unique_ptr, num_unique_ptr, o
             tl.store(row + dim + cols, numer, mask=w)
             tl.store(row + 2 * dim + cols, vv, mask=w)
             x = x - adam_step * tl.math.div_rn(numer, tl.math.sqrt_rn(vv) + eps)
-        tl.store(row + cols, x, mask=w)
+        if STOCHASTIC and WEIGHTS != 0:
+            _store_stochastic(pool_ptr, slot, cols, x, w, width, uid, sr_seed, step, WEIGHTS)
+        else:
+            store_weights(pool_ptr, slot, cols, x, w, width, WEIGHTS)
         tl.store(dirty_ptr + slot, 1)
+
+
+@triton.jit
+def _store_stochastic(pool_ptr, slot, cols, x, mask, width, row_id, sr_seed, step, WEIGHTS: tl.constexpr):
+    """x (float32) into 16-bit weights, rounded stochastically: to the neighbour away from zero
+    with probability the distance from the one toward zero over the gap. The random bits are the
+    native kernels' (a function of sr_seed, the row id, the step and the column)."""
+    key = _row_key(sr_seed.to(tl.uint64), row_id) + (step.to(tl.uint64) << 20) + cols.to(tl.uint64) + 1
+    r = (_mix64(key) >> 32).to(tl.uint32)
+    finite = tl.abs(x) < float("inf")
+    if WEIGHTS == 2:
+        bits = x.to(tl.uint32, bitcast=True)
+        up = ((bits + (r >> 16)) & 0xFFFF0000) >> 16
+        tl.store(pool_ptr.to(tl.pointer_type(tl.uint16)) + slot * width * 2 + cols,
+                 tl.where(finite, up.to(tl.uint16), bf16_bits(x)), mask=mask)
+    else:
+        lo = x.to(tl.float16, fp_downcast_rounding="rtz")
+        hi = (lo.to(tl.uint16, bitcast=True) + 1).to(tl.float16, bitcast=True)
+        lo32, hi32 = tl.abs(lo.to(tl.float32)), tl.abs(hi.to(tl.float32))
+        gap = hi32 - lo32
+        frac = tl.where((gap > 0) & (gap < float("inf")), tl.math.div_rn(tl.abs(x) - lo32, gap), 0.0)
+        u = (r >> 8).to(tl.float32) * 5.9604644775390625e-08
+        half = tl.where(finite, tl.where(u < frac, hi, lo), x.to(tl.float16))
+        tl.store(pool_ptr.to(tl.pointer_type(tl.float16)) + slot * width * 2 + cols, half, mask=mask)
 
 
 def backward_update(pool: torch.Tensor, dirty: torch.Tensor, dim: int, slots: torch.Tensor, unique: torch.Tensor,
                     num_unique: torch.Tensor, inverse: torch.Tensor, offsets: torch.Tensor, psw: torch.Tensor | None,
                     mode: int, skip_id: int, frozen_id: int, grad_out: torch.Tensor, argmax: torch.Tensor | None,
-                    optimizer, step: int, need_psw_grad: bool) -> torch.Tensor | None:
+                    optimizer, step: int, need_psw_grad: bool, weights: int = 0, stochastic_rounding: bool = False,
+                    sr_seed: int = 0) -> torch.Tensor | None:
     """Applies the optimizer to every unique row the batch used but rows skip_id and frozen_id,
     with the gradients of duplicate ids summed first, and marks those rows dirty (dirty: uint8
     [slots]). num_unique: int64 [1] on the device (U). Returns the per-sample weights' gradient
@@ -156,7 +190,7 @@ def backward_update(pool: torch.Tensor, dirty: torch.Tensor, dim: int, slots: to
         psw_grad = torch.empty(n, dtype=torch.float32, device=dev)
         if n:
             _psw_grad_kernel[(n,)](pool, slots, unique, inverse, bag_of, grad_out, psw_grad, dim, pool.shape[1],
-                                   skip_id, BLOCK=min(block, 128))
+                                   skip_id, WEIGHTS=weights, BLOCK=min(block, 128))
     if n == 0:
         return psw_grad
     if psw is not None:
@@ -173,6 +207,8 @@ def backward_update(pool: torch.Tensor, dirty: torch.Tensor, dim: int, slots: to
     torch.cumsum(per_unique, 0, out=start[1:])  # (bincount would wait for the device to size its output)
     a = optimizer.native_args(step)
     _update_kernel[(n,)](pool, dirty, slots, unique, num_unique, order, start, bag_of, scale, grad_out,
-                         argmax if argmax is not None else order, dim, pool.shape[1], skip_id, frozen_id, a.lr, a.eps,
-                         a.beta1, a.beta2, a.adam_step_size, OPT=optimizer.kind, MODE=mode, BLOCK=block)
+                         argmax if argmax is not None else order, dim, pool.shape[1],
+                         dim if weights == 0 else (dim + 1) // 2, skip_id, frozen_id, a.lr, a.eps, a.beta1, a.beta2,
+                         a.adam_step_size, sr_seed, step, OPT=optimizer.kind, MODE=mode, WEIGHTS=weights,
+                         STOCHASTIC=stochastic_rounding, BLOCK=block)
     return psw_grad

@@ -72,19 +72,53 @@ def _cos_sin_u24(b):
 
 
 @triton.jit
-def _init_rows_kernel(ids_ptr, out_ptr, rows_ptr, n, dim, width, seed, kind, a, b, below_high, zero_id,
-                      HAS_ROWS: tl.constexpr, BLOCK: tl.constexpr):
+def load_weights(pool_ptr, row, cols, mask, width, WEIGHTS: tl.constexpr):
+    """Weights cols of pool row `row` (words of width) as float32: WEIGHTS 0 float32, 1 float16,
+    2 bfloat16 (16-bit weights two to a word, weight d at half-word 2 * row * width + d)."""
+    if WEIGHTS == 0:
+        return tl.load(pool_ptr + row * width + cols, mask=mask, other=0.0)
+    elif WEIGHTS == 1:
+        return tl.load(pool_ptr.to(tl.pointer_type(tl.float16)) + row * width * 2 + cols, mask=mask,
+                       other=0.0).to(tl.float32)
+    else:
+        bits = tl.load(pool_ptr.to(tl.pointer_type(tl.uint16)) + row * width * 2 + cols, mask=mask, other=0)
+        return (bits.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def store_weights(pool_ptr, row, cols, value, mask, width, WEIGHTS: tl.constexpr):
+    """Stores float32 weights into pool row `row`, rounded to the nearest (even) 16-bit value if
+    WEIGHTS is 1 (float16) or 2 (bfloat16)."""
+    if WEIGHTS == 0:
+        tl.store(pool_ptr + row * width + cols, value, mask=mask)
+    elif WEIGHTS == 1:
+        tl.store(pool_ptr.to(tl.pointer_type(tl.float16)) + row * width * 2 + cols, value.to(tl.float16), mask=mask)
+    else:
+        tl.store(pool_ptr.to(tl.pointer_type(tl.uint16)) + row * width * 2 + cols, bf16_bits(value), mask=mask)
+
+
+@triton.jit
+def bf16_bits(x):
+    """float32 -> the bits of the nearest (even) bfloat16 (NaN stays a NaN)."""
+    bits = x.to(tl.uint32, bitcast=True)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    return tl.where(x != x, (bits >> 16) | 0x40, rounded).to(tl.uint16)
+
+
+@triton.jit
+def _init_rows_kernel(ids_ptr, out_ptr, rows_ptr, n, dim, width, weight_words, seed, kind, a, b, below_high,
+                      zero_id, HAS_ROWS: tl.constexpr, WEIGHTS: tl.constexpr, BLOCK: tl.constexpr):
     """Row i of the batch: the initial row of ids[i] into out[rows[i]] (out[i] without rows):
-    columns [0, dim) drawn (kind 0 normal(a, b), 1 uniform [a, b), 2 zeros), the rest zero."""
+    the dim weights drawn (kind 0 normal(a, b), 1 uniform [a, b), 2 zeros) in float32 and stored as
+    WEIGHTS (0 float32, 1 float16, 2 bfloat16, rounded to the nearest), the rest of the row zero."""
     i = tl.program_id(0)
     row_id = tl.load(ids_ptr + i)
     dst = tl.load(rows_ptr + i) if HAS_ROWS else i.to(tl.int64)
     if dst < 0:  # no row of the batch to initialize here
         return
-    base = out_ptr + dst * width
     key = _row_key(seed.to(tl.uint64), row_id)
     zero = (kind == 2) | (row_id == zero_id)
-    for start in range(0, width, BLOCK):
+    for start in range(0, dim, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         pair = (cols // 2).to(tl.uint64)
         h = _mix64(key + (pair + 1) * 0x9E3779B97F4A7C15)
@@ -99,21 +133,28 @@ def _init_rows_kernel(ids_ptr, out_ptr, rows_ptr, n, dim, width, seed, kind, a, 
             r = tl.math.sqrt_rn(_neg2_log_u24(hi + 1))
             cos, sin = _cos_sin_u24(lo)
             value = a + b * (r * tl.where(even, cos, sin))
-        value = tl.where((cols < dim) & (zero == 0), value, 0.0)
-        tl.store(base + cols, value, mask=cols < width)
+        store_weights(out_ptr, dst, cols, tl.where(zero == 0, value, 0.0), cols < dim, width, WEIGHTS)
+    if WEIGHTS != 0:  # an odd dim's last half-word
+        pad = dim + tl.arange(0, 2)
+        store_weights(out_ptr, dst, pad, tl.zeros([2], dtype=tl.float32), pad < 2 * weight_words, width, WEIGHTS)
+    for start in range(weight_words, width, BLOCK):  # the optimizer state
+        cols = start + tl.arange(0, BLOCK)
+        tl.store(out_ptr + dst * width + cols, tl.zeros([BLOCK], dtype=tl.float32), mask=cols < width)
 
 
 def init_rows(ids: torch.Tensor, out: torch.Tensor, rows: torch.Tensor | None, dim: int, kind: int, a: float,
-              b: float, seed: int, zero_id: int) -> None:
-    """The initial rows of ids (int64 [n], on out's device) into out (float32 [*, width]) at rows
-    (int64 [n]; entries < 0 are skipped; None: rows 0..n-1). Arguments as RowInit's: bit for bit
-    native init_rows'."""
+              b: float, seed: int, zero_id: int, weights: int = 0) -> None:
+    """The initial rows of ids (int64 [n], on out's device) into out (float32 [*, width] words) at
+    rows (int64 [n]; entries < 0 are skipped; None: rows 0..n-1). Arguments as RowInit's
+    (weights: the weights' type code): bit for bit the native init_rows'."""
     n = ids.numel()
     if n == 0:
         return
     width = out.shape[1]
+    weight_words = dim if weights == 0 else (dim + 1) // 2
     a32, b32 = np.float32(a), np.float32(b)
     below_high = float(np.nextafter(b32, a32)) if kind == 1 else 0.0
-    _init_rows_kernel[(n,)](ids, out, rows if rows is not None else ids, n, dim, width, seed, kind,
-                            float(a32), float(b32), below_high, zero_id, HAS_ROWS=rows is not None,
-                            BLOCK=min(256, triton.next_power_of_2(width)), enable_fp_fusion=False)
+    _init_rows_kernel[(n,)](ids, out, rows if rows is not None else ids, n, dim, width, weight_words, seed, kind,
+                            float(a32), float(b32), below_high, zero_id, HAS_ROWS=rows is not None, WEIGHTS=weights,
+                            BLOCK=min(256, triton.next_power_of_2(max(dim, width - weight_words, 1))),
+                            enable_fp_fusion=False)

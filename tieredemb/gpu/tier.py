@@ -105,6 +105,9 @@ class DeviceTier:
         self.draws_misses = lower_is_store
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.index_lock = threading.RLock()  # as CacheTier's (the worker plans while training releases)
+        # Held around each kernel launch on the pool or the index's dirty bits, and while they are
+        # replaced by larger ones (_plan), so no kernel is queued on a tensor being replaced.
+        self.pool_lock = threading.Lock()
 
     @property
     def state(self) -> dict:
@@ -152,16 +155,16 @@ class DeviceTier:
             with self.index_lock:
                 local = self.init_misses_here
                 plan = (self.index.plan(unique, num_unique, self.num_embeddings, to_host=not local) if local
-                        else self.index.plan(unique, num_unique, self.num_embeddings))
+                        else self._plan(unique, num_unique))
             if plan.num_overflow and not allow_overflow:
                 return None
-            self._fit_pool()
             if plan.dirty_ids.numel():
                 self.lower.write_from(plan.dirty_ids, self.pool.to_host(plan.dirty_slots),
                                       torch.arange(plan.dirty_ids.numel()))
                 self.bytes_out += plan.dirty_ids.numel() * self.row_bytes
             if local:
-                rowinit.init_rows(plan.ids, self.pool.rows, torch.where(plan.fresh, plan.slots, -1), *self.init.args)
+                rowinit.init_rows(plan.ids, self.pool.rows, torch.where(plan.fresh, plan.slots, -1), *self.init.args,
+                                  weights=self.init.weights)
             elif plan.miss_ids.numel():
                 block = self.pool.staging(plan.miss_ids.numel())
                 try:
@@ -175,7 +178,7 @@ class DeviceTier:
                 if self.draws_misses:  # rows never stored: drawn here, bit for bit as the host would
                     marked = self.pool.rows[plan.miss_slots, 0].view(torch.int32) == DEFERRED_MARK
                     rowinit.init_rows(plan.miss_ids_device, self.pool.rows, torch.where(marked, plan.miss_slots, -1),
-                                      *self.init.args)
+                                      *self.init.args, weights=self.init.weights)
                 self.bytes_in += plan.miss_ids.numel() * self.row_bytes
             with self.index_lock:
                 self.index.commit(plan, pin)
@@ -186,16 +189,22 @@ class DeviceTier:
         # (a whole-table tier counts the misses it initializes on the device: see stats())
         return plan.slots, 0 if local else plan.miss_ids.numel(), event
 
-    def _fit_pool(self) -> None:
-        """Grows the pool to the index's slots (overflow slots added by a plan): rare; the device
-        is synchronized first, so no queued kernel reads the old pool."""
-        total = self.index.slots_total
-        if self.pool.rows.shape[0] < total:
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            grown = torch.zeros(total, self.width, device=self.device)
-            grown[:self.pool.rows.shape[0]] = self.pool.rows
-            self.pool.rows = grown
+    def _plan(self, unique: torch.Tensor, num_unique: torch.Tensor):
+        """The index's plan, after adding the overflow slots it asks for (rare: the first batches
+        wider than any before). Growing replaces the pool and the index's state tensors: under
+        pool_lock, which every kernel launch on them takes, and after the device is idle, so no
+        kernel queued before writes to the old ones."""
+        while True:
+            plan = self.index.plan(unique, num_unique, self.num_embeddings)
+            if not isinstance(plan, int):
+                return plan
+            with self.pool_lock:
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                self.index.grow(plan)
+                grown = torch.zeros(self.index.slots_total, self.width, device=self.device)
+                grown[:self.pool.rows.shape[0]] = self.pool.rows
+                self.pool.rows = grown
 
     def admit(self, unique: torch.Tensor, count: torch.Tensor, *, allow_overflow: bool = True):
         """A batch's distinct ids made resident and pinned: see resident()."""

@@ -68,8 +68,9 @@ class RowInit:
     """The table's initial rows: a function of (seed, row id) only, optimizer state zero.
     Every store gets one for the rows it never stored."""
 
-    def __init__(self, dim: int, kind: int, a: float, b: float, seed: int, zero_id: int):
-        self.args = (dim, kind, a, b, seed, zero_id)
+    def __init__(self, dim: int, kind: int, a: float, b: float, seed: int, zero_id: int, weights: int = 0):
+        self.args = (dim, kind, a, b, seed, zero_id)  # as the native and Triton init take them
+        self.weights = weights  # the weights' type code (optim.WEIGHT_TYPES): drawn in float32, then rounded
         self._local = threading.local()
 
     def __call__(self, ids: torch.Tensor, out: torch.Tensor, rows: torch.Tensor | None = None) -> None:
@@ -81,9 +82,14 @@ class RowInit:
             marks = out.view(torch.int32)
             marks[slice(None) if rows is None else rows, 0] = DEFERRED_MARK
         elif rows is None:
-            _C.init_rows(ids, out, *self.args)
+            _C.init_rows(ids, out, *self.args, weights=self.weights)
         else:
-            _C.read_or_init(out, torch.full((len(ids),), -1, dtype=torch.int64), ids, out, rows, *self.args)
+            self.read_or_init(out, torch.full((len(ids),), -1, dtype=torch.int64), ids, out, rows)
+
+    def read_or_init(self, src, src_rows, ids, dst, dst_rows) -> int:
+        """dst[dst_rows[i]] = src[src_rows[i]], or the initial row of ids[i] where src_rows[i] < 0
+        (drawn here, even inside deferred()). Returns the rows copied."""
+        return _C.read_or_init(src, src_rows, ids, dst, dst_rows, *self.args, weights=self.weights)
 
     def is_deferred(self) -> bool:
         return getattr(self._local, "deferred", False)

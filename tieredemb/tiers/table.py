@@ -137,7 +137,7 @@ class TableStore:
     def from_config(cls, config) -> "TableStore":
         """The layers a TableConfig describes (opening or creating its SSD table, if any)."""
         init = RowInit(config.embedding_dim, config.init.code, config.init.a, config.init.b, config.seed,
-                       -1 if config.padding_idx is None else config.padding_idx)
+                       -1 if config.padding_idx is None else config.padding_idx, config.layout.code)
         bottom = None
         if config.ssd_path is not None:
             bottom = ssd_backend.open_store(config.ssd_path, config.width, init, config.meta(), config.ssd)

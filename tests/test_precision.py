@@ -1,0 +1,113 @@
+"""Reduced-precision rows (ZionEX's, FBGEMM's weights_precision): float16 / bfloat16 weights in
+every tier, the optimizer state float32, the math float32; rounding to the nearest, or
+stochastic. Results do not depend on tiers, prefetch or the backing store (bit for bit)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tieredemb
+from training import rows_and_state, train
+
+NUM, D = 200, 7  # an odd dim: a padding half-word in every row
+HALF = [torch.float16, torch.bfloat16]
+
+
+def make(dtype, opt=None, **kw):
+    return tieredemb.TieredEmbeddingBag(NUM, D, "sum", dtype=dtype, optimizer=opt or tieredemb.Adagrad(lr=0.1),
+                                        seed=3, **kw)
+
+
+def batches(steps=6, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [((torch.rand(48, generator=g) ** 2 * NUM).long(), torch.arange(0, 48, 6), torch.randn(8, D, generator=g))
+            for _ in range(steps)]
+
+
+
+
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_rows_hold_16_bit_weights_and_float32_state(dtype):
+    emb = make(dtype, tieredemb.Adam(lr=0.01))
+    assert emb.width == (D + 1) // 2 + 2 * D  # the weights two to a word, the state float32
+    ref = make(torch.float32, tieredemb.Adam(lr=0.01))
+    ids = torch.arange(NUM)
+    # Rows never written: the float32 draws, rounded to the nearest.
+    assert torch.equal(emb.read_rows(ids), ref.read_rows(ids).to(dtype).float())
+    emb.write_rows(torch.tensor([4]), torch.full((1, D), 1 / 3), torch.full((1, 2 * D), 1 / 3))
+    assert torch.equal(emb.read_rows(torch.tensor([4])), torch.full((1, D), 1 / 3).to(dtype).float())
+    assert torch.equal(emb.read_optimizer_state(torch.tensor([4])), torch.full((1, 2 * D), 1 / 3))
+    assert emb.state_dict()["weight"].dtype == dtype
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("opt", [lambda: tieredemb.SGD(lr=0.1), lambda: tieredemb.Adagrad(lr=0.1),
+                                 lambda: tieredemb.RowWiseAdagrad(lr=0.1), lambda: tieredemb.Adam(lr=0.01)],
+                         ids=["sgd", "adagrad", "rowwise", "adam"])
+@pytest.mark.parametrize("mode", ["sum", "mean", "max"])
+def test_training_is_float32_math_rounded_to_the_nearest(dtype, opt, mode):
+    """Every step equals a float32 table's step from the same rows, its weights then rounded."""
+    half = tieredemb.TieredEmbeddingBag(NUM, D, mode, dtype=dtype, optimizer=opt(), seed=3, cache_rows=40)
+    full = tieredemb.TieredEmbeddingBag(NUM, D, mode, optimizer=opt(), seed=3, cache_rows=40)
+    ids = torch.arange(NUM)
+    full.write_rows(ids, half.read_rows(ids))
+    for k, (batch, offsets, grad) in enumerate(batches()):
+        a, b = half(batch, offsets), full(batch, offsets)
+        assert torch.equal(a, b), k
+        a.backward(grad)
+        b.backward(grad)
+        full.write_rows(ids, full.read_rows(ids).to(dtype).float())  # round as the 16-bit table does
+        assert torch.equal(half.read_rows(ids), full.read_rows(ids)), k
+        assert torch.equal(half.read_optimizer_state(ids), full.read_optimizer_state(ids)), k
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_results_do_not_depend_on_tiers_prefetch_or_store(tmp_path, dtype):
+    data = batches(steps=8, seed=1)
+    ref = make(dtype, stochastic_rounding=True)
+    want = train(ref, data)
+    for k, kw in enumerate([dict(cache_rows=8), dict(cache_rows=20, host_rows=40),
+                            dict(cache_rows=8, ssd_path=tmp_path / "log", ssd_options={"backend": "log"}),
+                            dict(cache_rows=30, ssd_path=tmp_path / "rocks")]):
+        emb = make(dtype, stochastic_rounding=True, **kw)
+        got = train(emb, data, depth=2 if k % 2 else 0)
+        assert all(torch.equal(x, y) for x, y in zip(got, want)), kw
+        assert torch.equal(rows_and_state(emb), rows_and_state(ref)), kw
+        emb.close()
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_stochastic_rounding_is_deterministic_and_unbiased(dtype):
+    """A step far smaller than the weights' resolution: each weight stays or moves one value
+    down, the same every run, and on average lands on the float32 result (no bias)."""
+    n, dim, lr = 4000, 16, 1e-4
+    runs = []
+    for _ in range(2):
+        emb = tieredemb.TieredEmbedding(n, dim, dtype=dtype, optimizer=tieredemb.SGD(lr=lr), stochastic_rounding=True,
+                                        init=tieredemb.Init("uniform", 1.0, 2.0))
+        before = emb.read_rows(torch.arange(n))
+        emb(torch.arange(n)).sum().backward()  # every weight: w - lr
+        runs.append(emb.read_rows(torch.arange(n)))
+    after = runs[0]
+    assert torch.equal(after, runs[1])
+    below = (before.to(dtype).view(torch.int16) - 1).view(dtype).float()  # the next value down (w > 0)
+    assert bool(((after == before) | (after == below)).all())
+    ulp = (before - below).double()
+    bias = ((after.double() - (before.double() - lr)) / ulp).mean().item()
+    assert abs(bias) < 0.01 and 0 < (after == below).double().mean().item() < 0.2
+
+
+def test_bad_precision_arguments(tmp_path):
+    with pytest.raises(ValueError, match="dtype torch.float64 is not supported"):
+        tieredemb.TableConfig(10, 4, dtype=torch.float64)
+    with pytest.raises(ValueError, match="storage_dtype torch.float16 with dtype torch.bfloat16"):
+        tieredemb.TableConfig(10, 4, dtype=torch.bfloat16, ssd_path=tmp_path / "t",
+                              ssd={"backend": "log", "storage_dtype": torch.float16})
+    tieredemb.TieredEmbedding(10, 4, dtype=torch.float16, ssd_path=tmp_path / "u").close()
+    with pytest.raises(ValueError, match="stored width 2 != requested 4"):  # a stored table keeps its weights' type
+        tieredemb.TieredEmbedding(10, 4, ssd_path=tmp_path / "u")
+    with pytest.raises(ValueError, match="stored dtype 'float16' != requested 'bfloat16'"):
+        tieredemb.TieredEmbedding(10, 4, dtype=torch.bfloat16, ssd_path=tmp_path / "u")
