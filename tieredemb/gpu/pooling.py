@@ -96,7 +96,7 @@ def _psw_grad_kernel(pool_ptr, slots_ptr, unique_ptr, inverse_ptr, bag_ptr, grad
 
 @triton.jit
 def _update_kernel(pool_ptr, dirty_ptr, slots_ptr, unique_ptr, num_unique_ptr, order_ptr, start_ptr, bag_ptr,
-                   scale_ptr, grad_ptr, argmax_ptr, dim, width, weight_words, skip_id, frozen_id, lr, eps, beta1,
+                   scale_ptr, grad_ptr, argmax_ptr, dim, dim_f, width, weight_words, skip_id, frozen_id, lr, eps, beta1,
                    beta2, adam_step, sr_seed, step, OPT: tl.constexpr, MODE: tl.constexpr, WEIGHTS: tl.constexpr,
                    STOCHASTIC: tl.constexpr, BLOCK: tl.constexpr):
     """Unique row u = program 0: g = the sum of its occurrences' gradients, in occurrence order
@@ -106,8 +106,8 @@ def _update_kernel(pool_ptr, dirty_ptr, slots_ptr, unique_ptr, num_unique_ptr, o
     frozen_id (the padding row) are left alone. 16-bit weights (WEIGHTS 1, 2) are updated in
     float32 and rounded back: to the nearest, or stochastically (STOCHASTIC)."""
     u = tl.program_id(0)
-    uid = tl.load(unique_ptr + u)
-    if (u < tl.load(num_unique_ptr)) & (uid != skip_id) & (uid != frozen_id):
+    uid = tl.load(unique_ptr + u, mask=u < tl.load(num_unique_ptr), other=skip_id)  # (past U: nothing to do)
+    if (uid != skip_id) & (uid != frozen_id):
         cols = tl.arange(0, BLOCK)
         w = cols < dim
         g = tl.zeros([BLOCK], dtype=tl.float32)
@@ -129,7 +129,7 @@ def _update_kernel(pool_ptr, dirty_ptr, slots_ptr, unique_ptr, num_unique_ptr, o
             tl.store(row + dim + cols, s, mask=w)
             x = x - lr * tl.math.div_rn(g, tl.math.sqrt_rn(s) + eps)
         elif OPT == 2:  # row-wise Adagrad: one accumulator, the mean squared gradient
-            acc = tl.load(row + dim) + tl.math.div_rn(tl.sum(g * g, axis=0), dim.to(tl.float32))
+            acc = tl.load(row + dim) + tl.math.div_rn(tl.sum(g * g, axis=0), dim_f)
             tl.store(row + dim, acc)
             x = x - tl.math.div_rn(lr, tl.math.sqrt_rn(acc) + eps) * g
         else:  # lazy Adam, torch.optim.SparseAdam's arithmetic
@@ -207,7 +207,7 @@ def backward_update(pool: torch.Tensor, dirty: torch.Tensor, dim: int, slots: to
     torch.cumsum(per_unique, 0, out=start[1:])  # (bincount would wait for the device to size its output)
     a = optimizer.native_args(step)
     _update_kernel[(n,)](pool, dirty, slots, unique, num_unique, order, start, bag_of, scale, grad_out,
-                         argmax if argmax is not None else order, dim, pool.shape[1],
+                         argmax if argmax is not None else order, dim, float(dim), pool.shape[1],
                          dim if weights == 0 else (dim + 1) // 2, skip_id, frozen_id, a.lr, a.eps, a.beta1, a.beta2,
                          a.adam_step_size, sr_seed, step, OPT=optimizer.kind, MODE=mode, WEIGHTS=weights,
                          STOCHASTIC=stochastic_rounding, BLOCK=block)
