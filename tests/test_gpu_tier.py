@@ -224,3 +224,15 @@ def test_16_bit_weights_train_as_on_the_cpu(dtype, stochastic):
     assert (dev.read_rows(rows) - ref.read_rows(rows)).abs().max() <= 4 * unit * ref.read_rows(rows).abs().max()
     torch.testing.assert_close(dev.read_optimizer_state(rows), ref.read_optimizer_state(rows), rtol=5e-2, atol=1e-3)
     assert dev.width == ref.width == (D + 1) // 2 + 2 * D
+
+
+def test_prefetch_with_a_host_cache_below_trains_as_the_cpu_engine():
+    """The window reaches the host cache too (its ids brought to the host by the prefetch worker)."""
+    kw = dict(optimizer=tieredemb.RowWiseAdagrad(lr=0.1), _weight=weights())
+    ref = tieredemb.TieredEmbeddingBag(NUM, D, "sum", **kw)
+    dev = device_tier(tieredemb.TieredEmbeddingBag(NUM, D, "sum", cache_rows=32, host_rows=64, **kw), 32)
+    data = batches(seed=8, steps=10)
+    for got, want in zip(train(dev, data, depth=2), train(ref, data)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(rows_and_state(dev), rows_and_state(ref), rtol=1e-5, atol=1e-5)
+    assert dev._store.tiers[1].index.stats()["hits"] > 0

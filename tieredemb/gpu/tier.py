@@ -232,17 +232,26 @@ class DeviceTier:
         return self.index.dirty
 
     # -- what TableStore reads and writes in place --------------------------------------------
+    def _after_residencies(self) -> None:
+        """Orders the current stream after every residency queued on the tier's stream (their
+        index updates and row copies), before it reads or writes the index or the pool."""
+        if self.stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self.stream)
+
     def lookup(self, ids: torch.Tensor) -> np.ndarray:
+        self._after_residencies()
         with self.index_lock:
             return self.index.lookup(ids.to(self.device)).cpu().numpy()
 
     def update(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
+        self._after_residencies()
         self.pool.scatter(slots, rows)
         with self.index_lock:
             self.index.dirty[slots.to(self.device)] = 1
 
     def write_back(self) -> None:
         """Writes every dirty row down (they stay resident, now clean)."""
+        self._after_residencies()
         with self.index_lock:
             ids, slots = self.index.dirty_rows()
         for start in range(0, ids.numel(), _ROWS_PER_MOVE):
@@ -251,6 +260,11 @@ class DeviceTier:
             with self.index_lock:
                 self.index.mark_clean(part_slots)
             self.bytes_out += part_ids.numel() * self.row_bytes
+
+    def host_ids(self, unique: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+        """A batch's distinct ids (as dedup gave them) on the host: waits for the tier's stream."""
+        with self._on_stream():
+            return unique[:int(count)].cpu()
 
     # The lookahead window: unique ids of the batches ahead, as dedup gives them.
     def window_push(self, unique: torch.Tensor, num_unique: torch.Tensor) -> None:
@@ -276,6 +290,7 @@ class DeviceTier:
         return self.lower.written_ids(start, limit)
 
     def stats(self) -> dict:
+        self._after_residencies()
         with self.index_lock:
             s = self.index.stats()
             s.update(capacity=self.index.capacity, resident=self.index.size, overflow=self.index.overflow_in_use)

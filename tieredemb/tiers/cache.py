@@ -75,9 +75,13 @@ class CacheTier:
     def below_written(self) -> None:
         """Rows reached the layer below from elsewhere: nothing to do (misses are read from it)."""
 
+    def host_ids(self, unique: torch.Tensor, count) -> torch.Tensor:
+        """A deduplicated batch's distinct ids as a host tensor (they are already)."""
+        return unique[:count]
+
     def window_push(self, unique: torch.Tensor, count) -> None:
         """Appends a batch ahead (its distinct ids: unique[:count]) to the lookahead window."""
-        self.index.window_push(unique[:int(count)].to(device="cpu", dtype=torch.int64).contiguous())
+        self.index.window_push(unique[:count].to(dtype=torch.int64).contiguous())
 
     def window_pop(self) -> None:
         self.index.window_pop()

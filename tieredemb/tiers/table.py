@@ -192,8 +192,13 @@ class TableStore:
     # expected after the one made resident next.
     @_locked
     def window_push(self, unique, count) -> None:
-        for t in self.tiers:
-            t.window_push(unique, count)
+        """Appends a batch ahead (as dedup gave it) to every cache tier's lookahead window; the
+        tiers below tier 0 get its ids on the host."""
+        self.tier0.window_push(unique, count)
+        if len(self.tiers) > 1:
+            ids = self.tier0.host_ids(unique, count)
+            for t in self.tiers[1:]:
+                t.window_push(ids, len(ids))
 
     @_locked
     def window_pop(self) -> None:
