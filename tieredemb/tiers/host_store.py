@@ -40,10 +40,13 @@ class HostStore:
         fresh = found < 0
         if not shared:  # deferred: the stored rows copied, the others marked for the reader to draw
             here = ~fresh
-            _C.copy_rows(self.rows, torch.from_numpy(found[here]), dst, dst_rows[torch.from_numpy(here)])
-        self.rows_found += len(ids) - int(fresh.sum())
-        at = torch.from_numpy(np.flatnonzero(fresh))
-        self.init(ids[at], dst, dst_rows[at])
+            _C.copy_rows(self.rows, torch.from_numpy(found[here]), dst, torch.from_numpy(dst_rows.numpy()[here]))
+        at = np.flatnonzero(fresh)
+        self.rows_found += len(ids) - len(at)
+        if len(at) == len(ids):  # (the usual case: tier 0 reads the rows it never held)
+            self.init(ids, dst, dst_rows)
+        else:
+            self.init(torch.from_numpy(ids.numpy()[at]), dst, torch.from_numpy(dst_rows.numpy()[at]))
 
     def write_from(self, ids: torch.Tensor, src: torch.Tensor, src_rows: torch.Tensor) -> None:
         plan = self.index.plan(ids)

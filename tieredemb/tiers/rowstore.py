@@ -21,6 +21,7 @@ import contextlib
 import threading
 from typing import Protocol, runtime_checkable
 
+import numpy as np
 import torch
 
 from .. import _C
@@ -84,7 +85,7 @@ class RowInit:
         elif rows is None:
             _C.init_rows(ids, out, *self.args, weights=self.weights)
         else:
-            self.read_or_init(out, torch.full((len(ids),), -1, dtype=torch.int64), ids, out, rows)
+            self.read_or_init(out, torch.from_numpy(np.full(len(ids), -1, dtype=np.int64)), ids, out, rows)
 
     def read_or_init(self, src, src_rows, ids, dst, dst_rows) -> int:
         """dst[dst_rows[i]] = src[src_rows[i]], or the initial row of ids[i] where src_rows[i] < 0
