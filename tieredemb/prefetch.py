@@ -332,7 +332,7 @@ class PrefetchLoader:
 
     While batch s is yielded, batches s .. s+depth+lookahead are registered: s+1 .. s+depth are
     being made resident (pinned), and the `lookahead` after them are the eviction window (see
-    module.prefetch_lookahead; default lookahead = depth). Any depth works whatever tier 0's
+    TieredEmbeddingBag.prefetch_lookahead; default lookahead = depth). Any depth works whatever tier 0's
     size: a batch that does not fit beside those in flight waits for room (or, once its forward
     asks for it, uses overflow slots), with the same results.
 

@@ -4,7 +4,7 @@ Per batch, U = its unique keys in first-occurrence order (request mode: one key)
 plan() finds the misses and picks victims (free slots first, slot order 0, 1, ...); dirty
 victims are written down to tier l+1 (a plan + commit there that counts writes, which may evict
 and write further down); then commit() applies the plan, inserting misses and touching hits in
-batch order; then the misses are read from tier l+1. This is store.py Tier.resident over
+batch order; then the misses are read from tier l+1. This is tiers/cache.py CacheTier.resident over
 native/index/cache_index.cc, step for step. Training marks every key of U dirty in tier 0 afterwards.
 """
 
