@@ -17,6 +17,7 @@ _EXPORTS = {
     "RocksDBOptions": "config", "LogOptions": "config", "SlotOptions": "config",
     "PrefetchLoader": "prefetch", "PrefetchOrderError": "prefetch",
     "record": "trace",
+    "TieredEmbeddingBagCollection": "collection", "EmbeddingBagConfig": "collection", "InverseKeyed": "collection",
 }
 
 __all__ = sorted(_EXPORTS)

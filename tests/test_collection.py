@@ -1,0 +1,163 @@
+"""TieredEmbeddingBagCollection: many tables under one budget, read by features of a
+KeyedJaggedTensor or a dict; tables of one kind looked up together; equal to a dict of
+torch.nn.EmbeddingBag (and to torchrec's EmbeddingBagCollection where it imports), forward and
+training; inverse-keyed batches equal the same batch with its duplicates."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tieredemb
+from tieredemb import EmbeddingBagConfig, InverseKeyed, TieredEmbeddingBagCollection
+
+TABLES = [EmbeddingBagConfig("user", 300, 8, ["user_id", "friend_id"]),
+          EmbeddingBagConfig("item", 200, 8, ["item_id"], pooling="mean"),
+          EmbeddingBagConfig("cat", 50, 4, ["category"])]
+B = 6
+
+
+class KJT:
+    """A KeyedJaggedTensor as the collection reads one (keys, values, lengths, weights_or_none)."""
+
+    def __init__(self, keys, values, lengths, weights=None):
+        self._k, self._v, self._l, self._w = keys, values, lengths, weights
+
+    def keys(self):
+        return self._k
+
+    def values(self):
+        return self._v
+
+    def lengths(self):
+        return self._l
+
+    def weights_or_none(self):
+        return self._w
+
+
+def batch(seed):
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for t in TABLES:
+        for f in t.feature_names:
+            lengths = torch.randint(0, 5, (B,), generator=g)
+            ids = torch.randint(0, t.num_embeddings, (int(lengths.sum()),), generator=g)
+            out[f] = (ids, torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)[:-1]]), lengths)
+    return out
+
+
+def as_kjt(b):
+    keys = [f for t in TABLES for f in t.feature_names]
+    return KJT(keys, torch.cat([b[f][0] for f in keys]), torch.cat([b[f][2] for f in keys]))
+
+
+def reference(opt_factory, ebc):
+    """A dict of torch.nn.EmbeddingBag holding the collection's rows, and its optimizers."""
+    refs = {t.name: torch.nn.EmbeddingBag(t.num_embeddings, t.embedding_dim, mode=t.pooling,
+                                          _weight=ebc.read_rows(t.name, torch.arange(t.num_embeddings)).clone())
+            for t in TABLES}
+    return refs, [opt_factory(m.parameters()) for m in refs.values()]
+
+
+def ref_forward(refs, b):
+    table_of = {f: t for t in TABLES for f in t.feature_names}
+    return torch.cat([refs[table_of[f].name](b[f][0], b[f][1]) for t in TABLES for f in t.feature_names], 1)
+
+
+@pytest.mark.parametrize("tiers", [dict(), dict(cache_bytes=4000), dict(cache_bytes=3000, host_bytes=8000)],
+                         ids=["whole", "cached", "host"])
+@pytest.mark.parametrize("kind", ["sgd", "adagrad"])
+def test_trains_as_a_dict_of_embedding_bags(tiers, kind):
+    ours_opt = {"sgd": tieredemb.SGD(lr=0.1), "adagrad": tieredemb.Adagrad(lr=0.1, eps=1e-10)}[kind]
+    ref_opt = {"sgd": lambda p: torch.optim.SGD(p, lr=0.1),
+               "adagrad": lambda p: torch.optim.Adagrad(p, lr=0.1, eps=1e-10)}[kind]
+    ebc = TieredEmbeddingBagCollection(TABLES, optimizer=ours_opt, **tiers)
+    refs, opts = reference(ref_opt, ebc)
+    for step in range(6):
+        b = batch(step)
+        out = ebc(as_kjt(b) if step % 2 else {f: v[:2] for f, v in b.items()})
+        want = ref_forward(refs, b)
+        torch.testing.assert_close(out.values(), want, rtol=1e-5, atol=1e-6)
+        grad = torch.randn(out.values().shape, generator=torch.Generator().manual_seed(step))
+        out.values().backward(grad)
+        want.backward(grad)
+        for o in opts:
+            o.step()
+            o.zero_grad()
+    for t in TABLES:
+        torch.testing.assert_close(ebc.read_rows(t.name, torch.arange(t.num_embeddings)), refs[t.name].weight.detach(),
+                                   rtol=1e-5, atol=1e-6)
+
+
+def test_tables_of_one_kind_are_one_lookup(monkeypatch):
+    ebc = TieredEmbeddingBagCollection(TABLES, optimizer=tieredemb.SGD(lr=0.1))
+    assert [[t.name for t in g.tables] for g in ebc.groups] == [["user"], ["item"], ["cat"]]  # pooling, dim differ
+    same = [EmbeddingBagConfig(f"t{k}", 100 + k, 8, [f"f{k}"]) for k in range(4)]
+    ebc = TieredEmbeddingBagCollection(same, optimizer=tieredemb.SGD(lr=0.1), cache_bytes=10_000)
+    assert len(ebc.engines) == 1 and ebc.engines[0].num_embeddings == sum(100 + k for k in range(4))
+    calls = []
+    original = type(ebc.engines[0]).forward
+    monkeypatch.setattr(type(ebc.engines[0]), "forward", lambda self, *a, **k: (calls.append(1), original(self, *a, **k))[1])
+    out = ebc({f"f{k}": (torch.tensor([k, 99]), torch.tensor([0, 1])) for k in range(4)})
+    assert len(calls) == 1 and out.values().shape == (2, 32)
+    assert torch.equal(out["f3"][1], ebc.read_rows("t3", torch.tensor([99]))[0])
+
+
+def test_budget_is_split_in_proportion_to_rows():
+    same = [EmbeddingBagConfig("a", 1000, 8, ["fa"], pooling="mean"), EmbeddingBagConfig("b", 3000, 8, ["fb"])]
+    ebc = TieredEmbeddingBagCollection(same, optimizer=tieredemb.SGD(lr=0.1), cache_bytes=4000 * 32 // 10)
+    assert [e.cache_rows for e in ebc.engines] == [100, 300]
+
+
+def test_inverse_keyed_batches_equal_their_duplicates():
+    kw = dict(optimizer=tieredemb.Adagrad(lr=0.1))
+    a, b = TieredEmbeddingBagCollection(TABLES, **kw), TieredEmbeddingBagCollection(TABLES, **kw)
+    full = batch(3)
+    distinct = {f: (v[0], v[1]) for f, v in full.items()}
+    inverse = torch.tensor([0, 2, 2, 0, 1, 5])  # samples repeat bags
+    dup = {}
+    for f, (ids, starts, lengths) in full.items():
+        bags = [ids[s:s + n] for s, n in zip(starts.tolist(), lengths.tolist())]
+        chosen = [bags[i] for i in inverse.tolist()]
+        dup[f] = (torch.cat(chosen), torch.tensor([0] + [len(c) for c in chosen[:-1]]).cumsum(0))
+    ikjt = {f: InverseKeyed(ids, starts, inverse) for f, (ids, starts) in distinct.items()}
+    out_a, out_b = a(ikjt), b(dup)
+    torch.testing.assert_close(out_a.values(), out_b.values())
+    grad = torch.randn(out_a.values().shape)
+    out_a.values().backward(grad)
+    out_b.values().backward(grad)
+    for t in TABLES:
+        ids = torch.arange(t.num_embeddings)
+        torch.testing.assert_close(a.read_rows(t.name, ids), b.read_rows(t.name, ids), rtol=1e-5, atol=1e-6)
+
+
+def test_equal_to_torchrec_where_it_imports():
+    torchrec = pytest.importorskip("torchrec")
+    ebc = TieredEmbeddingBagCollection(TABLES, optimizer=tieredemb.SGD(lr=0.1))
+    peer = torchrec.EmbeddingBagCollection(tables=[torchrec.EmbeddingBagConfig(
+        name=t.name, embedding_dim=t.embedding_dim, num_embeddings=t.num_embeddings, feature_names=list(t.feature_names),
+        pooling=torchrec.PoolingType.SUM if t.pooling == "sum" else torchrec.PoolingType.MEAN) for t in TABLES])
+    for t in TABLES:
+        peer.embedding_bags[t.name].weight.data.copy_(ebc.read_rows(t.name, torch.arange(t.num_embeddings)))
+    b = batch(7)
+    keys = [f for t in TABLES for f in t.feature_names]
+    kjt = torchrec.KeyedJaggedTensor(keys=keys, values=torch.cat([b[f][0] for f in keys]),
+                                     lengths=torch.cat([b[f][2] for f in keys]))
+    ours, theirs = ebc(kjt), peer(kjt)
+    assert isinstance(ours, torchrec.KeyedTensor) and ours.keys() == theirs.keys()
+    torch.testing.assert_close(ours.values(), theirs.values(), rtol=1e-5, atol=1e-6)
+
+
+def test_bad_collections_and_inputs():
+    with pytest.raises(ValueError, match=r"table names must be unique"):
+        TieredEmbeddingBagCollection([TABLES[0], TABLES[0]])
+    with pytest.raises(ValueError, match=r"features \['user_id'\] appear in several"):
+        TieredEmbeddingBagCollection([TABLES[0], EmbeddingBagConfig("x", 5, 8, ["user_id"])])
+    ebc = TieredEmbeddingBagCollection(TABLES, optimizer=tieredemb.SGD(lr=0.1))
+    b = {f: v[:2] for f, v in batch(0).items()}
+    with pytest.raises(ValueError, match=r"missing \['category'\]"):
+        ebc({f: v for f, v in b.items() if f != "category"})
+    b["category"] = (torch.tensor([50]), torch.tensor([0]))
+    with pytest.raises(IndexError, match=r"feature 'category': id 50 out of range \[0, 50\) of table 'cat'"):
+        ebc(b)
