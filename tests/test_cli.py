@@ -40,13 +40,20 @@ def test_demo_over_the_log_store_says_when_it_reopens_a_table(tmp_path, capsys):
     assert "has trained 6 steps in all" in out
 
 
+def test_demo_trains_a_collection_of_tables(capsys):
+    assert main(["demo", *SMALL, "--tables", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "4 tables of" in out and "2 groups looked up together" in out and "3 steps in" in out
+    assert "group0 (table0, table2): tier-0 hit rate" in out
+
+
 def test_every_demo_option_has_help_and_a_default(capsys):
     with pytest.raises(SystemExit):
         main(["demo", "--help"])
     text = capsys.readouterr().out
     text = text[text.index("options:"):]
     for option in ("--rows", "--dim", "--cache-rows", "--host-rows", "--ssd-path", "--ssd-backend", "--steps",
-                   "--batch", "--bag-len", "--alpha", "--policy", "--prefetch-depth"):
+                   "--batch", "--bag-len", "--alpha", "--policy", "--prefetch-depth", "--tables"):
         line = text[text.index(option):].split("\n  -")[0]
         assert "default" in line, option
 

@@ -34,6 +34,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--policy", default="lru", choices=["lru", "lfu", "clock"], help="eviction policy of the caches")
     p.add_argument("--prefetch-depth", type=int, default=2,
                    help="batches made resident ahead of training by a background worker (0: none)")
+    p.add_argument("--tables", type=int, default=1,
+                   help="train a collection of this many tables (--rows split among them, dims 32 and 64, "
+                        "one feature each, one tier-0 budget) instead of one table; no prefetch")
     return p
 
 
@@ -45,6 +48,8 @@ def demo(argv: list[str]) -> int:
     import tieredemb
 
     args = _parser().parse_args(argv)
+    if args.tables > 1:
+        return _demo_collection(args)
     cache_rows = args.cache_rows or max(1, args.rows // 20)
     existing = args.ssd_path is not None and ssd_backend.detect_backend(args.ssd_path)
 
@@ -120,3 +125,45 @@ def _report(stats: dict, depth: int) -> None:
     print(f"  prefetch (depth {depth}): {100 * ahead:.1f}% of tier-0 misses were made resident before their "
           f"forward asked ({p['prefetched_rows']:,} rows); forwards waited {p['wait_seconds']:.2f} s in all "
           f"for {p['late_rows']:,} rows still in flight")
+
+
+def _demo_collection(args) -> int:
+    """--tables N: a click model over a TieredEmbeddingBagCollection of N tables."""
+    from tqdm import tqdm
+
+    import tieredemb
+
+    torch.manual_seed(0)
+    rows = [max(1, args.rows // args.tables * (k + 1) * 2 // (args.tables + 1)) for k in range(args.tables)]
+    tables = [tieredemb.EmbeddingBagConfig(f"table{k}", rows[k], 32 if k % 2 else 64, [f"feature{k}"])
+              for k in range(args.tables)]
+    budget = (args.cache_rows or sum(rows) // 20) * 64 * 4
+    ebc = tieredemb.TieredEmbeddingBagCollection(tables, cache_bytes=budget, ssd_path=args.ssd_path,
+                                                 optimizer=tieredemb.RowWiseAdagrad(lr=0.05), policy=args.policy)
+    width = sum(t.embedding_dim for t in tables)
+    print(f"{args.tables} tables of {min(rows):,} to {max(rows):,} rows (dims 32 and 64), {len(ebc.groups)} groups "
+          f"looked up together; tier-0 budget {budget / 2**20:,.1f} MiB split in proportion to rows")
+    mlp = torch.nn.Sequential(torch.nn.Linear(width, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+    opt = torch.optim.Adagrad(mlp.parameters(), lr=0.05)
+    samplers = [ZipfSampler(n, args.alpha, seed=1 + k) for k, n in enumerate(rows)]
+    offsets = torch.arange(0, args.batch * args.bag_len, args.bag_len)
+    start, loss_avg, lookups = time.perf_counter(), None, 0
+    for _ in tqdm(range(args.steps), desc="training", unit="batch"):
+        ids = [torch.from_numpy(s.next_batch(args.batch * args.bag_len)) for s in samplers]
+        label = ((ids[0].view(args.batch, args.bag_len) % 7) == 0).any(1).float()
+        pooled = ebc({f"feature{k}": (i, offsets) for k, i in enumerate(ids)})
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(mlp(pooled.values()).squeeze(1), label)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        lookups += sum(len(i) for i in ids)
+        loss_avg = loss.item() if loss_avg is None else 0.9 * loss_avg + 0.1 * loss.item()
+    ebc.flush()
+    elapsed = time.perf_counter() - start
+    print(f"\n{args.steps} steps in {elapsed:.1f} s: {lookups / elapsed:,.0f} lookups/s; final loss (moving average) "
+          f"{loss_avg:.4f}")
+    for name, s in ebc.stats().items():
+        t0 = s["tier0"]
+        print(f"  {name} ({', '.join(s['tables'])}): tier-0 hit rate {t0['hit_rate']:.3f}, capacity {t0['capacity']:,} rows")
+    ebc.close()
+    return 0
