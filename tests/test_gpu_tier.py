@@ -23,12 +23,12 @@ OPTIMIZERS = {"sgd": lambda: tieredemb.SGD(lr=0.1), "adagrad": lambda: tieredemb
               "rowwise": lambda: tieredemb.RowWiseAdagrad(lr=0.1), "adam": lambda: tieredemb.Adam(lr=0.05)}
 
 
-def device_tier(emb, cache_rows, policy="lru"):
+def device_tier(emb, cache_rows, policy="lru", partitions=None):
     """emb with its tier 0 replaced by a DeviceTier on CPU tensors, over the same layers below."""
     st = emb._store
     lower = st.tier0.lower
     tier = DeviceTier(emb.num_embeddings, emb.width, cache_rows, policy, lower, st.init, torch.device("cpu"),
-                      lower_is_store=lower is st.bottom)
+                      lower_is_store=lower is st.bottom, partitions=partitions)
     st.tier0 = st.tiers[0] = tier
     return emb
 
@@ -236,3 +236,30 @@ def test_prefetch_with_a_host_cache_below_trains_as_the_cpu_engine():
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(rows_and_state(dev), rows_and_state(ref), rtol=1e-5, atol=1e-5)
     assert dev._store.tiers[1].index.stats()["hits"] > 0
+
+
+def test_partitioned_tier_keeps_each_parts_rows_and_counts_each_part():
+    parts = ((100, 32), (200, 64))
+    ref = tieredemb.TieredEmbeddingBag(NUM, D, "sum", optimizer=tieredemb.Adagrad(lr=0.1), _weight=weights())
+    dev = device_tier(tieredemb.TieredEmbeddingBag(NUM, D, "sum", optimizer=tieredemb.Adagrad(lr=0.1),
+                                                   _weight=weights(), partitions=parts), None, partitions=parts)
+    data = batches(seed=4, steps=10)
+    for got, want in zip(train(dev, data), train(ref, data)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(rows_and_state(dev), rows_and_state(ref), rtol=1e-5, atol=1e-5)
+    s = dev.stats()["tier0"]
+    p = s["partitions"]
+    assert [q["capacity"] for q in p] == [32, 64] and s["capacity"] == 96
+    for k, (lo, hi) in enumerate([(0, 100), (100, 300)]):  # every distinct id of a batch is a hit or a miss
+        want = sum(len(torch.unique(b[0][(b[0] >= lo) & (b[0] < hi)])) for b in data)
+        assert p[k]["hits"] + p[k]["misses"] == want
+    assert sum(q["misses"] for q in p) == s["misses"] and sum(q["evictions"] for q in p) == s["evictions"]
+    # a part's stream alone never evicts another part's rows
+    index = dev._store.tier0.index
+    before = p[0]["evictions"]
+    for k in range(5):
+        hot = torch.arange(100 + 40 * k, 140 + 40 * k)
+        dev(hot, torch.arange(0, 40, 4)).sum().backward()
+    after = dev.stats()["tier0"]["partitions"]
+    assert after[0]["evictions"] == before and after[1]["evictions"] > p[1]["evictions"]
+    assert after[0]["resident"] == p[0]["resident"] and index.pinned == 0

@@ -75,6 +75,25 @@ def _positive_int(name: str, v) -> None:
         raise ValueError(f"{name} must be a positive int, got {v!r}")
 
 
+def _check_partitions(partitions, num_embeddings: int, cache_rows) -> tuple:
+    try:
+        parts = tuple((int(r), int(c)) for r, c in partitions)
+    except (TypeError, ValueError):
+        raise TypeError(f"partitions must be ((rows, tier-0 rows), ...), got {partitions!r}") from None
+    if not parts:
+        raise ValueError("partitions is empty: give ((rows, tier-0 rows), ...), or None")
+    for k, (rows, cap) in enumerate(parts):
+        if rows <= 0 or not 1 <= cap <= rows:
+            raise ValueError(f"partition {k}: ({rows}, {cap}) must have rows >= 1 and tier-0 rows from 1 to the rows")
+    total = sum(r for r, _ in parts)
+    if total != num_embeddings:
+        raise ValueError(f"partitions cover {total} rows, not num_embeddings={num_embeddings}")
+    if cache_rows is not None and cache_rows != sum(c for _, c in parts):
+        raise ValueError(f"cache_rows {cache_rows} differs from the partitions' {sum(c for _, c in parts)} tier-0 rows: "
+                         "give one of them")
+    return parts
+
+
 @dataclasses.dataclass(frozen=True)
 class TableConfig:
     """One table: its shape, its tiers and how rows start, train and are stored.
@@ -84,6 +103,11 @@ class TableConfig:
         None: tier 0 holds the whole table. A batch may use more distinct rows than this: the
         rows that do not fit are served from overflow slots (see README, Tiers).
     host_rows: the host cache's capacity (rows or bytes), at least tier 0's; None: no host cache.
+    partitions: tier 0 split by id range, ((rows, tier-0 rows), ...) in id order: the first
+        partition holds ids [0, rows_0) in tier-0 rows of its own, the next the following rows_1
+        ids, and so on (the rows sum to num_embeddings; tier-0 rows from 1 to the rows). Each
+        partition evicts only its own rows: a collection's tables each get their share (see
+        tieredemb.planner). cache_rows is then the sum of the tier-0 rows (None or equal to it).
     ssd_path: a directory for the SSD store (the backing store); None: host memory.
     ssd: the SSD backend and its settings (RocksDBOptions, LogOptions, SlotOptions, or the dict
         {"backend": name, **settings}); None: the backend the directory holds, else RocksDB.
@@ -106,6 +130,7 @@ class TableConfig:
     embedding_dim: int
     cache_rows: int | str | None = None
     host_rows: int | str | None = None
+    partitions: tuple[tuple[int, int], ...] | None = None
     ssd_path: str | None = None
     ssd: StoreOptions | dict | None = None
     policy: str = "lru"
@@ -147,6 +172,9 @@ class TableConfig:
         row_bytes = self.width * 4
         set_("cache_rows", parse_rows("cache_rows", self.cache_rows, row_bytes))
         set_("host_rows", parse_rows("host_rows", self.host_rows, row_bytes))
+        if self.partitions is not None:
+            set_("partitions", _check_partitions(self.partitions, n, self.cache_rows))
+            set_("cache_rows", sum(c for _, c in self.partitions))
         tier0 = self.tier0_rows
         if self.host_rows is not None and self.host_rows < tier0:
             raise ValueError(f"host_rows {self.host_rows} < the {tier0} rows of tier 0 (cache_rows="

@@ -1,9 +1,10 @@
-// Python bindings of the tier index (tieredemb._C): TierIndex and its two kinds, CacheIndex and
-// DirectIndex, the Plan of a batch, and MAX_WINDOW_BATCHES.
+// Python bindings of the tier index (tieredemb._C): TierIndex and its kinds, CacheIndex,
+// PartitionedIndex and DirectIndex, the Plan of a batch, and MAX_WINDOW_BATCHES.
 // Only whole batches cross (1-D int64 id and slot arrays); every batch call releases the GIL,
 // its checks included (common/bindings.h).
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/unique_ptr.h>
+#include <nanobind/stl/vector.h>
 
 #include <memory>
 #include <string>
@@ -11,6 +12,7 @@
 
 #include "common/bindings.h"
 #include "index/cache_index.h"
+#include "index/partitioned_index.h"
 
 namespace tieredemb {
 
@@ -56,6 +58,18 @@ void on_slots(TierIndex& t, const char* what, const Ids& slots, Op op) {
     if (s.ok()) op(slots.data(), n);
     return s;
   });
+}
+
+nb::dict stats_dict(const TierStats& s) {
+  nb::dict d;
+  d["hits"] = s.hits;
+  d["misses"] = s.misses;
+  d["writes"] = s.writes;
+  d["evictions"] = s.evictions;
+  d["dirty_writebacks"] = s.dirty_writebacks;
+  d["clean_drops"] = s.clean_drops;
+  d["overflow_rows"] = s.overflow_rows;
+  return d;
 }
 
 }  // namespace
@@ -146,17 +160,20 @@ void register_index(nb::module_& m) {
               nb::gil_scoped_release release;
               s = t.stats();
             }
-            nb::dict d;
-            d["hits"] = s.hits;
-            d["misses"] = s.misses;
-            d["writes"] = s.writes;
-            d["evictions"] = s.evictions;
-            d["dirty_writebacks"] = s.dirty_writebacks;
-            d["clean_drops"] = s.clean_drops;
-            d["overflow_rows"] = s.overflow_rows;
-            return d;
+            return stats_dict(s);
           }, "counters since construction or reset_stats(); overflow_rows: rows placed in overflow slots")
-      .def("reset_stats", &TierIndex::reset_stats, nb::call_guard<nb::gil_scoped_release>());
+      .def("reset_stats", &TierIndex::reset_stats, nb::call_guard<nb::gil_scoped_release>())
+      .def_prop_ro("partitions", &TierIndex::partitions, "parts with their own capacity and eviction order (0: not split)")
+      .def("partition_stats", [](const TierIndex& t) {
+            nb::list out;
+            for (int64_t k = 0; k < t.partitions(); ++k) {
+              nb::dict d = stats_dict(t.partition_stats(k));
+              d["capacity"] = t.partition_capacity(k);
+              d["resident"] = t.partition_size(k);
+              out.append(d);
+            }
+            return out;
+          }, "each part's counters, capacity and resident rows, in part (id) order");
 
   nb::class_<CacheIndex, TierIndex>(m, "CacheIndex")
       .def("__init__", [](CacheIndex* self, int64_t capacity, const std::string& policy, int64_t overflow_limit) {
@@ -182,6 +199,22 @@ void register_index(nb::module_& m) {
           "a tier of capacity regular slots ordered by policy, lending up to overflow_limit overflow slots "
           "(capacity, capacity + 1, ...) to batches that do not fit; 0: such a batch is a ValueError")
       .def_prop_ro("policy", &CacheIndex::policy_name);
+
+  nb::class_<PartitionedIndex, TierIndex>(m, "PartitionedIndex")
+      .def("__init__", [](PartitionedIndex* self, std::vector<int64_t> ends, std::vector<int64_t> capacities,
+                          const std::string& policy, std::vector<int64_t> overflow_limits) {
+            {
+              nb::gil_scoped_release release;  // O(capacity)
+              new (self) PartitionedIndex(std::move(ends), std::move(capacities), policy, std::move(overflow_limits));
+            }
+            if (!self->error().empty()) {
+              std::string err = self->error();
+              self->~PartitionedIndex();
+              throw nb::value_error(err.c_str());
+            }
+          }, "ends"_a, "capacities"_a, "policy"_a, "overflow_limits"_a,
+          "a tier split by id range: partition k holds ids [ends[k-1], ends[k]) in capacities[k] regular "
+          "slots of its own, ordered by policy, lending up to overflow_limits[k] overflow slots");
 
   nb::class_<DirectIndex, TierIndex>(m, "DirectIndex")
       .def("__init__", [](DirectIndex* self, int64_t num_rows) {

@@ -102,8 +102,14 @@ class TierIndex {
   virtual void window_clear() {}
   virtual int64_t window_batches() const { return 0; }
   // Counters since construction or the last reset_stats().
-  const TierStats& stats() const { return stats_; }
-  void reset_stats() { stats_ = TierStats{}; }
+  virtual const TierStats& stats() const { return stats_; }
+  virtual void reset_stats() { stats_ = TierStats{}; }
+  // Parts of the tier with their own capacity and eviction order (PartitionedIndex); 0: the
+  // tier is not split.
+  virtual int64_t partitions() const { return 0; }
+  virtual const TierStats& partition_stats(int64_t /*k*/) const { return stats(); }
+  virtual int64_t partition_capacity(int64_t /*k*/) const { return capacity(); }
+  virtual int64_t partition_size(int64_t /*k*/) const { return size(); }
   // Why construction failed (memory could not be reserved), or empty.
   const std::string& error() const { return error_; }
 

@@ -53,15 +53,29 @@ class DevicePlan:
 
 class SetIndex:
     """A bounded tier-0 index on `device`. capacity is rounded up to whole sets of `ways` slots;
-    overflow: overflow slots to start with (more are added when a plan needs them)."""
+    overflow: overflow slots to start with (more are added when a plan needs them).
 
-    def __init__(self, capacity: int, policy: str, device: torch.device, *, ways: int = 32, overflow: int = 1024):
+    partitions ((rows, capacity), ...) in id order (PartitionedIndex's, native/index): each part
+    has sets of its own (its capacity rounded up to whole sets), so one part's misses never evict
+    another's rows; capacity is then the sum. Each part's counters are kept too."""
+
+    def __init__(self, capacity: int, policy: str, device: torch.device, *, ways: int = 32, overflow: int = 1024,
+                 partitions: tuple | None = None):
         if policy not in ("lru", "lfu"):
             raise ValueError(f"policy {policy!r} is not one a GPU tier 0 has: 'lru' or 'lfu' "
                              "(clock is for CPU tiers)")
-        self.ways = min(ways, capacity)
-        self.sets = -(-capacity // self.ways)
+        caps = [c for _, c in partitions] if partitions else [capacity]
+        self.ways = min(ways, min(caps))
+        part_sets = [-(-c // self.ways) for c in caps]
+        self.sets = sum(part_sets)
         self.capacity = self.sets * self.ways
+        self.partitions = partitions
+        if partitions:
+            self.part_ends = torch.tensor([sum(r for r, _ in partitions[:k + 1]) for k in range(len(partitions))],
+                                          dtype=torch.int64, device=device)
+            self.part_sets = torch.tensor(part_sets, dtype=torch.int64, device=device)
+            self.part_base = torch.cumsum(self.part_sets, 0) - self.part_sets
+            self.part_capacity = [n * self.ways for n in part_sets]
         self.policy = policy
         self.device = device
         self.clock = 0  # batches planned: the LRU stamp of this one
@@ -104,7 +118,13 @@ class SetIndex:
         self.ovf_slot = order + self.capacity
 
     def _set_of(self, ids: torch.Tensor) -> torch.Tensor:
-        return torch.remainder((ids * _HASH) >> 29, self.sets)
+        if self.partitions is None:
+            return torch.remainder((ids * _HASH) >> 29, self.sets)
+        part = self._part_of(ids)
+        return self.part_base[part] + torch.remainder((ids * _HASH) >> 29, self.part_sets[part])
+
+    def _part_of(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.searchsorted(self.part_ends, ids, right=True).clamp_(max=len(self.partitions) - 1)
 
     # -- lookups ------------------------------------------------------------------------------
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
@@ -199,6 +219,8 @@ class SetIndex:
         """Applies a plan made by the last plan() (the rows moved already). pin: pin the batch's rows."""
         self._check(plan)
         self.version += 1
+        if self.partitions is not None:
+            self._count_parts(plan)
         self._evict_rows(plan)
         fresh_at = torch.where(plan.fresh, plan.slots, self.slots_total)  # (the dummy slot elsewhere)
         self.slot_id[fresh_at] = plan.ids
@@ -219,6 +241,26 @@ class SetIndex:
         s["dirty_writebacks"] += plan.dirty_ids.numel()
         s["clean_drops"] += plan.num_victims - plan.dirty_ids.numel()
         s["overflow_rows"] += plan.num_overflow
+
+    def _count_parts(self, plan: DevicePlan) -> None:
+        """Each part's hits, misses, overflow rows, evictions and dirty write-backs, added up on
+        the device (read when stats are asked for)."""
+        part = self._part_of(plan.ids.clamp(min=0))
+        fresh = plan.fresh
+        per_id = torch.stack([plan.valid & ~fresh, fresh, fresh & (plan.slots >= self.capacity)], 1)
+        self.part_counts[:, :3].index_add_(0, part, per_id.to(torch.int64))
+        gone = self.slot_id[plan.victim_slots]
+        per_victim = torch.stack([torch.ones_like(gone), (self.dirty[plan.victim_slots] != 0).to(torch.int64)], 1)
+        self.part_counts[:, 3:].index_add_(0, self._part_of(gone.clamp(min=0)), per_victim)
+
+    def part_stats(self) -> list[dict]:
+        """Each part's counters, capacity and rows held (partitioned indexes only)."""
+        counts = self.part_counts.tolist()
+        held = self.slot_id[:self.slots_total]
+        resident = torch.bincount(self._part_of(held[held >= 0]), minlength=len(self.partitions)).tolist()
+        return [{"hits": c[0], "misses": c[1], "writes": 0, "evictions": c[3], "dirty_writebacks": c[4],
+                 "clean_drops": c[3] - c[4], "overflow_rows": c[2], "capacity": cap, "resident": r}
+                for c, cap, r in zip(counts, self.part_capacity, resident)]
 
     def evict(self, plan: DevicePlan) -> None:
         """Applies only the plan's evictions (after a failed move): its victims leave."""
@@ -286,6 +328,8 @@ class SetIndex:
     def reset_stats(self) -> None:
         self.counts = dict.fromkeys(("hits", "misses", "writes", "evictions", "dirty_writebacks", "clean_drops",
                                      "overflow_rows"), 0)
+        if self.partitions is not None:
+            self.part_counts = torch.zeros(len(self.partitions), 5, dtype=torch.int64, device=self.device)
 
     @property
     def pinned(self) -> int:
@@ -326,6 +370,7 @@ class DirectIndex:
     """A tier 0 that holds every row (slot = id): it only tracks which rows it holds and which are
     dirty. It never evicts, so it needs no pins and no policy."""
 
+    partitions = None  # it holds every row: nothing to split
     overflow_slots = 0
     overflow_in_use = 0
 

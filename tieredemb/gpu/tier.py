@@ -83,13 +83,15 @@ class DeviceTier:
     name = "tier0"
 
     def __init__(self, num_embeddings: int, width: int, capacity: int | None, policy: str, lower, init,
-                 device: torch.device, *, lower_is_store: bool = True):
+                 device: torch.device, *, lower_is_store: bool = True, partitions: tuple | None = None):
         self.num_embeddings = num_embeddings
         self.width = width
         self.device = device
         self.lower = lower
         self.init = init
-        if capacity is None or capacity >= num_embeddings:
+        if partitions is not None:
+            self.index = SetIndex(sum(c for _, c in partitions), policy, device, partitions=partitions)
+        elif capacity is None or capacity >= num_embeddings:
             self.index = DirectIndex(num_embeddings, device)
         else:
             self.index = SetIndex(capacity, policy, device)
@@ -294,9 +296,15 @@ class DeviceTier:
         with self.index_lock:
             s = self.index.stats()
             s.update(capacity=self.index.capacity, resident=self.index.size, overflow=self.index.overflow_in_use)
+            parts = self.index.part_stats() if self.index.partitions else None
         lookups = s["hits"] + s["misses"]
         s.update(hit_rate=s["hits"] / lookups if lookups else 0.0, bytes_in=self.bytes_in,
                  bytes_out=self.bytes_out, bytes_moved=self.bytes_in + self.bytes_out)
+        if parts is not None:  # a partitioned tier 0: each part's counters too
+            for p in parts:
+                looked = p["hits"] + p["misses"]
+                p["hit_rate"] = p["hits"] / looked if looked else 0.0
+            s["partitions"] = parts
         return s
 
     def reset_stats(self) -> None:

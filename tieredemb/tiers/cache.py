@@ -182,9 +182,15 @@ class CacheTier:
         with self.index_lock:
             s = dict(self.index.stats())
             s.update(capacity=self.index.capacity, resident=self.index.size, overflow=self.index.overflow)
+            parts = self.index.partition_stats() if self.index.partitions else None
         lookups = s["hits"] + s["misses"]
         s.update(hit_rate=s["hits"] / lookups if lookups else 0.0, bytes_in=self.bytes_in,
                  bytes_out=self.bytes_out, bytes_moved=self.bytes_in + self.bytes_out)
+        if parts is not None:  # a partitioned tier 0: each partition's counters too
+            for p in parts:
+                lookups = p["hits"] + p["misses"]
+                p["hit_rate"] = p["hits"] / lookups if lookups else 0.0
+            s["partitions"] = parts
         return s
 
     def reset_stats(self) -> None:

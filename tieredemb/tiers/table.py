@@ -35,11 +35,12 @@ from .rowstore import RowInit, RowStore
 _C.set_num_threads(torch.get_num_threads())
 
 
-def _device_tier0(num_embeddings, width, cache_rows, policy, lower, init, device, lower_is_store):
+def _device_tier0(num_embeddings, width, cache_rows, policy, lower, init, device, lower_is_store, partitions):
     """Tier 0 on a GPU: device-resident (tieredemb.gpu, which needs Triton)."""
     from ..gpu.tier import DeviceTier
 
-    return DeviceTier(num_embeddings, width, cache_rows, policy, lower, init, device, lower_is_store=lower_is_store)
+    return DeviceTier(num_embeddings, width, cache_rows, policy, lower, init, device, lower_is_store=lower_is_store,
+                      partitions=partitions)
 
 
 def _ids(t: torch.Tensor) -> torch.Tensor:
@@ -96,7 +97,8 @@ class TableStore:
     HostStore; device: where tier 0 lives."""
 
     def __init__(self, *, num_embeddings: int, width: int, init: RowInit, cache_rows: int | None,
-                 host_rows: int | None, bottom: RowStore | None, policy: str, device: torch.device):
+                 host_rows: int | None, bottom: RowStore | None, policy: str, device: torch.device,
+                 partitions: tuple | None = None):
         self.num_embeddings = num_embeddings
         self.width = width
         self.device = device
@@ -111,9 +113,9 @@ class TableStore:
                     else reserve_host_rows(host_rows, width, populate_rows=host_rows))
             lower = CacheTier("host", _C.CacheIndex(host_rows, policy), HostPool(pool), lower, num_embeddings)
             self.tiers.append(lower)
-        self.tier0 = (self._host_tier0(num_embeddings, width, cache_rows, policy, lower) if on_host else
+        self.tier0 = (self._host_tier0(num_embeddings, width, cache_rows, policy, lower, partitions) if on_host else
                       _device_tier0(num_embeddings, width, cache_rows, policy, lower, init, device,
-                                    lower_is_store=lower is self.bottom))
+                                    lower_is_store=lower is self.bottom, partitions=partitions))
         self.tiers.insert(0, self.tier0)
         self.lock = threading.RLock()
         # Notified whenever pinned rows are released (releases counts them): a residency
@@ -121,8 +123,14 @@ class TableStore:
         self.room = threading.Condition(threading.Lock())
         self.releases = 0
 
-    def _host_tier0(self, num_embeddings: int, width: int, cache_rows: int | None, policy: str, lower) -> CacheTier:
-        if cache_rows is None or cache_rows >= num_embeddings:
+    def _host_tier0(self, num_embeddings: int, width: int, cache_rows: int | None, policy: str, lower,
+                    partitions: tuple | None) -> CacheTier:
+        if partitions is not None:
+            # Each partition its own capacity, lending overflow slots up to its own rows.
+            ends = np.cumsum([r for r, _ in partitions]).tolist()
+            index = _C.PartitionedIndex(ends, [c for _, c in partitions], policy, [r - c for r, c in partitions])
+            pool = HostPool(reserve_host_rows(num_embeddings, width, populate_rows=index.capacity))
+        elif cache_rows is None or cache_rows >= num_embeddings:
             index = _C.DirectIndex(num_embeddings)
             # the table itself when nothing sits between (no second copy)
             pool = (HostPool(self.host_store.rows) if lower is self.host_store
@@ -144,7 +152,7 @@ class TableStore:
         try:
             return cls(num_embeddings=config.num_embeddings, width=config.width, init=init,
                        cache_rows=config.cache_rows, host_rows=config.host_rows, bottom=bottom,
-                       policy=config.policy, device=config.device)
+                       policy=config.policy, device=config.device, partitions=config.partitions)
         except BaseException:
             if bottom is not None:
                 bottom.close()
