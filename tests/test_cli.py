@@ -44,7 +44,12 @@ def test_demo_trains_a_collection_of_tables(capsys):
     assert main(["demo", *SMALL, "--tables", "4"]) == 0
     out = capsys.readouterr().out
     assert "4 tables of" in out and "2 groups looked up together" in out and "3 steps in" in out
-    assert "group0 (table0, table2): tier-0 hit rate" in out
+    assert "planned from the first 3 batches" in out and "proportional:" in out
+    for k in range(4):  # each table measures the hit rate its plan predicted
+        line = next(x for x in out.splitlines() if x.startswith(f"  table{k}: "))
+        if "whole table in tier 0" not in line:
+            got, want = line.split("tier-0 hit rate ")[1].split(" (plan: ")
+            assert got == want.split(")")[0], line
 
 
 def test_every_demo_option_has_help_and_a_default(capsys):

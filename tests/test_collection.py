@@ -5,6 +5,8 @@ training; inverse-keyed batches equal the same batch with its duplicates."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -104,10 +106,24 @@ def test_tables_of_one_kind_are_one_lookup(monkeypatch):
     assert torch.equal(out["f3"][1], ebc.read_rows("t3", torch.tensor([99]))[0])
 
 
-def test_budget_is_split_in_proportion_to_rows():
-    same = [EmbeddingBagConfig("a", 1000, 8, ["fa"], pooling="mean"), EmbeddingBagConfig("b", 3000, 8, ["fb"])]
-    ebc = TieredEmbeddingBagCollection(same, optimizer=tieredemb.SGD(lr=0.1), cache_bytes=4000 * 32 // 10)
-    assert [e.cache_rows for e in ebc.engines] == [100, 300]
+def test_budget_is_split_in_proportion_to_bytes_and_each_table_keeps_its_share():
+    tables = [EmbeddingBagConfig("a", 1000, 8, ["fa"]), EmbeddingBagConfig("b", 3000, 8, ["fb"]),
+              EmbeddingBagConfig("c", 500, 16, ["fc"])]
+    row = {8: 32, 16: 64}  # bytes of a stored row (SGD: weights only)
+    budget = sum(t.num_embeddings * row[t.embedding_dim] for t in tables) // 10
+    ebc = TieredEmbeddingBagCollection(tables, optimizer=tieredemb.SGD(lr=0.1), cache_bytes=budget)
+    assert [e.config.partitions for e in ebc.engines] == [((1000, 100), (3000, 300)), ((500, 50),)]
+    # a stream of table b's ids alone evicts none of table a's rows
+    one = torch.tensor([0])  # one bag per feature
+    ebc({"fa": (torch.arange(100), one), "fb": (torch.tensor([0]), one),
+         "fc": (torch.tensor([0]), one)})
+    for k in range(6):
+        ebc({"fa": (torch.tensor([0]), one), "fb": (torch.arange(300) + 300 * k, one), "fc": (torch.tensor([0]), one)})
+    s = ebc.stats()["tables"]
+    assert s["a"]["tier0"]["resident"] == 100 and s["a"]["tier0"]["evictions"] == 0
+    assert s["a"]["tier0"]["hits"] == 6 and s["a"]["lookups"] == 106
+    assert s["b"]["tier0"]["capacity"] == 300 and s["b"]["tier0"]["evictions"] >= 5 * 300 - 1
+    assert s["c"]["group"] == "group1" and s["c"]["tier0"]["capacity"] == 50
 
 
 def test_inverse_keyed_batches_equal_their_duplicates():
@@ -158,6 +174,101 @@ def test_bad_collections_and_inputs():
     b = {f: v[:2] for f, v in batch(0).items()}
     with pytest.raises(ValueError, match=r"missing \['category'\]"):
         ebc({f: v for f, v in b.items() if f != "category"})
+    with pytest.raises(ValueError, match=r"give a plan or cache_bytes / host_bytes, not both"):
+        TieredEmbeddingBagCollection(TABLES, cache_bytes=100, plan={"tables": []})
+    plan = {"tables": [{"name": t.name, "rows": t.num_embeddings, "cache_rows": 10, "store": "ssd"} for t in TABLES]}
+    with pytest.raises(ValueError, match=r"the plan stores table 'user' on SSD: give ssd_path"):
+        TieredEmbeddingBagCollection(TABLES, plan=plan)
+    with pytest.raises(ValueError, match=r"the plan is for tables \['cat', 'item', 'user'\], this collection has \['user'\]"):
+        TieredEmbeddingBagCollection(TABLES[:1], plan=plan)
     b["category"] = (torch.tensor([50]), torch.tensor([0]))
     with pytest.raises(IndexError, match=r"feature 'category': id 50 out of range \[0, 50\) of table 'cat'"):
         ebc(b)
+
+
+UNPOOLED = [tieredemb.EmbeddingConfig("user", 300, 8, ["user_id", "friend_id"]),
+            tieredemb.EmbeddingConfig("cat", 50, 4, ["category"])]
+
+
+@pytest.mark.parametrize("tiers", [dict(), dict(cache_bytes=3000)], ids=["whole", "cached"])
+def test_unpooled_collection_trains_as_a_dict_of_embeddings(tiers):
+    ec = tieredemb.TieredEmbeddingCollection(UNPOOLED, optimizer=tieredemb.SGD(lr=0.1), **tiers)
+    assert len(ec.groups) == 2
+    refs = {t.name: torch.nn.Embedding(t.num_embeddings, t.embedding_dim,
+                                       _weight=ec.read_rows(t.name, torch.arange(t.num_embeddings)).clone())
+            for t in UNPOOLED}
+    opt = torch.optim.SGD([p for m in refs.values() for p in m.parameters()], lr=0.1)
+    table_of = {f: t.name for t in UNPOOLED for f in t.feature_names}
+    for step in range(5):
+        g = torch.Generator().manual_seed(step)
+        b = {}
+        for t in UNPOOLED:
+            for f in t.feature_names:
+                lengths = torch.randint(0, 4, (B,), generator=g)
+                b[f] = (torch.randint(0, t.num_embeddings, (int(lengths.sum()),), generator=g),
+                        torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)[:-1]]), lengths)
+        keys = [f for t in UNPOOLED for f in t.feature_names]
+        out = ec(KJT(keys, torch.cat([b[f][0] for f in keys]), torch.cat([b[f][2] for f in keys])) if step % 2
+                 else {f: v[:2] for f, v in b.items()})
+        assert list(out) == keys
+        loss = 0
+        for f in keys:
+            want = refs[table_of[f]](b[f][0])
+            torch.testing.assert_close(out[f].values(), want)
+            assert out[f].lengths().tolist() == b[f][2].tolist()
+            w = torch.arange(want.numel(), dtype=torch.float32).view_as(want) / 100
+            loss = loss + (out[f].values() * w).sum()
+            (want * w).sum().backward()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    for t in UNPOOLED:
+        ids = torch.arange(t.num_embeddings)
+        torch.testing.assert_close(ec.read_rows(t.name, ids), refs[t.name].weight.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_unpooled_inverse_keyed_batches_equal_their_duplicates():
+    a = tieredemb.TieredEmbeddingCollection(UNPOOLED, optimizer=tieredemb.Adagrad(lr=0.1))
+    b = tieredemb.TieredEmbeddingCollection(UNPOOLED, optimizer=tieredemb.Adagrad(lr=0.1))
+    distinct = {"user_id": ([3, 4, 5, 6, 7], [0, 2, 2]), "friend_id": ([9, 9, 1], [0, 1, 1]), "category": ([2, 3], [0, 1, 2])}
+    inverse = torch.tensor([2, 0, 1, 0])
+    ikjt, dup = {}, {}
+    for f, (ids, starts) in distinct.items():
+        bags = [ids[s:e] for s, e in zip(starts, starts[1:] + [len(ids)])]
+        chosen = [bags[i] for i in inverse.tolist()]
+        ikjt[f] = InverseKeyed(torch.tensor(ids), torch.tensor(starts), inverse)
+        dup[f] = (torch.tensor(sum(chosen, [])), torch.tensor([0] + [len(c) for c in chosen[:-1]]).cumsum(0))
+    out_a, out_b = a(ikjt), b(dup)
+    loss_a = loss_b = 0
+    for f in out_a:
+        torch.testing.assert_close(out_a[f].values(), out_b[f].values())
+        assert out_a[f].lengths().tolist() == out_b[f].lengths().tolist()
+        grad = torch.randn(out_a[f].values().shape)
+        loss_a = loss_a + (out_a[f].values() * grad).sum()
+        loss_b = loss_b + (out_b[f].values() * grad).sum()
+    loss_a.backward()
+    loss_b.backward()
+    for t in UNPOOLED:
+        ids = torch.arange(t.num_embeddings)
+        torch.testing.assert_close(a.read_rows(t.name, ids), b.read_rows(t.name, ids), rtol=1e-5, atol=1e-6)
+
+
+def test_unpooled_equal_to_torchrec_where_it_imports():
+    torchrec = pytest.importorskip("torchrec")
+    tables = [UNPOOLED[0], dataclasses.replace(UNPOOLED[1], embedding_dim=8)]  # torchrec's: one dim for all
+    ec = tieredemb.TieredEmbeddingCollection(tables, optimizer=tieredemb.SGD(lr=0.1))
+    peer = torchrec.EmbeddingCollection(tables=[torchrec.EmbeddingConfig(
+        name=t.name, embedding_dim=t.embedding_dim, num_embeddings=t.num_embeddings, feature_names=list(t.feature_names))
+        for t in tables])
+    for t in tables:
+        peer.embeddings[t.name].weight.data.copy_(ec.read_rows(t.name, torch.arange(t.num_embeddings)))
+    keys = ["user_id", "friend_id", "category"]
+    lengths = torch.tensor([1, 0, 2, 2, 1, 1, 0, 3, 1])
+    values = torch.tensor([5, 7, 8, 1, 2, 3, 4, 0, 1, 2, 9])
+    kjt = torchrec.KeyedJaggedTensor(keys=keys, values=values, lengths=lengths)
+    ours, theirs = ec(kjt), peer(kjt)
+    assert list(ours) == list(theirs) == keys
+    for f in keys:
+        assert isinstance(ours[f], torchrec.JaggedTensor)
+        torch.testing.assert_close(ours[f].values(), theirs[f].values())
+        assert ours[f].lengths().tolist() == theirs[f].lengths().tolist()

@@ -50,3 +50,32 @@ def test_prometheus_text_follows_the_format_and_the_naming_conventions(tmp_path)
     assert ("tieredemb_prefetch_wait_seconds_total", '"user"', None) in values
     assert json.loads(tieredemb.metrics.as_json(tables))["user"]["tier0"]["misses"] == s["tier0"]["misses"]
     tables["item"].close()
+
+
+def test_a_collection_gives_every_table_its_own_series(tmp_path):
+    tables = [tieredemb.EmbeddingBagConfig("a", 400, 4, ["fa"]), tieredemb.EmbeddingBagConfig("b", 200, 4, ["fb"]),
+              tieredemb.EmbeddingBagConfig("c", 100, 8, ["fc"])]
+    ebc = tieredemb.TieredEmbeddingBagCollection(tables, cache_bytes=2000, host_bytes=6000,
+                                                 optimizer=tieredemb.SGD(lr=0.1))
+    for k in range(4):
+        ebc({"fa": (torch.arange(40) + 40 * k, torch.tensor([0, 20])), "fb": (torch.arange(6), torch.tensor([0, 3])),
+             "fc": (torch.arange(9), torch.tensor([0, 4]))}).values().sum().backward()
+    text = tieredemb.metrics.prometheus({"ebc": ebc})
+    values = {}
+    for line in text.splitlines():
+        if not line.startswith("#"):
+            m = _SAMPLE.match(line)
+            assert m, line
+            values[(m.group(1), m.group(2))] = float(m.group(3))
+    s = ebc.stats()
+    for t in ("a", "b", "c"):
+        assert values[("tieredemb_lookups_total", f'collection="ebc",table="{t}"')] == s["tables"][t]["lookups"]
+        assert values[("tieredemb_tier_hits_total", f'collection="ebc",table="{t}",tier="tier0"')] == \
+            s["tables"][t]["tier0"]["hits"]
+    assert values[("tieredemb_lookups_total", 'collection="ebc",table="a"')] == 160
+    assert values[("tieredemb_tier_misses_total", 'collection="ebc",table="a",tier="tier0"')] == 160
+    assert values[("tieredemb_tier_capacity_rows", 'collection="ebc",group="group0",tier="host"')] == \
+        s["groups"]["group0"]["host"]["capacity"]
+    # tier 0 is counted per table only (the groups' totals would count it twice)
+    assert not any(k[1].startswith('collection="ebc",group=') and "tier0" in k[1] for k in values)
+    assert json.loads(tieredemb.metrics.as_json({"ebc": ebc}))["ebc"]["tables"]["b"]["lookups"] == 24

@@ -18,6 +18,8 @@ _EXPORTS = {
     "PrefetchLoader": "prefetch", "PrefetchOrderError": "prefetch",
     "record": "trace",
     "TieredEmbeddingBagCollection": "collection", "EmbeddingBagConfig": "collection", "InverseKeyed": "collection",
+    "TieredEmbeddingCollection": "collection", "EmbeddingConfig": "collection",
+    "plan": "planner",
 }
 
 __all__ = sorted(_EXPORTS)

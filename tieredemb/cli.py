@@ -13,6 +13,7 @@ COMMANDS = {
     "mrc": ("tieredemb.sim.cli", "mrc", "miss-ratio curve of a trace"),
     "replay": ("tieredemb.sim.replay", "replay", "drive the real engine with a trace"),
     "trace": ("tieredemb.trace.cli", "trace", "convert | inspect | synth traces"),
+    "plan": ("tieredemb.planner_cli", "plan", "each table's tier-0 rows and store, from a trace of many tables"),
 }
 
 

@@ -7,11 +7,12 @@ tiered tables, and the inputs it takes (KeyedJaggedTensor, dicts, inverse-keyed 
                                                  optimizer=tieredemb.RowWiseAdagrad(lr=0.01))
     pooled = ebc(kjt)            # a torchrec KeyedTensor where torchrec imports, else a KeyedEmbeddings
 
-Tables that agree on dim, pooling, optimizer, init and dtype are one group: their rows are one
-id space (table t's row r is the group's row offset[t] + r), so a batch of every feature reading
-them is one lookup: one dedup, one residency pass, one kernel each way. The budget of a tier is
-split over the groups (and so over their tables) in proportion to the tables' rows, unless a
-plan gives each table its share (tables_budget). Rows never written read as the deterministic
+Tables that agree on dim, pooling, optimizer, init, dtype and store (host memory or SSD) are one
+group: their rows are one id space (table t's row r is the group's row offset[t] + r), so a batch
+of every feature reading them is one lookup: one dedup, one residency pass, one kernel each way.
+Tier 0's budget is split over the tables in proportion to their bytes, unless a plan
+(tieredemb.planner) gives each table its share; each table's share is a partition of its group's
+tier 0 (native/index/partitioned_index.h), so its hit ratio is its own. Rows never written read as the deterministic
 initial value of (seed, group row), so a table in a collection starts from other values than a
 table of its own with the same seed.
 """
@@ -19,6 +20,7 @@ table of its own with the same seed.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 
 import numpy as np
@@ -26,8 +28,33 @@ import torch
 from torch import Tensor, nn
 
 from .config import Init, TableConfig, parse_bytes
-from .module import TieredEmbeddingBag
+from .module import TieredEmbedding, TieredEmbeddingBag
+from .keyed import InverseKeyed, KeyedEmbeddings, features_of, jagged, keyed  # noqa: F401 (re-exported)
 from .optim import Optimizer
+
+
+def _check_table(t) -> None:
+    object.__setattr__(t, "feature_names", tuple(t.feature_names))
+    if not t.feature_names:
+        raise ValueError(f"table {t.name!r} has no features: give feature_names")
+
+
+@dataclasses.dataclass(frozen=True)
+class EmbeddingConfig:
+    """One table of a TieredEmbeddingCollection: name; num_embeddings x embedding_dim; the
+    features that read it (each id gets its row, unpooled); optimizer and init (None: the
+    collection's); dtype of the weights."""
+
+    name: str
+    num_embeddings: int
+    embedding_dim: int
+    feature_names: tuple[str, ...] | list[str]
+    optimizer: Optimizer | None = None
+    init: Init | None = None
+    dtype: torch.dtype = torch.float32
+
+    def __post_init__(self):
+        _check_table(self)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,77 +73,66 @@ class EmbeddingBagConfig:
     dtype: torch.dtype = torch.float32
 
     def __post_init__(self):
-        object.__setattr__(self, "feature_names", tuple(self.feature_names))
-        if not self.feature_names:
-            raise ValueError(f"table {self.name!r} has no features: give feature_names")
+        _check_table(self)
         if self.pooling not in ("sum", "mean"):
             raise ValueError(f"table {self.name!r}: pooling {self.pooling!r} is not 'sum' or 'mean'")
 
 
-@dataclasses.dataclass(frozen=True)
-class InverseKeyed:
-    """A feature's batch given as its distinct bags and, per sample, which one it is (RecD's
-    inverse-keyed jagged tensor): values and offsets [U + 1] of the U distinct bags, inverse [B]."""
-
-    values: Tensor
-    offsets: Tensor
-    inverse: Tensor
-
-
-class KeyedEmbeddings:
-    """The pooled features, as torchrec's KeyedTensor has them (used where torchrec is not
-    installed): keys(), values() [B, sum of dims], length_per_key(), to_dict() {key: [B, D]}."""
-
-    def __init__(self, keys: list[str], lengths: list[int], values: Tensor):
-        self._keys, self._lengths, self._values = keys, lengths, values
-
-    def keys(self) -> list[str]:
-        return self._keys
-
-    def values(self) -> Tensor:
-        return self._values
-
-    def length_per_key(self) -> list[int]:
-        return self._lengths
-
-    def to_dict(self) -> dict[str, Tensor]:
-        return dict(zip(self._keys, torch.split(self._values, self._lengths, dim=1)))
-
-    def __getitem__(self, key: str) -> Tensor:
-        return self.to_dict()[key]
-
-
-def _keyed(keys, lengths, values):
-    try:
-        from torchrec.sparse.jagged_tensor import KeyedTensor
-    except ImportError:
-        return KeyedEmbeddings(keys, lengths, values)
-    return KeyedTensor(keys=keys, length_per_key=lengths, values=values)
-
-
 class _Group:
-    """Tables that share dim, pooling, optimizer, init and dtype: one engine over their rows."""
+    """Tables of one kind (dim, optimizer, init, dtype, pooling for bags) and store: one engine
+    over their rows."""
 
-    def __init__(self, tables: list[EmbeddingBagConfig]):
+    def __init__(self, tables: list[EmbeddingBagConfig], store: str):
         self.tables = tables
+        self.store = store  # "host" or "ssd"
         self.offsets = dict(zip((t.name for t in tables), np.cumsum([0] + [t.num_embeddings for t in tables])))
         self.rows = sum(t.num_embeddings for t in tables)
 
 
-class TieredEmbeddingBagCollection(nn.Module):
-    """EmbeddingBagCollection whose tables live in tiers under one budget per tier.
+def _row_bytes(t: EmbeddingBagConfig) -> int:
+    """Bytes of a stored row of the table: its weights and its optimizer's state."""
+    return TableConfig(1, t.embedding_dim, optimizer=t.optimizer, dtype=t.dtype).width * 4
 
-    tables: EmbeddingBagConfig list (unique names; a feature read by one table). cache_bytes /
-    host_bytes: the budget of tier 0 and of the host cache over all tables ('8GiB', or bytes;
-    None: every row in tier 0 / no host cache). ssd_path: a directory; each group's rows go in a
-    store under it (None: host memory). optimizer / init: the default of tables that give none.
-    tables_budget: {table: (tier-0 rows, host rows)} from a plan, instead of the split in
-    proportion to the tables' rows. Other keywords (policy, seed, device, ssd_options,
-    stochastic_rounding) go to every group's table (see TableConfig)."""
 
-    def __init__(self, tables: list[EmbeddingBagConfig], *, cache_bytes=None, host_bytes=None, ssd_path=None,
-                 optimizer: Optimizer | None = None, init: Init | None = None, tables_budget: dict | None = None,
-                 **table_args):
+def _load_plan(plan) -> dict:
+    """A planner.Plan, its to_dict(), or the path of `tieredemb plan --json`'s file (its
+    'planned' entry) -> {table: (tier-0 rows, store)}."""
+    if isinstance(plan, (str, os.PathLike)):
+        with open(plan) as f:
+            plan = json.load(f)["planned"]
+    if not isinstance(plan, dict):
+        plan = plan.to_dict()
+    return {t["name"]: (int(t["cache_rows"]), t["store"], int(t["rows"])) for t in plan["tables"]}
+
+
+_ARGS = """(unique names; a feature read by one table). cache_bytes:
+    tier 0's budget over all tables ('8GiB', or bytes; None: every row in tier 0), given to each
+    table in proportion to its bytes (the same fraction of every table's rows); each table keeps
+    its share to itself (a partition of its group's tier 0: one table's misses never evict
+    another's rows). host_bytes: the host caches' budget, shared by each group's tables (None:
+    none). ssd_path: a directory; each group's rows go in a store under it (None: host memory).
+    plan: the planner's choice (tieredemb.planner: a Plan, its dict, or the JSON file of
+    `tieredemb plan --json`) instead of cache_bytes and host_bytes: every table's tier-0 rows,
+    and whether its rows are stored in host memory or on SSD (under ssd_path). optimizer / init:
+    the default of tables that give none. Other keywords (policy, seed, device, ssd, ...) go to
+    every group's table (see TableConfig)."""
+
+
+class _Collection(nn.Module):
+    """What both collections share: tables in groups, one engine per group, the budgets, rows,
+    statistics. Subclasses say what a group's engine is, and what a lookup returns."""
+
+    def _kind(self, t) -> tuple:
+        raise NotImplementedError
+
+    def _engine(self, group, **args) -> nn.Module:
+        raise NotImplementedError
+
+    def _outputs(self, group, engine, flat, offsets, psw, parts) -> dict:
+        raise NotImplementedError
+
+    def __init__(self, tables: list, *, cache_bytes=None, host_bytes=None, ssd_path=None,
+                 optimizer: Optimizer | None = None, init: Init | None = None, plan=None, **table_args):
         super().__init__()
         names = [t.name for t in tables]
         if len(set(names)) != len(names):
@@ -128,85 +144,68 @@ class TieredEmbeddingBagCollection(nn.Module):
         self.tables = [dataclasses.replace(t, optimizer=t.optimizer or optimizer, init=t.init or init or Init())
                        for t in tables]
         self.feature_table = {f: t for t in self.tables for f in t.feature_names}
+        tier0, store = self._shares(cache_bytes, host_bytes, ssd_path, plan)
         groups: dict = {}
         for t in self.tables:
-            groups.setdefault((t.embedding_dim, t.pooling, t.optimizer, t.init, t.dtype), []).append(t)
-        self.groups = [_Group(g) for g in groups.values()]
-        total_rows = sum(t.num_embeddings for t in self.tables)
+            groups.setdefault((*self._kind(t), store[t.name]), []).append(t)
+        self.groups = [_Group(g, key[-1]) for key, g in groups.items()]
+        total_bytes = sum(t.num_embeddings * _row_bytes(t) for t in self.tables)
+        self.lookups = {t.name: 0 for t in self.tables}
         self.engines = nn.ModuleList()
         for k, g in enumerate(self.groups):
             t0 = g.tables[0]
-            width = TableConfig(1, t0.embedding_dim, optimizer=t0.optimizer, dtype=t0.dtype).width
-            cache, host = self._budget(g, cache_bytes, host_bytes, width, total_rows, tables_budget)
-            self.engines.append(TieredEmbeddingBag(
-                g.rows, t0.embedding_dim, t0.pooling, cache_rows=cache, host_rows=host, optimizer=t0.optimizer,
-                init=t0.init, dtype=t0.dtype, ssd_path=None if ssd_path is None else os.path.join(ssd_path, f"group{k}"),
+            parts = tuple((t.num_embeddings, tier0[t.name]) for t in g.tables)
+            whole = all(cap >= rows for rows, cap in parts)
+            host = None
+            if host_bytes is not None and not whole:
+                group_bytes = sum(t.num_embeddings * _row_bytes(t) for t in g.tables)
+                host = max(sum(c for _, c in parts), _bytes(host_bytes) * group_bytes // total_bytes // _row_bytes(t0))
+            self.engines.append(self._engine(
+                g, partitions=None if whole else parts, host_rows=host, optimizer=t0.optimizer, init=t0.init,
+                dtype=t0.dtype, ssd_path=os.path.join(ssd_path, f"group{k}") if g.store == "ssd" else None,
                 **table_args))
 
-    @staticmethod
-    def _budget(group, cache_bytes, host_bytes, width, total_rows, tables_budget):
-        """The group's tier-0 and host-cache rows: the sum of its tables' shares."""
-        if tables_budget is not None:
-            cache = sum(tables_budget[t.name][0] for t in group.tables)
-            host = sum(tables_budget[t.name][1] or 0 for t in group.tables) or None
-            return min(cache, group.rows), (None if host is None else max(host, min(cache, group.rows)))
+    def _shares(self, cache_bytes, host_bytes, ssd_path, plan) -> tuple[dict, dict]:
+        """{table: tier-0 rows} and {table: 'host' or 'ssd'}, from the plan or the budgets."""
+        if plan is None:
+            store = "host" if ssd_path is None else "ssd"
+            if cache_bytes is None:
+                return {t.name: t.num_embeddings for t in self.tables}, {t.name: store for t in self.tables}
+            budget = _bytes(cache_bytes)
+            total = sum(t.num_embeddings * _row_bytes(t) for t in self.tables)
+            return ({t.name: min(t.num_embeddings, max(1, budget * t.num_embeddings // total)) for t in self.tables},
+                    {t.name: store for t in self.tables})
+        if cache_bytes is not None or host_bytes is not None:
+            raise ValueError("give a plan or cache_bytes / host_bytes, not both: the plan already splits the budgets")
+        chosen = _load_plan(plan)
+        names = {t.name for t in self.tables}
+        if set(chosen) != names:
+            raise ValueError(f"the plan is for tables {sorted(chosen)}, this collection has {sorted(names)}")
+        for t in self.tables:
+            rows, where, planned_rows = chosen[t.name][0], chosen[t.name][1], chosen[t.name][2]
+            if planned_rows != t.num_embeddings:
+                raise ValueError(f"the plan's table {t.name!r} has {planned_rows} rows, this one {t.num_embeddings}")
+            if not 1 <= rows or where not in ("host", "ssd"):
+                raise ValueError(f"the plan's table {t.name!r}: tier-0 rows {rows} must be >= 1 and store {where!r} "
+                                 "'host' or 'ssd'")
+            if where == "ssd" and ssd_path is None:
+                raise ValueError(f"the plan stores table {t.name!r} on SSD: give ssd_path")
+        return ({n: min(c[0], next(t.num_embeddings for t in self.tables if t.name == n)) for n, c in chosen.items()},
+                {n: c[1] for n, c in chosen.items()})
 
-        def share(budget):
-            if budget is None:
-                return None
-            total = parse_bytes(budget) if isinstance(budget, str) else int(budget)
-            return max(1, int(total * group.rows / total_rows) // (width * 4))
-        cache, host = share(cache_bytes), share(host_bytes)
-        if host is not None and cache is not None:
-            host = max(host, min(cache, group.rows))
-        return cache, host
-
-    # -- input ----------------------------------------------------------------------------------
-    def _features(self, features) -> dict:
-        """features -> {feature: (ids int64 [N], bag boundaries [B + 1], weights or None, inverse or None)}."""
-        if hasattr(features, "keys") and callable(getattr(features, "values", None)) and \
-                not isinstance(features, dict):  # a KeyedJaggedTensor (duck-typed)
-            keys = list(features.keys())
-            values = features.values()
-            weights = features.weights_or_none()
-            lengths = features.lengths()
-            stride = len(lengths) // max(len(keys), 1)
-            bounds = torch.zeros(len(lengths) + 1, dtype=torch.int64)
-            torch.cumsum(lengths.to("cpu", torch.int64), 0, out=bounds[1:])
-            out = {}
-            for k, key in enumerate(keys):
-                b = bounds[k * stride:(k + 1) * stride + 1]
-                lo, hi = int(b[0]), int(b[-1])
-                out[key] = (values[lo:hi], b - lo, None if weights is None else weights[lo:hi], None)
-            return out
-        out = {}
-        for key, item in features.items():
-            if isinstance(item, InverseKeyed):
-                out[key] = (item.values, _bounds(item.offsets, len(item.values)), None, item.inverse.to(torch.int64))
-            else:
-                ids, offsets = item[0], item[1]
-                out[key] = (ids, _bounds(offsets, len(ids)), item[2] if len(item) > 2 else None, None)
-        return out
-
-    def forward(self, features):
-        """features: a KeyedJaggedTensor, or {feature: (ids, offsets[, per_sample_weights])} with
-        offsets [B] bag starts, or {feature: InverseKeyed}. Every feature of every table must be
-        given, with the same B. Returns the pooled features in the tables' order (a torchrec
-        KeyedTensor where torchrec imports, else a KeyedEmbeddings)."""
-        given = self._features(features)
+    # -- input and output -----------------------------------------------------------------------
+    def _lookups_of(self, features) -> dict:
+        """Every group's features looked up, one call per group: {feature: what _outputs gives}."""
+        given = features_of(features)
         missing = [f for f in self.feature_table if f not in given]
         unknown = [f for f in given if f not in self.feature_table]
         if missing or unknown:
             raise ValueError(f"features: missing {missing}, unknown {unknown} (this collection reads "
                              f"{list(self.feature_table)})")
-        pooled = {}
+        out = {}
         for group, engine in zip(self.groups, self.engines):
-            pooled.update(self._lookup(group, engine, given))
-        keys = [f for t in self.tables for f in t.feature_names]
-        batch = {v.shape[0] for v in pooled.values()}
-        if len(batch) > 1:
-            raise ValueError(f"features have different batch sizes: {sorted(batch)}")
-        return _keyed(keys, [self.feature_table[f].embedding_dim for f in keys], torch.cat([pooled[f] for f in keys], 1))
+            out.update(self._lookup(group, engine, given))
+        return out
 
     def _lookup(self, group: _Group, engine, given: dict) -> dict:
         """Every feature of the group's tables in one lookup: the features' bags one after another."""
@@ -221,22 +220,17 @@ class TieredEmbeddingBagCollection(nn.Module):
                     bad = int(v.min()) if v.min() < 0 else int(v.max())
                     raise IndexError(f"feature {f!r}: id {bad} out of range [0, {t.num_embeddings}) of table {t.name!r}")
                 ids.append(values + int(group.offsets[t.name]))
+                self.lookups[t.name] += len(values)
                 bounds.append(b.numpy()[1:] + start)
                 weights.append(w)
-                parts.append((f, len(b) - 1, inverse))
+                parts.append((f, b, inverse))
                 start += len(values)
         flat = torch.cat(ids)
         offsets = torch.from_numpy(np.concatenate(bounds)[:-1])
         psw = None
         if any(w is not None for w in weights):
             psw = torch.cat([w if w is not None else torch.ones(len(i)) for w, i in zip(weights, ids)])
-        out = engine(flat, offsets, per_sample_weights=psw)
-        result, row = {}, 0
-        for f, bags, inverse in parts:
-            block = out[row:row + bags]
-            result[f] = block if inverse is None else block.index_select(0, inverse.to(block.device))
-            row += bags
-        return result
+        return self._outputs(group, engine, flat, offsets, psw, parts)
 
     # -- rows, state, stats ---------------------------------------------------------------------
     def _where(self, table: str):
@@ -259,9 +253,19 @@ class TieredEmbeddingBagCollection(nn.Module):
         return engine.read_optimizer_state(torch.as_tensor(ids) + base)
 
     def stats(self) -> dict:
-        """Per group of tables: {"tables": names, and the group's per-tier stats}."""
-        return {f"group{k}": {"tables": [t.name for t in g.tables], **e.stats()}
-                for k, (g, e) in enumerate(zip(self.groups, self.engines))}
+        """{"tables": {table: {"group", "lookups" (ids looked up, duplicates included), "tier0":
+        its own share of tier 0's counters (hits, misses, hit_rate, evictions, capacity, resident,
+        ...), or None where its group holds every row in tier 0}}, "groups": {group: {"tables",
+        and the group's per-tier stats (tier0, host, store or ssd, prefetch)}}}."""
+        tables, groups = {}, {}
+        for k, (g, e) in enumerate(zip(self.groups, self.engines)):
+            s = e.stats()
+            groups[f"group{k}"] = {"tables": [t.name for t in g.tables], **s}
+            parts = s["tier0"].get("partitions")
+            for i, t in enumerate(g.tables):
+                tables[t.name] = {"group": f"group{k}", "lookups": self.lookups[t.name],
+                                  "tier0": None if parts is None else parts[i]}
+        return {"tables": {t.name: tables[t.name] for t in self.tables}, "groups": groups}
 
     def flush(self) -> None:
         for e in self.engines:
@@ -272,7 +276,78 @@ class TieredEmbeddingBagCollection(nn.Module):
             e.close()
 
 
-def _bounds(offsets: Tensor, n: int) -> Tensor:
-    """Bag starts [B] -> boundaries [B + 1] (as a host int64 tensor)."""
-    o = offsets.to("cpu", torch.int64)
-    return torch.cat([o, torch.tensor([n])])
+class TieredEmbeddingBagCollection(_Collection):
+    __doc__ = f"""EmbeddingBagCollection whose tables live in tiers under one budget per tier.
+
+    tables: EmbeddingBagConfig list {_ARGS}"""
+
+    def _kind(self, t) -> tuple:
+        return t.embedding_dim, t.pooling, t.optimizer, t.init, t.dtype
+
+    def _engine(self, group, **args) -> nn.Module:
+        t0 = group.tables[0]
+        return TieredEmbeddingBag(group.rows, t0.embedding_dim, t0.pooling, **args)
+
+    def forward(self, features):
+        """features: a KeyedJaggedTensor, or {feature: (ids, offsets[, per_sample_weights])} with
+        offsets [B] bag starts, or {feature: InverseKeyed}. Every feature of every table must be
+        given, with the same B. Returns the pooled features in the tables' order (a torchrec
+        KeyedTensor where torchrec imports, else a KeyedEmbeddings)."""
+        pooled = self._lookups_of(features)
+        keys = [f for t in self.tables for f in t.feature_names]
+        batch = {v.shape[0] for v in pooled.values()}
+        if len(batch) > 1:
+            raise ValueError(f"features have different batch sizes: {sorted(batch)}")
+        return keyed(keys, [self.feature_table[f].embedding_dim for f in keys], torch.cat([pooled[f] for f in keys], 1))
+
+    def _outputs(self, group, engine, flat, offsets, psw, parts) -> dict:
+        out = engine(flat, offsets, per_sample_weights=psw)
+        result, row = {}, 0
+        for f, b, inverse in parts:
+            bags = len(b) - 1
+            block = out[row:row + bags]
+            result[f] = block if inverse is None else block.index_select(0, inverse.to(block.device))
+            row += bags
+        return result
+
+
+class TieredEmbeddingCollection(_Collection):
+    __doc__ = f"""EmbeddingCollection (unpooled: each id its row) whose tables live in tiers under
+    one budget per tier.
+
+    tables: EmbeddingConfig list {_ARGS}"""
+
+    def _kind(self, t) -> tuple:
+        return t.embedding_dim, t.optimizer, t.init, t.dtype
+
+    def _engine(self, group, **args) -> nn.Module:
+        return TieredEmbedding(group.rows, group.tables[0].embedding_dim, **args)
+
+    def forward(self, features) -> dict:
+        """features: as TieredEmbeddingBagCollection's (per_sample_weights aside; offsets [B]
+        start each sample's ids). Returns {feature: its rows, one per id, as a torchrec
+        JaggedTensor (values [N, D], lengths [B]) where torchrec imports, else a JaggedEmbeddings};
+        an InverseKeyed feature's samples get their distinct bag's rows."""
+        out = self._lookups_of(features)
+        return {f: out[f] for t in self.tables for f in t.feature_names}
+
+    def _outputs(self, group, engine, flat, offsets, psw, parts) -> dict:
+        if psw is not None:
+            raise ValueError("per_sample_weights apply to pooled features: an EmbeddingCollection takes none")
+        rows = engine(flat)
+        result, at = {}, 0
+        for f, b, inverse in parts:
+            n = int(b[-1])
+            block, lengths = rows[at:at + n], b[1:] - b[:-1]
+            if inverse is not None:  # each sample: its distinct bag's rows
+                starts, lengths = b[:-1][inverse], lengths[inverse]
+                pick = torch.repeat_interleave(starts - torch.cumsum(lengths, 0) + lengths, lengths) + \
+                    torch.arange(int(lengths.sum()))
+                block = block.index_select(0, pick.to(block.device))
+            result[f] = jagged(block, lengths)
+            at += n
+        return result
+
+
+def _bytes(value) -> int:
+    return parse_bytes(value) if isinstance(value, str) else int(value)

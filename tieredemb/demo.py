@@ -8,8 +8,10 @@ import argparse
 import os
 import time
 
+import numpy as np
 import torch
 
+from tieredemb import planner
 from tieredemb.trace.synth import ZipfSampler
 
 
@@ -138,32 +140,51 @@ def _demo_collection(args) -> int:
     tables = [tieredemb.EmbeddingBagConfig(f"table{k}", rows[k], 32 if k % 2 else 64, [f"feature{k}"])
               for k in range(args.tables)]
     budget = (args.cache_rows or sum(rows) // 20) * 64 * 4
-    ebc = tieredemb.TieredEmbeddingBagCollection(tables, cache_bytes=budget, ssd_path=args.ssd_path,
-                                                 optimizer=tieredemb.RowWiseAdagrad(lr=0.05), policy=args.policy)
+    opt = tieredemb.RowWiseAdagrad(lr=0.05)
+    alphas = [args.alpha - 0.15 + 0.3 * k / max(1, args.tables - 1) for k in range(args.tables)]  # mixed locality
+    samplers = [ZipfSampler(n, a, seed=1 + k) for k, (n, a) in enumerate(zip(rows, alphas))]
+    n_ids = args.batch * args.bag_len
+
+    def batch_ids(step):
+        return [s.batch(step, n_ids) for s in samplers]
+
+    # Plan tier 0 from the first batches' ids (a trace of each table), as `tieredemb plan` does.
+    ahead = min(args.steps, 40)
+    first = [batch_ids(i) for i in range(ahead)]
+    traces = {t.name: (np.concatenate([b[k] for b in first]), np.arange(ahead + 1) * n_ids) for k, t in enumerate(tables)}
+    sizes = {t.name: (t.num_embeddings, tieredemb.TableConfig(1, t.embedding_dim, optimizer=opt).width * 4)
+             for t in tables}
+    plans = tieredemb.plan(traces, sizes, cache_bytes=budget)
+    print(f"{args.tables} tables of {min(rows):,} to {max(rows):,} rows (dims 32 and 64, Zipf alpha "
+          f"{min(alphas):.2f} to {max(alphas):.2f}); tier-0 budget {budget / 2**20:,.1f} MiB, planned from the first "
+          f"{ahead} batches:")
+    print(planner.report(plans))
+    ebc = tieredemb.TieredEmbeddingBagCollection(tables, plan=plans["planned"], ssd_path=args.ssd_path,
+                                                 optimizer=opt, policy=args.policy)
+    print(f"{len(ebc.groups)} groups looked up together")
     width = sum(t.embedding_dim for t in tables)
-    print(f"{args.tables} tables of {min(rows):,} to {max(rows):,} rows (dims 32 and 64), {len(ebc.groups)} groups "
-          f"looked up together; tier-0 budget {budget / 2**20:,.1f} MiB split in proportion to rows")
     mlp = torch.nn.Sequential(torch.nn.Linear(width, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
-    opt = torch.optim.Adagrad(mlp.parameters(), lr=0.05)
-    samplers = [ZipfSampler(n, args.alpha, seed=1 + k) for k, n in enumerate(rows)]
+    dense_opt = torch.optim.Adagrad(mlp.parameters(), lr=0.05)
     offsets = torch.arange(0, args.batch * args.bag_len, args.bag_len)
     start, loss_avg, lookups = time.perf_counter(), None, 0
-    for _ in tqdm(range(args.steps), desc="training", unit="batch"):
-        ids = [torch.from_numpy(s.next_batch(args.batch * args.bag_len)) for s in samplers]
+    for step in tqdm(range(args.steps), desc="training", unit="batch"):
+        ids = [torch.from_numpy(i) for i in batch_ids(step)]
         label = ((ids[0].view(args.batch, args.bag_len) % 7) == 0).any(1).float()
         pooled = ebc({f"feature{k}": (i, offsets) for k, i in enumerate(ids)})
         loss = torch.nn.functional.binary_cross_entropy_with_logits(mlp(pooled.values()).squeeze(1), label)
-        opt.zero_grad()
+        dense_opt.zero_grad()
         loss.backward()
-        opt.step()
+        dense_opt.step()
         lookups += sum(len(i) for i in ids)
         loss_avg = loss.item() if loss_avg is None else 0.9 * loss_avg + 0.1 * loss.item()
     ebc.flush()
     elapsed = time.perf_counter() - start
     print(f"\n{args.steps} steps in {elapsed:.1f} s: {lookups / elapsed:,.0f} lookups/s; final loss (moving average) "
           f"{loss_avg:.4f}")
-    for name, s in ebc.stats().items():
-        t0 = s["tier0"]
-        print(f"  {name} ({', '.join(s['tables'])}): tier-0 hit rate {t0['hit_rate']:.3f}, capacity {t0['capacity']:,} rows")
+    predicted = {t.name: t for t in plans["planned"].tables}
+    for name, s in ebc.stats()["tables"].items():
+        t0, p = s["tier0"], predicted[name]
+        hit = "whole table in tier 0" if t0 is None else f"tier-0 hit rate {t0['hit_rate']:.3f} (plan: {p.tier0_hit:.3f})"
+        print(f"  {name}: {hit}, {p.cache_rows:,} of {p.rows:,} rows in tier 0")
     ebc.close()
     return 0

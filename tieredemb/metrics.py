@@ -1,10 +1,13 @@
 """Tables' statistics for monitoring: as JSON, and in Prometheus' text exposition format.
 
-    text = tieredemb.metrics.prometheus({"user": user_emb, "item": item_emb})
-    doc = tieredemb.metrics.as_json({"user": user_emb, "item": item_emb})
+    text = tieredemb.metrics.prometheus({"user": user_emb, "item": item_emb, "ebc": collection})
+    doc = tieredemb.metrics.as_json({"user": user_emb, "item": item_emb, "ebc": collection})
 
 Names follow Prometheus' conventions: a `tieredemb_` prefix, the unit in the name (`_bytes`,
-`_rows`, `_seconds`), `_total` on counters; the table and the tier (or store) are labels.
+`_rows`, `_seconds`), `_total` on counters; the table and the tier (or store) are labels. A
+collection (TieredEmbeddingBagCollection) gives every table's own series (labels collection,
+table, tier: its lookups and its share of tier 0), and its groups' shared tiers, stores and
+prefetch (labels collection, group).
 """
 
 from __future__ import annotations
@@ -37,6 +40,9 @@ _STORE = {
     "flushes": ("store_flushes_total", "counter", "flushes (every update before them durable)"),
     "rows_stored": ("store_stored_rows", "gauge", "distinct rows the backing store holds"),
 }
+_TABLE = {
+    "lookups": ("lookups_total", "counter", "ids looked up, duplicates included"),
+}
 _PREFETCH = {
     "registered": ("prefetch_batches_total", "counter", "batches registered ahead of their forward"),
     "prefetched_rows": ("prefetch_ahead_rows_total", "counter", "tier-0 misses made resident before the forward asked"),
@@ -48,7 +54,7 @@ _PREFETCH = {
 
 
 def as_json(tables: dict) -> str:
-    """{table name: its stats()} as a JSON document."""
+    """{name: its stats()} (a table module's or a collection's) as a JSON document."""
     return json.dumps({name: table.stats() for name, table in tables.items()}, indent=1, sort_keys=True)
 
 
@@ -65,14 +71,16 @@ def prometheus(tables: dict) -> str:
         tags = ",".join(f'{k}="{_escape(str(v))}"' for k, v in labels.items())
         lines.append(f"{metric}{{{tags}}} {float(value):.17g}")
 
-    for table, module in tables.items():
-        for part, stats in module.stats().items():
+    for name, obj in tables.items():
+        for labels, part, stats in _parts(name, obj):
             if part == "prefetch":
-                specs, labels = _PREFETCH, {"table": table}
+                specs = _PREFETCH
+            elif part == "table":
+                specs = _TABLE
             elif part in ("store", "ssd"):
-                specs, labels = _STORE, {"table": table, "store": "ssd" if part == "ssd" else "host"}
+                specs, labels = _STORE, {**labels, "store": "ssd" if part == "ssd" else "host"}
             else:
-                specs, labels = _TIER, {"table": table, "tier": part}
+                specs, labels = _TIER, {**labels, "tier": part}
             for key, spec in specs.items():
                 if key in stats:
                     add(spec, labels, stats[key])
@@ -80,6 +88,27 @@ def prometheus(tables: dict) -> str:
     for metric, (kind, help_, lines) in samples.items():
         out += [f"# HELP {metric} {help_}", f"# TYPE {metric} {kind}", *lines]
     return "\n".join(out) + "\n"
+
+
+def _parts(name: str, obj):
+    """(labels, part, stats) of every part of a table module or a collection (see the top)."""
+    from .collection import TieredEmbeddingBagCollection
+
+    stats = obj.stats()
+    if not isinstance(obj, TieredEmbeddingBagCollection):
+        for part, s in stats.items():
+            yield {"table": name}, part, s
+        return
+    for table, s in stats["tables"].items():
+        labels = {"collection": name, "table": table}
+        yield labels, "table", s
+        if s["tier0"] is not None:
+            yield labels, "tier0", s["tier0"]
+    for group, s in stats["groups"].items():
+        for part, value in s.items():
+            if part == "tables" or (part == "tier0" and "partitions" in value):  # per table above
+                continue
+            yield {"collection": name, "group": group}, part, value
 
 
 def _escape(value: str) -> str:

@@ -1,0 +1,148 @@
+"""The planner (tieredemb.planner, `tieredemb plan`): the engine, trained on the traces under each
+plan, measures the hit ratios the plan predicts; the plan moves fewer bytes than the budget split
+in proportion to the tables' bytes or in equal shares, predicted and measured; host memory goes
+to the tables whose SSD traffic costs most per byte; the collection takes a plan as the planner
+writes it."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+import tieredemb
+from tieredemb import EmbeddingBagConfig, TieredEmbeddingBagCollection, planner
+from tieredemb.cli import main
+from tieredemb.trace.synth import ZipfSampler
+
+OPT = tieredemb.RowWiseAdagrad(lr=0.05)
+# name, rows, dim, Zipf alpha, lookups per batch: a large table with little locality, a small
+# skewed one, and two between.
+MIX = [("flat", 40_000, 16, 0.5, 240), ("hot", 6_000, 16, 1.2, 240), ("mid", 15_000, 32, 1.0, 120),
+       ("tiny", 2_000, 32, 1.1, 60)]
+BATCHES = 120
+BAGS = 12
+
+
+def traces():
+    out = {}
+    for k, (name, rows, _, alpha, per) in enumerate(MIX):
+        z = ZipfSampler(rows, alpha, seed=5, table=k)
+        out[name] = (np.concatenate([z.batch(i, per) for i in range(BATCHES)]), np.arange(BATCHES + 1) * per)
+    return out
+
+
+def configs():
+    return [EmbeddingBagConfig(n, r, d, [n], optimizer=OPT) for n, r, d, _, _ in MIX]
+
+
+def tables():
+    return {c.name: (c.num_embeddings, tieredemb.TableConfig(1, c.embedding_dim, optimizer=OPT).width * 4)
+            for c in configs()}
+
+
+def budget():
+    return sum(r * b for r, b in tables().values()) // 12
+
+
+def train(ebc, tr):
+    """Every batch of the traces through the collection: forward and backward."""
+    for i in range(BATCHES):
+        feats = {}
+        for name, _, _, _, per in MIX:
+            ids = torch.from_numpy(tr[name][0][i * per:(i + 1) * per])
+            feats[name] = (ids, torch.arange(0, per, per // BAGS))
+        ebc(feats).values().square().sum().backward()
+    return ebc.stats()["tables"]
+
+
+@pytest.fixture(scope="module")
+def plans():
+    return planner.plan(traces(), tables(), cache_bytes=budget())
+
+
+@pytest.mark.parametrize("strategy", planner.STRATEGIES)
+def test_the_engine_measures_the_predicted_hit_ratios(plans, strategy):
+    p = plans[strategy]
+    stats = train(TieredEmbeddingBagCollection(configs(), plan=p), traces())
+    for t in p.tables:
+        measured = stats[t.name]["tier0"]
+        assert measured["capacity"] == t.cache_rows
+        assert abs(measured["hit_rate"] - t.tier0_hit) <= 0.01, (t.name, measured["hit_rate"], t.tier0_hit)
+        assert measured["hits"] + measured["misses"] == pytest.approx(t.lookups_per_batch * BATCHES)
+
+
+def test_the_plan_moves_fewer_bytes_than_either_split_predicted_and_measured(plans):
+    tr = traces()
+    assert plans["planned"].seconds_per_batch < plans["proportional"].seconds_per_batch
+    assert plans["planned"].seconds_per_batch < plans["equal"].seconds_per_batch
+    moved = {}
+    for strategy, p in plans.items():
+        assert sum(t.cache_rows * t.row_bytes for t in p.tables) <= budget()
+        stats = train(TieredEmbeddingBagCollection(configs(), plan=p), tr)
+        moved[strategy] = sum(stats[t.name]["tier0"]["misses"] * t.row_bytes for t in p.tables)
+    assert moved["planned"] < moved["proportional"] and moved["planned"] < moved["equal"], moved
+    # the planned split is not one of the others in disguise
+    assert [t.cache_rows for t in plans["planned"].tables] != [t.cache_rows for t in plans["proportional"].tables]
+
+
+def test_host_memory_goes_to_the_tables_whose_ssd_reads_cost_most_per_byte(tmp_path):
+    tb = tables()
+    host = tb["hot"][0] * tb["hot"][1] + tb["tiny"][0] * tb["tiny"][1]  # room for the two small tables
+    plans = planner.plan(traces(), tb, cache_bytes=budget(), host_bytes=host,
+                         bandwidth=planner.Bandwidth(to_tier0=10e9, ssd=1e9))
+    p = plans["planned"]
+    store = {t.name: t.store for t in p.tables}
+    assert store == {"flat": "ssd", "hot": "host", "tiny": "host", "mid": "ssd"}, store
+    for t in p.tables:  # SSD reads are the tier-0 misses of tables on SSD
+        assert t.ssd_rows_per_batch == (pytest.approx(t.lookups_per_batch * (1 - t.tier0_hit)) if t.store == "ssd"
+                                        else 0)
+    ebc = TieredEmbeddingBagCollection(configs(), plan=p, ssd_path=str(tmp_path))
+    where = {t.name: g.store for g in ebc.groups for t in g.tables}
+    assert where == store
+    for g, e in zip(ebc.groups, ebc.engines):
+        assert (e.config.ssd_path is not None) == (g.store == "ssd")
+    stats = train(ebc, traces())
+    for t in p.tables:
+        assert abs(stats[t.name]["tier0"]["hit_rate"] - t.tier0_hit) <= 0.01
+    ebc.close()
+
+
+def test_split_trace_and_bad_input():
+    keys = np.array([0, 5, 12, 3, 14, 10], dtype=np.int64)  # tables a: 10 rows, b: 5 rows
+    out = planner.split_trace(keys, np.array([0, 3, 6]), {"a": 10, "b": 5})
+    assert out["a"][0].tolist() == [0, 5, 3] and out["a"][1].tolist() == [0, 2, 3]
+    assert out["b"][0].tolist() == [2, 4, 0] and out["b"][1].tolist() == [0, 1, 3]
+    with pytest.raises(ValueError, match=r"key 15 is outside the tables' 15 rows"):
+        planner.split_trace(np.array([15]), np.array([0, 1]), {"a": 10, "b": 5})
+    tr = traces()
+    with pytest.raises(ValueError, match=r"cannot hold every table's widest batch"):
+        planner.plan(tr, tables(), cache_bytes=1000)
+    with pytest.raises(ValueError, match=r"traces and tables name different tables: \['hot'\]"):
+        planner.plan({k: v for k, v in tr.items() if k != "hot"}, tables(), cache_bytes=budget())
+    with pytest.raises(ValueError, match=r"bandwidth ssd must be > 0 bytes/s, got 0"):
+        planner.Bandwidth(ssd=0)
+
+
+def test_plan_command_writes_json_the_collection_takes_and_a_png(tmp_path, capsys):
+    trace = tmp_path / "mix.trace"
+    assert main(["trace", "synth", str(trace), "--zipf", "1.1", "--rows", "20000", "3000", "--batches", "60",
+                 "--lookups", "300", "80", "--no-progress"]) == 0
+    out_json, out_png = tmp_path / "plan.json", tmp_path / "plan.png"
+    assert main(["plan", str(trace), "--cache-bytes", "400KiB", "--dim", "16", "32", "--json", str(out_json),
+                 "--png", str(out_png)]) == 0
+    text = capsys.readouterr().out
+    assert "planned:" in text and "proportional:" in text and "equal:" in text and "x the plan's" in text
+    doc = json.loads(out_json.read_text())
+    assert set(doc) == set(planner.STRATEGIES)
+    assert [t["name"] for t in doc["planned"]["tables"]] == ["table0", "table1"]
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    tabs = [EmbeddingBagConfig("table0", 20000, 16, ["f0"], optimizer=OPT),
+            EmbeddingBagConfig("table1", 3000, 32, ["f1"], optimizer=OPT)]
+    ebc = TieredEmbeddingBagCollection(tabs, plan=str(out_json))
+    caps = {t: s["tier0"]["capacity"] for t, s in ebc.stats()["tables"].items()}
+    assert caps == {t["name"]: t["cache_rows"] for t in doc["planned"]["tables"]}
+    assert main(["plan", str(trace), "--cache-bytes", "400KiB", "--dim", "16", "32", "64"]) == 2
+    assert "--dim: 3 dims given for 2 tables" in capsys.readouterr().err

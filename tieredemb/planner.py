@@ -1,0 +1,345 @@
+"""The planner: every table's tier-0 rows, and whether its rows are stored in host memory or on
+SSD, under one budget per tier, chosen from the tables' access traces (MTrainS' placement from
+locality).
+
+Model. For every table its exact LRU miss-ratio curve in the engine's batch mode
+(tieredemb.sim.mrc: one pass, every size) gives the rows tier 0 misses per batch at any size;
+the engine's tier 0 gives each table of a collection a partition of its own, so these are the
+hits it will measure. A batch costs, per table, the rows crossing into tier 0 (its misses; when
+training each is also written back once evicted) times the bytes of a row over the
+host-to-tier-0 bandwidth, plus, for a table stored on SSD, the same rows over the SSD's
+bandwidth. The model counts row moves only: kernels and dedup cost the same under any plan.
+
+Choice. Tier 0's budget goes greedily, a step of one table's curve grid at a time, to the step
+that saves the most seconds per byte (the curves are close to convex, so this is close to the
+optimum; a table whose step reaches all its rows sits whole in tier 0). Then host memory holds
+whole tables, the ones whose SSD reads cost most per byte first, while host_bytes lasts; the
+rest go to SSD. The planner also prices the two obvious splits of tier 0, in proportion to the
+tables' bytes and in equal shares, with the same model and the same placement rule.
+
+    plans = tieredemb.plan({"user": (ids, offsets), ...}, {"user": (rows, row_bytes), ...},
+                           cache_bytes="1GiB")
+    print(tieredemb.planner.report(plans))
+    ebc = tieredemb.TieredEmbeddingBagCollection(tables, plan=plans["planned"])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+
+from .config import parse_bytes
+
+STRATEGIES = ("planned", "proportional", "equal")
+
+
+@dataclasses.dataclass(frozen=True)
+class Bandwidth:
+    """Bytes per second of rows moving between host memory and tier 0 (PCIe on a GPU, memory on
+    a CPU), and read from or written to the SSD store."""
+
+    to_tier0: float = 20e9
+    ssd: float = 2e9
+
+    def __post_init__(self):
+        for name in ("to_tier0", "ssd"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and v > 0):
+                raise ValueError(f"bandwidth {name} must be > 0 bytes/s, got {v!r}")
+
+
+@dataclasses.dataclass
+class TablePlan:
+    """One table under a plan: its rows and row bytes; tier-0 rows (all of them: whole in tier
+    0) and its store ('host' or 'ssd'); what the model predicts per batch: distinct rows looked
+    up, tier 0's hit ratio, rows read from SSD, bytes moved, seconds; and the table's curve
+    (tier-0 sizes and hit ratios there)."""
+
+    name: str
+    rows: int
+    row_bytes: int
+    cache_rows: int
+    store: str
+    lookups_per_batch: float
+    tier0_hit: float
+    ssd_rows_per_batch: float
+    bytes_per_batch: float
+    seconds_per_batch: float
+    curve_sizes: list
+    curve_hits: list
+
+
+@dataclasses.dataclass
+class Plan:
+    """Every table's tiers under one strategy ('planned', 'proportional' or 'equal')."""
+
+    strategy: str
+    tables: list[TablePlan]
+    train: bool
+    bandwidth: Bandwidth
+
+    @property
+    def seconds_per_batch(self) -> float:
+        return sum(t.seconds_per_batch for t in self.tables)
+
+    def to_dict(self) -> dict:
+        return {"strategy": self.strategy, "train": self.train, "bandwidth": dataclasses.asdict(self.bandwidth),
+                "seconds_per_batch": self.seconds_per_batch, "tables": [dataclasses.asdict(t) for t in self.tables]}
+
+
+class _Curve:
+    """A table's exact LRU misses per batch (batch mode) at any tier-0 size of at least its widest
+    batch: a grid computed in one pass, other sizes on demand."""
+
+    def __init__(self, ids, offsets, rows: int, points: int):
+        from .sim.curves import _lookups
+
+        self.keys = np.asarray(ids, dtype=np.int64)
+        self.offsets = np.asarray(offsets, dtype=np.int64)
+        self.rows = rows
+        self.batches = max(1, len(self.offsets) - 1)
+        lookups, widest = _lookups(self.keys, self.offsets)
+        self.lookups = lookups / self.batches  # distinct rows per batch
+        self.smallest = min(rows, max(1, widest))  # batch mode: a batch fits in the tier
+        grid = np.geomspace(self.smallest, rows, points).astype(np.int64)
+        self.sizes = np.unique(np.concatenate([grid, [self.smallest, rows]]))
+        self._misses = dict(zip(self.sizes.tolist(), self._count(self.sizes)))
+
+    def _count(self, sizes) -> np.ndarray:
+        from .sim import mrc
+
+        if not self.keys.size:
+            return np.zeros(len(sizes))
+        return mrc(self.keys, self.offsets, sizes).miss_ratio * self.lookups
+
+    def misses_at(self, size: int) -> float:
+        """Misses per batch of a tier of `size` rows (at least the widest batch)."""
+        size = min(max(int(size), self.smallest), self.rows)
+        if size not in self._misses:
+            self._misses[size] = float(self._count([size])[0])
+        return self._misses[size]
+
+
+def _price(name, rows, row_bytes, curve: _Curve, cache: int, store: str, bw: Bandwidth, train: bool) -> TablePlan:
+    moves = 2 if train else 1  # a trained row read up is written back when evicted
+    m0 = curve.misses_at(cache)
+    ssd = m0 if store == "ssd" else 0.0
+    seconds = moves * row_bytes * (m0 / bw.to_tier0 + ssd / bw.ssd)
+    hits = [1 - curve.misses_at(s) / curve.lookups if curve.lookups else 0.0 for s in curve.sizes]
+    return TablePlan(name, rows, row_bytes, int(cache), store, curve.lookups,
+                     1 - m0 / curve.lookups if curve.lookups else 0.0, ssd, moves * row_bytes * (m0 + ssd), seconds,
+                     curve.sizes.tolist(), hits)
+
+
+def _bytes(value) -> int | None:
+    if value is None:
+        return None
+    return parse_bytes(value) if isinstance(value, str) else int(value)
+
+
+def plan(traces: dict, tables: dict, *, cache_bytes, host_bytes=None, bandwidth: Bandwidth = Bandwidth(),
+         train: bool = True, points: int = 48) -> dict[str, Plan]:
+    """The three plans ('planned', 'proportional', 'equal') of a set of tables.
+
+    traces: {table: (ids int [N] of the table's own rows, batch offsets [B + 1])}; tables:
+    {table: (rows, bytes of a stored row: weights and optimizer state)}. cache_bytes: tier 0's
+    budget over every table. host_bytes: host memory for tables stored whole there (the rest go
+    to SSD); None: every table in host memory (no SSD). train: rows are written back too.
+    ValueError if tier 0 cannot hold every table's widest batch (the least a tier is planned at)."""
+    if set(traces) != set(tables):
+        raise ValueError(f"traces and tables name different tables: {sorted(set(traces) ^ set(tables))}")
+    if not tables:
+        raise ValueError("no tables to plan")
+    for n, (rows, row_bytes) in tables.items():
+        if rows <= 0 or row_bytes <= 0:
+            raise ValueError(f"table {n!r}: rows {rows} and row bytes {row_bytes} must be > 0")
+    cache_budget, host_budget = _bytes(cache_bytes), _bytes(host_bytes)
+    curves = {n: _Curve(*traces[n], tables[n][0], points) for n in tables}
+    least = sum(curves[n].smallest * tables[n][1] for n in tables)
+    if cache_budget < least:
+        raise ValueError(f"cache_bytes {cache_budget} cannot hold every table's widest batch ({least} bytes): "
+                         "give tier 0 more, or plan from smaller batches")
+    plans = {}
+    for strategy in STRATEGIES:
+        # Where a table is stored prices its misses, and its misses decide where it is stored:
+        # split and place in turn until the placement holds (a few rounds).
+        store = {n: "host" for n in tables}
+        for _ in range(4):
+            cache = _split(strategy, cache_budget, tables, curves, store, bandwidth, train)
+            placed = _place(host_budget, tables, curves, cache, bandwidth, train)
+            if placed == store:
+                break
+            store = placed
+        plans[strategy] = Plan(strategy, [_price(n, *tables[n], curves[n], cache[n], store[n], bandwidth, train)
+                                          for n in tables], train, bandwidth)
+    return plans
+
+
+def _split(strategy, budget, tables, curves, store, bw, train) -> dict:
+    """Tier-0 rows per table (store: each table's, which prices its misses)."""
+    names = list(tables)
+    lo = {n: curves[n].smallest for n in names}
+    if strategy != "planned":
+        total = sum(tables[n][0] * tables[n][1] for n in names)
+        share = {n: (budget * tables[n][0] // total if strategy == "proportional"
+                     else budget // len(names) // tables[n][1]) for n in names}
+        return {n: int(min(tables[n][0], max(lo[n], share[n]))) for n in names}
+    # Greedy: each step moves one table to a larger size on its grid (or as far as the last bytes
+    # reach), the step that saves the most per byte; looking past the next grid size steps over
+    # a curve's flat stretches.
+    size = dict(lo)
+    left = budget - sum(size[n] * tables[n][1] for n in names)
+
+    def cost(n, s):
+        return _price(n, *tables[n], curves[n], s, store[n], bw, train).seconds_per_batch
+
+    while True:
+        best = None
+        for n in names:
+            rb = tables[n][1]
+            grid = curves[n].sizes
+            steps = [int(s) for s in grid[(grid > size[n]) & ((grid - size[n]) * rb <= left)]]
+            if size[n] + left // rb < tables[n][0] and (not steps or steps[-1] < size[n] + left // rb):
+                steps.append(size[n] + left // rb)
+            here = cost(n, size[n])
+            for step in steps:
+                if step <= size[n]:
+                    continue
+                extra = (step - size[n]) * rb
+                gain = (here - cost(n, step)) / extra
+                if best is None or gain > best[0]:
+                    best = (gain, n, step, extra)
+        if best is None or best[0] <= 0:
+            return size
+        _, n, step, extra = best
+        size[n], left = step, left - extra
+
+
+def _place(host_budget, tables, curves, cache, bw, train) -> dict:
+    """'host' or 'ssd' per table: whole tables in host memory, dearest SSD traffic per byte first."""
+    if host_budget is None:
+        return {n: "host" for n in tables}
+    moves = 2 if train else 1
+    saving = {n: moves * tables[n][1] * curves[n].misses_at(cache[n]) / bw.ssd / (tables[n][0] * tables[n][1])
+              for n in tables}
+    store, left = {}, host_budget
+    for n in sorted(tables, key=lambda n: -saving[n]):
+        need = tables[n][0] * tables[n][1]
+        store[n] = "host" if need <= left and saving[n] > 0 else "ssd"
+        left -= need if store[n] == "host" else 0
+    return store
+
+
+def split_trace(keys, batch_offsets, table_rows: dict) -> dict:
+    """A trace of global keys (table t's row r is sum of the rows of the tables before t, + r;
+    tieredemb.trace's layout) -> {table: (its ids, its batch offsets)}; table_rows: {table:
+    rows} in key order."""
+    keys = np.asarray(keys, dtype=np.int64)
+    offsets = np.asarray(batch_offsets, dtype=np.int64)
+    ends = np.cumsum(list(table_rows.values()))
+    if keys.size and (keys.min() < 0 or keys.max() >= ends[-1]):
+        raise ValueError(f"key {int(keys.max() if keys.max() >= ends[-1] else keys.min())} is outside the "
+                         f"tables' {int(ends[-1])} rows")
+    table = np.searchsorted(ends, keys, "right")
+    batch = np.repeat(np.arange(len(offsets) - 1), np.diff(offsets))
+    out = {}
+    for t, (name, rows) in enumerate(table_rows.items()):
+        mine = table == t
+        counts = np.bincount(batch[mine], minlength=len(offsets) - 1)
+        out[name] = (keys[mine] - (ends[t] - rows), np.concatenate([[0], np.cumsum(counts)]))
+    return out
+
+
+def report(plans: dict[str, Plan]) -> str:
+    """The plans as text: every table's tier-0 rows, hit ratio, store and bytes per batch, and
+    each plan's predicted seconds of row moves per batch against the planned one's."""
+    lines = []
+    best = plans["planned"].seconds_per_batch
+    for strategy, p in plans.items():
+        ratio = f" ({p.seconds_per_batch / best:.2f}x the plan's)" if strategy != "planned" and best > 0 else ""
+        lines.append(f"{strategy}: {p.seconds_per_batch * 1e3:.4g} ms of row moves per batch predicted{ratio}")
+        for t in p.tables:
+            whole = " whole" if t.cache_rows >= t.rows else ""
+            lines.append(f"  {t.name:12s} rows {t.rows:>12,}  tier 0 {t.cache_rows:>11,}{whole:6s} "
+                         f"({t.tier0_hit:6.1%} hit)  store {t.store:4s}  {t.bytes_per_batch / 2**20:9.2f} MiB/batch")
+    return "\n".join(lines)
+
+
+def to_json(plans: dict[str, Plan]) -> str:
+    return json.dumps({k: p.to_dict() for k, p in plans.items()}, indent=1)
+
+
+def plot(plans: dict[str, Plan], path: str) -> None:
+    """A PNG: every table's tier-0 hit-ratio curve, with each strategy's chosen point on it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    marks = {"planned": "o", "proportional": "s", "equal": "^"}
+    for k, t in enumerate(plans["planned"].tables):
+        color = f"C{k % 10}"
+        ax.plot(t.curve_sizes, t.curve_hits, color=color, label=f"{t.name} ({t.rows:,} rows)")
+        for strategy, p in plans.items():
+            chosen = p.tables[k]
+            ax.plot([chosen.cache_rows], [chosen.tier0_hit], marks.get(strategy, "x"), color=color,
+                    markerfacecolor=color if strategy == "planned" else "none")
+    ax.set_xscale("log")
+    ax.set_xlabel("tier-0 rows")
+    ax.set_ylabel("tier-0 hit ratio")
+    ax.set_title("planned (filled), proportional (square), equal (triangle)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def probe(width: int, ssd_path=None, rows: int = 1 << 18, batch: int = 1 << 15) -> Bandwidth:
+    """This machine's bandwidths, measured (median of 5): rows of `width` 32-bit words copied at
+    random between host arrays (the moves of a host tier 0; on a GPU, give the PCIe figure),
+    and read at random from a log store made in a temporary directory under ssd_path (None:
+    the SSD figure is the default's)."""
+    import os
+    import statistics
+    import tempfile
+    import time
+
+    import torch
+
+    from . import _C
+
+    src = torch.randn(rows, width)
+    dst = torch.empty(batch, width)
+    pick = torch.randint(0, rows, (batch,))
+    at = torch.arange(batch)
+
+    def timed(fn, n) -> float:
+        times = []
+        for _ in range(5):
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+        return n * width * 4 / statistics.median(times)
+
+    host = timed(lambda: _C.copy_rows(src, pick, dst, at), batch)
+    if ssd_path is None:
+        return Bandwidth(to_tier0=host)
+    from ssd_backend import open_store
+    from ssd_backend.options import LogOptions
+
+    from .tiers.rowstore import RowInit
+
+    with tempfile.TemporaryDirectory(dir=ssd_path) as d:
+        init = RowInit(width, 0, 0.0, 1.0, 0, -1, 0)
+        store = open_store(os.path.join(d, "probe"), width, init, {"num_embeddings": rows, "width": width},
+                           LogOptions())
+        store.write_from(torch.arange(rows), src, torch.arange(rows))
+        store.flush()
+        unique = torch.from_numpy(np.unique(pick.numpy()))
+        block = torch.empty(len(unique), width)
+        ssd = timed(lambda: store.read_to(unique, block, torch.arange(len(unique))), len(unique))
+        store.close()
+    return Bandwidth(to_tier0=host, ssd=ssd)
