@@ -146,3 +146,26 @@ def test_plan_command_writes_json_the_collection_takes_and_a_png(tmp_path, capsy
     assert caps == {t["name"]: t["cache_rows"] for t in doc["planned"]["tables"]}
     assert main(["plan", str(trace), "--cache-bytes", "400KiB", "--dim", "16", "32", "64"]) == 2
     assert "--dim: 3 dims given for 2 tables" in capsys.readouterr().err
+
+
+def test_record_a_collection_then_plan_from_its_trace(tmp_path, capsys):
+    tr = traces()
+    ebc = TieredEmbeddingBagCollection(configs(), cache_bytes=budget())
+    path = tmp_path / "run.trace"
+    with tieredemb.record(ebc, path) as rec:
+        train(ebc, tr)
+    assert rec.num_batches == BATCHES
+    from tieredemb.trace import open_any
+
+    with open_any(path) as src:
+        assert [(t.name, t.num_rows) for t in src.header.tables] == [(n, r) for n, r, _, _, _ in MIX]
+        whole = src.read_all()
+    recorded = planner.split_trace(whole.keys, whole.batch_offsets, {n: r for n, r, _, _, _ in MIX})
+    for name in tr:  # each table's ids, batch by batch, as the collection looked them up
+        assert np.array_equal(recorded[name][0], tr[name][0]) and np.array_equal(recorded[name][1], tr[name][1])
+    out = tmp_path / "plan.json"
+    assert main(["plan", str(path), "--cache-bytes", str(budget()), "--dim", *[str(d) for _, _, d, _, _ in MIX],
+                 "--json", str(out)]) == 0
+    capsys.readouterr()
+    doc = json.loads(out.read_text())["planned"]
+    assert doc["tables"] == planner.plan(tr, tables(), cache_bytes=budget())["planned"].to_dict()["tables"]

@@ -5,7 +5,9 @@
             loss = model(batch); loss.backward(); opt.step()
 
 Every module is one table of the trace (num_rows = its num_embeddings; named by the dict key,
-else table0, table1, ... in the order given). A call records all ids of its `input`, flattened
+else table0, table1, ... in the order given). A collection (TieredEmbeddingBagCollection,
+TieredEmbeddingCollection), given alone, gives its tables, named as it names them: its trace is
+what `tieredemb plan` takes. A call records all ids of its `input`, flattened
 in order (the ids the module looks up, padding_idx included), after the forward returns: a call
 that raises looked nothing up and records nothing.
 Batches: a batch is the lookups of consecutive calls; a new batch starts when a module already
@@ -46,37 +48,58 @@ def _tables(modules) -> list[tuple[str, torch.nn.Module]]:
     return named
 
 
+def _collection_sources(ebc, base) -> list:
+    """(module, keys of its ids) per group engine of a collection: a group's row is table t's row
+    (row - group offset of t), whose trace key is base[t] + that."""
+    position = {t.name: k for k, t in enumerate(ebc.tables)}
+    sources = []
+    for group, engine in zip(ebc.groups, ebc.engines):
+        ends = np.cumsum([t.num_embeddings for t in group.tables])
+        shift = np.array([base[position[t.name]] - group.offsets[t.name] for t in group.tables], dtype=np.int64)
+        sources.append((engine, lambda ids, ends=ends, shift=shift: ids + shift[np.searchsorted(ends, ids, "right")]))
+    return sources
+
+
 class Recorder:
     """Hooks modules and writes their lookups to a trace; use through record()."""
 
     def __init__(self, modules, path, *, chunk_lookups: int = 1 << 20):
-        named = _tables(modules)
-        self._writer = TraceWriter(path, [TableInfo(n, int(m.num_embeddings)) for n, m in named],
-                                   chunk_lookups=chunk_lookups, meta={"generator": "record"})
-        self._base = self._writer.header.table_base
+        from tieredemb.collection import _Collection
+
+        if isinstance(modules, _Collection):
+            tables = [TableInfo(t.name, int(t.num_embeddings)) for t in modules.tables]
+        else:
+            named = _tables(modules)
+            tables = [TableInfo(n, int(m.num_embeddings)) for n, m in named]
+        self._writer = TraceWriter(path, tables, chunk_lookups=chunk_lookups, meta={"generator": "record"})
+        base = self._writer.header.table_base
+        if isinstance(modules, _Collection):
+            sources = _collection_sources(modules, base)
+        else:
+            sources = [(m, lambda ids, b=base[t]: ids + b) for t, (_, m) in enumerate(named)]
         self._current: list[np.ndarray] = []
         self._in_batch: set[int] = set()
         self._hooks = []
         try:
-            for t, (_, m) in enumerate(named):
-                self._hooks.append(m.register_forward_hook(self._hook(t), with_kwargs=True))
+            for k, (m, keys) in enumerate(sources):
+                self._hooks.append(m.register_forward_hook(self._hook(k, keys), with_kwargs=True))
         except BaseException:
             self._remove()
             self._writer.abort()
             raise
 
-    def _hook(self, table: int):
+    def _hook(self, source: int, keys):
         def hook(module, args, kwargs, output):
             ids = args[0] if args else kwargs["input"]
-            self._record(table, ids)
+            self._record(source, keys, ids)
         return hook
 
-    def _record(self, table: int, ids: torch.Tensor) -> None:
-        if table in self._in_batch:
+    def _record(self, source: int, keys, ids: torch.Tensor) -> None:
+        if source in self._in_batch:
             self.next_batch()
         flat = ids.detach().reshape(-1).to("cpu", torch.int64).numpy()  # in range: forward checked them
-        self._current.append(flat + self._base[table])
-        self._in_batch.add(table)
+        self._current.append(keys(flat))
+        self._in_batch.add(source)
 
     def next_batch(self) -> None:
         """Ends the current batch (no-op when it is empty)."""
@@ -114,6 +137,7 @@ class Recorder:
 
 
 def record(modules, path, *, chunk_lookups: int = 1 << 20) -> Recorder:
-    """Context manager: records every lookup of `modules` (a module, a list, or a dict name ->
-    module) into the trace at `path`; see the module docstring for tables and batches."""
+    """Context manager: records every lookup of `modules` (a module, a list, a dict name ->
+    module, or a collection) into the trace at `path`; see the module docstring for tables and
+    batches."""
     return Recorder(modules, path, chunk_lookups=chunk_lookups)
