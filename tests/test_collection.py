@@ -272,3 +272,25 @@ def test_unpooled_equal_to_torchrec_where_it_imports():
         assert isinstance(ours[f], torchrec.JaggedTensor)
         torch.testing.assert_close(ours[f].values(), theirs[f].values())
         assert ours[f].lengths().tolist() == theirs[f].lengths().tolist()
+
+
+def test_a_keyed_jagged_tensor_with_offsets_only():
+    class OffsetsOnly:
+        def __init__(self, kjt):
+            self._kjt = kjt
+
+        def keys(self):
+            return self._kjt.keys()
+
+        def values(self):
+            return self._kjt.values()
+
+        def offsets(self):
+            return torch.cat([torch.zeros(1, dtype=torch.int64), self._kjt.lengths().cumsum(0)])
+
+        def weights_or_none(self):
+            return None
+
+    ebc = TieredEmbeddingBagCollection(TABLES, optimizer=tieredemb.SGD(lr=0.1))
+    kjt = as_kjt(batch(5))
+    torch.testing.assert_close(ebc(OffsetsOnly(kjt)).values(), ebc(kjt).values())

@@ -209,22 +209,31 @@ class _Collection(nn.Module):
 
     def _lookup(self, group: _Group, engine, given: dict) -> dict:
         """Every feature of the group's tables in one lookup: the features' bags one after another."""
-        ids, bounds, weights, parts = [], [np.zeros(1, dtype=np.int64)], [], []
+        ids, bounds, weights, parts, ranges = [], [np.zeros(1, dtype=np.int64)], [], [], []
         start = 0
         for t in group.tables:
             for f in t.feature_names:
                 values, b, w, inverse = given[f]
                 values = values.to(torch.int64)
-                v = values.numpy() if values.device.type == "cpu" else values.cpu().numpy()
-                if v.size and (v.min() < 0 or v.max() >= t.num_embeddings):
-                    bad = int(v.min()) if v.min() < 0 else int(v.max())
-                    raise IndexError(f"feature {f!r}: id {bad} out of range [0, {t.num_embeddings}) of table {t.name!r}")
+                if len(values):  # numpy on the host (torch's intra-op threads cost more there)
+                    v = values.numpy() if values.device.type == "cpu" else None
+                    ranges.append((f, t, torch.tensor([v.min(), v.max()]) if v is not None
+                                   else torch.stack(torch.aminmax(values))))
                 ids.append(values + int(group.offsets[t.name]))
-                self.lookups[t.name] += len(values)
                 bounds.append(b.numpy()[1:] + start)
                 weights.append(w)
                 parts.append((f, b, inverse))
                 start += len(values)
+        # Each feature's ids within its own table (else they would read a neighbour's rows): one
+        # transfer for the group, where the ids are on a device.
+        if ranges:
+            lo_hi = torch.stack([r.to(ranges[0][2].device) for _, _, r in ranges]).tolist()
+            for (f, t, _), (lo, hi) in zip(ranges, lo_hi):
+                if lo < 0 or hi >= t.num_embeddings:
+                    raise IndexError(f"feature {f!r}: id {lo if lo < 0 else hi} out of range [0, {t.num_embeddings}) "
+                                     f"of table {t.name!r}")
+        for t in group.tables:
+            self.lookups[t.name] += sum(len(given[f][0]) for f in t.feature_names)
         flat = torch.cat(ids)
         offsets = torch.from_numpy(np.concatenate(bounds)[:-1])
         psw = None

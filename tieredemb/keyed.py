@@ -81,7 +81,7 @@ def jagged(values: Tensor, lengths: Tensor):
 
 
 def features_of(features) -> dict:
-    """A KeyedJaggedTensor (duck-typed: keys(), values(), lengths(), weights_or_none()), or
+    """A KeyedJaggedTensor (duck-typed: keys(), values(), lengths() or offsets(), weights_or_none()), or
     {feature: (ids, offsets[, per_sample_weights])} with offsets [B] bag starts, or {feature:
     InverseKeyed} -> {feature: (ids [N], bag boundaries int64 [B + 1] on the host, weights or
     None, inverse int64 [B] or None)}."""
@@ -90,7 +90,8 @@ def features_of(features) -> dict:
         keys = list(features.keys())
         values = features.values()
         weights = features.weights_or_none()
-        lengths = features.lengths()
+        lengths = (features.lengths() if callable(getattr(features, "lengths", None))
+                   else torch.diff(features.offsets()))  # a KeyedJaggedTensor may carry either
         stride = len(lengths) // max(len(keys), 1)
         bounds = torch.zeros(len(lengths) + 1, dtype=torch.int64)
         torch.cumsum(lengths.to("cpu", torch.int64), 0, out=bounds[1:])
