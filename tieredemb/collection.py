@@ -1,5 +1,6 @@
-"""Many tables in one module: TieredEmbeddingBagCollection, TorchRec's EmbeddingBagCollection with
-tiered tables, and the inputs it takes (KeyedJaggedTensor, dicts, inverse-keyed batches).
+"""Many tables in one module: TieredEmbeddingBagCollection (TorchRec's EmbeddingBagCollection with
+tiered tables) and TieredEmbeddingCollection (its EmbeddingCollection, unpooled); the inputs they
+take and the outputs they give are in keyed.py.
 
     tables = [tieredemb.EmbeddingBagConfig("user", 10**8, 128, ["user_id"]),
               tieredemb.EmbeddingBagConfig("item", 10**7, 64, ["item_id", "last_item"])]
@@ -12,9 +13,9 @@ group: their rows are one id space (table t's row r is the group's row offset[t]
 of every feature reading them is one lookup: one dedup, one residency pass, one kernel each way.
 Tier 0's budget is split over the tables in proportion to their bytes, unless a plan
 (tieredemb.planner) gives each table its share; each table's share is a partition of its group's
-tier 0 (native/index/partitioned_index.h), so its hit ratio is its own. Rows never written read as the deterministic
-initial value of (seed, group row), so a table in a collection starts from other values than a
-table of its own with the same seed.
+tier 0 (native/index/partitioned_index.h), so its hit ratio is its own. Rows never written read
+as the deterministic initial value of (seed, group row), so a table in a collection starts from
+other values than a table of its own with the same seed.
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ import torch
 from torch import Tensor, nn
 
 from .config import Init, TableConfig, parse_bytes
-from .module import TieredEmbedding, TieredEmbeddingBag
 from .keyed import InverseKeyed, KeyedEmbeddings, features_of, jagged, keyed  # noqa: F401 (re-exported)
+from .module import TieredEmbedding, TieredEmbeddingBag
 from .optim import Optimizer
 
 
@@ -190,8 +191,8 @@ class _Collection(nn.Module):
                                  "'host' or 'ssd'")
             if where == "ssd" and ssd_path is None:
                 raise ValueError(f"the plan stores table {t.name!r} on SSD: give ssd_path")
-        return ({n: min(c[0], next(t.num_embeddings for t in self.tables if t.name == n)) for n, c in chosen.items()},
-                {n: c[1] for n, c in chosen.items()})
+        return ({t.name: min(chosen[t.name][0], t.num_embeddings) for t in self.tables},
+                {t.name: chosen[t.name][1] for t in self.tables})
 
     # -- input and output -----------------------------------------------------------------------
     def _lookups_of(self, features) -> dict:
