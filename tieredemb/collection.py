@@ -235,11 +235,11 @@ class _Collection(nn.Module):
                                      f"of table {t.name!r}")
         for t in group.tables:
             self.lookups[t.name] += sum(len(given[f][0]) for f in t.feature_names)
-        flat = torch.cat(ids)
+        flat = _cat(ids)
         offsets = torch.from_numpy(np.concatenate(bounds)[:-1])
         psw = None
         if any(w is not None for w in weights):
-            psw = torch.cat([w if w is not None else torch.ones(len(i)) for w, i in zip(weights, ids)])
+            psw = _cat([w if w is not None else torch.ones(len(i), device=i.device) for w, i in zip(weights, ids)])
         return self._outputs(group, engine, flat, offsets, psw, parts)
 
     # -- rows, state, stats ---------------------------------------------------------------------
@@ -305,18 +305,23 @@ class TieredEmbeddingBagCollection(_Collection):
         KeyedTensor where torchrec imports, else a KeyedEmbeddings)."""
         pooled = self._lookups_of(features)
         keys = [f for t in self.tables for f in t.feature_names]
-        batch = {v.shape[0] for v in pooled.values()}
+        batch = {n for _, _, n in pooled.values()}
         if len(batch) > 1:
             raise ValueError(f"features have different batch sizes: {sorted(batch)}")
-        return keyed(keys, [self.feature_table[f].embedding_dim for f in keys], torch.cat([pooled[f] for f in keys], 1))
+        dims = [self.feature_table[f].embedding_dim for f in keys]
+        return keyed(keys, dims, _place([pooled[f] for f in keys], batch.pop(), sum(dims)))
 
     def _outputs(self, group, engine, flat, offsets, psw, parts) -> dict:
+        """{feature: (the tensor holding its pooled bags, first row, bags)}: a slice of the group's
+        output, or (inverse-keyed) its distinct bags expanded to the samples."""
         out = engine(flat, offsets, per_sample_weights=psw)
         result, row = {}, 0
         for f, b, inverse in parts:
             bags = len(b) - 1
-            block = out[row:row + bags]
-            result[f] = block if inverse is None else block.index_select(0, inverse.to(block.device))
+            if inverse is None:
+                result[f] = (out, row, bags)
+            else:
+                result[f] = (out[row:row + bags].index_select(0, inverse.to(out.device)), 0, len(inverse))
             row += bags
         return result
 
@@ -357,6 +362,63 @@ class TieredEmbeddingCollection(_Collection):
             result[f] = jagged(block, lengths)
             at += n
         return result
+
+
+def _cat(parts: list[Tensor]) -> Tensor:
+    """torch.cat, by numpy on the host (one thread: torch's intra-op threads cost more there)."""
+    if all(p.device.type == "cpu" for p in parts):
+        return torch.from_numpy(np.concatenate([p.numpy() for p in parts]))
+    return torch.cat(parts)
+
+
+class _Place(torch.autograd.Function):
+    """The features' pooled blocks side by side in [B, sum of dims]: block j is rows [row_j,
+    row_j + B) of sources[k_j] (layout [(k_j, row_j)]), at the columns after the blocks before
+    it; backward gives each source its rows' gradients (zero elsewhere). On the host by numpy
+    copies (one thread: no cat / slice backward ops with their intra-op threads); on a device
+    by torch ops."""
+
+    @staticmethod
+    def forward(ctx, layout, batch: int, width: int, *sources):
+        ctx.layout, ctx.batch = layout, batch
+        ctx.shapes = [s.shape for s in sources]
+        if any(s.device.type != "cpu" for s in sources):
+            return torch.cat([sources[k][row:row + batch] for k, row in layout], 1)
+        out = torch.empty(batch, width, dtype=sources[0].dtype)
+        o, col = out.numpy(), 0
+        views = [s.detach().numpy() for s in sources]
+        for k, row in layout:
+            d = ctx.shapes[k][1]
+            o[:, col:col + d] = views[k][row:row + batch]
+            col += d
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        on_host = grad.device.type == "cpu"
+        if on_host:
+            grads = [torch.from_numpy(np.zeros(tuple(shape), dtype=np.float32)) for shape in ctx.shapes]
+            g, views = grad.numpy(), [x.numpy() for x in grads]
+        else:
+            grads = [torch.zeros(shape, dtype=grad.dtype, device=grad.device) for shape in ctx.shapes]
+            g, views = grad, grads
+        col = 0
+        for k, row in ctx.layout:
+            d = ctx.shapes[k][1]
+            views[k][row:row + ctx.batch] = g[:, col:col + d]
+            col += d
+        return (None, None, None, *grads)
+
+
+def _place(blocks: list, batch: int, width: int) -> Tensor:
+    """blocks [(tensor, first row, rows)] side by side (see _Place)."""
+    sources, index, layout = [], {}, []
+    for t, row, _ in blocks:
+        if id(t) not in index:
+            index[id(t)] = len(sources)
+            sources.append(t)
+        layout.append((index[id(t)], row))
+    return _Place.apply(layout, batch, width, *sources)
 
 
 def _bytes(value) -> int:
