@@ -216,10 +216,11 @@ class _Collection(nn.Module):
             for f in t.feature_names:
                 values, b, w, inverse = given[f]
                 values = values.to(torch.int64)
-                if len(values):  # numpy on the host (torch's intra-op threads cost more there)
-                    v = values.numpy() if values.device.type == "cpu" else None
-                    ranges.append((f, t, torch.tensor([v.min(), v.max()]) if v is not None
-                                   else torch.stack(torch.aminmax(values))))
+                if len(values) and values.device.type == "cpu":  # numpy (torch's intra-op threads cost more)
+                    v = values.numpy()
+                    _check_range(f, t, int(v.min()), int(v.max()))
+                elif len(values):
+                    ranges.append((f, t, torch.stack(torch.aminmax(values))))
                 ids.append(values + int(group.offsets[t.name]))
                 bounds.append(b.numpy()[1:] + start)
                 weights.append(w)
@@ -228,11 +229,8 @@ class _Collection(nn.Module):
         # Each feature's ids within its own table (else they would read a neighbour's rows): one
         # transfer for the group, where the ids are on a device.
         if ranges:
-            lo_hi = torch.stack([r.to(ranges[0][2].device) for _, _, r in ranges]).tolist()
-            for (f, t, _), (lo, hi) in zip(ranges, lo_hi):
-                if lo < 0 or hi >= t.num_embeddings:
-                    raise IndexError(f"feature {f!r}: id {lo if lo < 0 else hi} out of range [0, {t.num_embeddings}) "
-                                     f"of table {t.name!r}")
+            for (f, t, _), (lo, hi) in zip(ranges, torch.stack([r for _, _, r in ranges]).tolist()):
+                _check_range(f, t, lo, hi)
         for t in group.tables:
             self.lookups[t.name] += sum(len(given[f][0]) for f in t.feature_names)
         flat = _cat(ids)
@@ -362,6 +360,12 @@ class TieredEmbeddingCollection(_Collection):
             result[f] = jagged(block, lengths)
             at += n
         return result
+
+
+def _check_range(feature: str, table, lo: int, hi: int) -> None:
+    if lo < 0 or hi >= table.num_embeddings:
+        raise IndexError(f"feature {feature!r}: id {lo if lo < 0 else hi} out of range [0, {table.num_embeddings}) "
+                         f"of table {table.name!r}")
 
 
 def _cat(parts: list[Tensor]) -> Tensor:
