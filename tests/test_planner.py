@@ -47,9 +47,9 @@ def budget():
     return sum(r * b for r, b in tables().values()) // 12
 
 
-def train(ebc, tr):
-    """Every batch of the traces through the collection: forward and backward."""
-    for i in range(BATCHES):
+def train(ebc, tr, batches=range(BATCHES)):
+    """The traces' batches through the collection: forward and backward."""
+    for i in batches:
         feats = {}
         for name, _, _, _, per in MIX:
             ids = torch.from_numpy(tr[name][0][i * per:(i + 1) * per])
@@ -72,6 +72,30 @@ def test_the_engine_measures_the_predicted_hit_ratios(plans, strategy):
         assert measured["capacity"] == t.cache_rows
         assert abs(measured["hit_rate"] - t.tier0_hit) <= 0.01, (t.name, measured["hit_rate"], t.tier0_hit)
         assert measured["hits"] + measured["misses"] == pytest.approx(t.lookups_per_batch * BATCHES)
+
+
+def test_a_plan_from_a_warm_start_predicts_the_hits_after_the_warm_up():
+    """warmup=W: the first W batches only fill tier 0; the engine's hits over the batches after
+    them are the prediction (to 1 point), and they exceed the cold-start prediction's."""
+    warm = BATCHES // 2
+    tr = traces()
+    warm_plans = planner.plan(tr, tables(), cache_bytes=budget(), warmup=warm)
+    p = warm_plans["planned"]
+    ebc = TieredEmbeddingBagCollection(configs(), plan=p)
+    before = {n: dict(s["tier0"]) for n, s in train(ebc, tr, range(warm)).items()}
+    after = train(ebc, tr, range(warm, BATCHES))
+    for t in p.tables:
+        hits = after[t.name]["tier0"]["hits"] - before[t.name]["hits"]
+        misses = after[t.name]["tier0"]["misses"] - before[t.name]["misses"]
+        assert hits + misses == pytest.approx(t.lookups_per_batch * (BATCHES - warm))
+        assert abs(hits / (hits + misses) - t.tier0_hit) <= 0.01, (t.name, hits / (hits + misses), t.tier0_hit)
+    # The same split (proportional: fixed sizes) predicts more hits warm: no first touches counted.
+    cold = planner.plan(tr, tables(), cache_bytes=budget())["proportional"].tables
+    for w, c in zip(warm_plans["proportional"].tables, cold):
+        assert w.cache_rows == c.cache_rows and w.tier0_hit > c.tier0_hit, (w.name, w.tier0_hit, c.tier0_hit)
+    for bad in (-1, BATCHES):
+        with pytest.raises(ValueError, match=rf"warmup {bad} must be in \[0, {BATCHES}\)"):
+            planner.plan(tr, tables(), cache_bytes=budget(), warmup=bad)
 
 
 def test_the_plan_moves_fewer_bytes_than_either_split_predicted_and_measured(plans):

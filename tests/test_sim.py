@@ -313,6 +313,30 @@ def test_lru_curve_equals_per_size_simulation(mode):
         assert miss == simulate(keys, offsets, "lru", [int(size)], mode=mode).tiers[0].miss_ratio
 
 
+@pytest.mark.parametrize("mode", ["request", "batch"])
+def test_lru_curve_after_a_warm_up_counts_the_rest_only(mode):
+    """warmup=W: the hits and lookups after the first W batches (requests) are the whole trace's
+    minus those of its first W, each simulated on its own."""
+    rng = np.random.default_rng(3)
+    keys = (rng.zipf(1.1, 30000) % 5000).astype(np.int64)
+    offsets = np.arange(0, 30001, 60)
+    warm = 200
+    cut = warm if mode == "request" else int(offsets[warm])
+    c = mrc(keys, offsets, [100, 400, 1500], mode=mode, warmup=warm)
+    for size, miss in zip(c.sizes, c.miss_ratio):
+        whole = simulate(keys, offsets, "lru", [int(size)], mode=mode).tiers[0]
+        head = simulate(keys[:cut], None if mode == "request" else offsets[:warm + 1], "lru", [int(size)],
+                        mode=mode).tiers[0]
+        hits, lookups = whole.hits - head.hits, whole.hits + whole.misses - head.hits - head.misses
+        assert c.lookups == lookups
+        assert miss == pytest.approx(1 - hits / lookups, abs=1e-12)
+    assert (c.miss_ratio < mrc(keys, offsets, [100, 400, 1500], mode=mode).miss_ratio).all()  # no first touches
+    with pytest.raises(SimError, match=r"warmup 500 must be in \[0, 500\)" if mode == "batch" else "warmup 30000"):
+        mrc(keys, offsets, [100], mode=mode, warmup=500 if mode == "batch" else 30000)
+    with pytest.raises(SimError, match=r"only the lru curve takes a warm-up"):
+        mrc(keys, offsets, [100], policy="fifo", mode=mode, warmup=10)
+
+
 def test_other_policy_curves_run_each_size():
     rng = np.random.default_rng(4)
     keys = (rng.zipf(1.2, 10000) % 2000).astype(np.int64)

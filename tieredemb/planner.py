@@ -2,8 +2,8 @@
 SSD, under one budget per tier, chosen from the tables' access traces (MTrainS' placement from
 locality).
 
-Model. For every table its exact LRU miss-ratio curve in the engine's batch mode
-(tieredemb.sim.mrc: one pass, every size) gives the rows tier 0 misses per batch at any size;
+Model. For every table its exact LRU miss-ratio curve in the engine's batch mode (each lookup's
+stack distance, one pass: tieredemb.trace.reuse) gives the rows tier 0 misses per batch at any size;
 the engine's tier 0 gives each table of a collection a partition of its own, so these are the
 hits it will measure. A batch costs, per table, the rows crossing into tier 0 (its misses; when
 training each is also written back once evicted) times the bytes of a row over the
@@ -91,35 +91,32 @@ class Plan:
 
 class _Curve:
     """A table's exact LRU misses per batch (batch mode) at any tier-0 size of at least its widest
-    batch: a grid computed in one pass, other sizes on demand."""
+    batch, from every counted lookup's stack distance (one pass; a size's misses are then one
+    binary search: the greedy asks at many sizes), and a grid of sizes for the report."""
 
-    def __init__(self, ids, offsets, rows: int, points: int):
+    def __init__(self, ids, offsets, rows: int, points: int, warmup: int = 0):
         from .sim.curves import _lookups
+        from .trace.reuse import DUPLICATE, FIRST_USE, stack_distances
 
-        self.keys = np.asarray(ids, dtype=np.int64)
-        self.offsets = np.asarray(offsets, dtype=np.int64)
+        keys = np.asarray(ids, dtype=np.int64)
+        offsets = np.asarray(offsets, dtype=np.int64)
         self.rows = rows
-        self.batches = max(1, len(self.offsets) - 1)
-        lookups, widest = _lookups(self.keys, self.offsets)
-        self.lookups = lookups / self.batches  # distinct rows per batch
+        self.batches = max(1, len(offsets) - 1 - warmup)  # the counted ones: after the warm-up
+        lookups, widest = _lookups(keys, offsets, warmup)
+        self.lookups = lookups / self.batches  # distinct rows per counted batch
+        d = stack_distances(keys, offsets)[offsets[warmup]:] if keys.size else np.zeros(0, np.int64)
+        d = d[d != DUPLICATE]  # a repeat inside its batch is no lookup of tier 0
+        d[d == FIRST_USE] = np.iinfo(np.int64).max  # a miss at any size
+        self._distances = np.sort(d)  # a tier of C rows hits a lookup iff its distance < C
         self.smallest = min(rows, max(1, widest))  # batch mode: a batch fits in the tier
         grid = np.geomspace(self.smallest, rows, points).astype(np.int64)
         self.sizes = np.unique(np.concatenate([grid, [self.smallest, rows]]))
-        self._misses = dict(zip(self.sizes.tolist(), self._count(self.sizes)))
-
-    def _count(self, sizes) -> np.ndarray:
-        from .sim import mrc
-
-        if not self.keys.size:
-            return np.zeros(len(sizes))
-        return mrc(self.keys, self.offsets, sizes).miss_ratio * self.lookups
 
     def misses_at(self, size: int) -> float:
         """Misses per batch of a tier of `size` rows (at least the widest batch)."""
         size = min(max(int(size), self.smallest), self.rows)
-        if size not in self._misses:
-            self._misses[size] = float(self._count([size])[0])
-        return self._misses[size]
+        hits = int(np.searchsorted(self._distances, size, "left"))
+        return (self._distances.size - hits) / self.batches
 
 
 def _price(name, rows, row_bytes, curve: _Curve, cache: int, store: str, bw: Bandwidth, train: bool) -> TablePlan:
@@ -140,14 +137,18 @@ def _bytes(value) -> int | None:
 
 
 def plan(traces: dict, tables: dict, *, cache_bytes, host_bytes=None, bandwidth: Bandwidth = Bandwidth(),
-         train: bool = True, points: int = 48) -> dict[str, Plan]:
+         train: bool = True, points: int = 48, warmup: int = 0) -> dict[str, Plan]:
     """The three plans ('planned', 'proportional', 'equal') of a set of tables.
 
     traces: {table: (ids int [N] of the table's own rows, batch offsets [B + 1])}; tables:
     {table: (rows, bytes of a stored row: weights and optimizer state)}. cache_bytes: tier 0's
     budget over every table. host_bytes: host memory for tables stored whole there (the rest go
     to SSD); None: every table in host memory (no SSD). train: rows are written back too.
-    ValueError if tier 0 cannot hold every table's widest batch (the least a tier is planned at)."""
+    warmup: the traces' first batches only fill tier 0, and the predictions (hit ratios, bytes
+    and seconds per batch) are of the batches after them: a steady state, where a trace that
+    starts cold would count every first touch as a miss any plan pays (the same warm-up for
+    every table: their traces are of the same batches). ValueError if tier 0 cannot hold every
+    table's widest batch (the least a tier is planned at), or warmup leaves a trace no batch."""
     if set(traces) != set(tables):
         raise ValueError(f"traces and tables name different tables: {sorted(set(traces) ^ set(tables))}")
     if not tables:
@@ -155,8 +156,12 @@ def plan(traces: dict, tables: dict, *, cache_bytes, host_bytes=None, bandwidth:
     for n, (rows, row_bytes) in tables.items():
         if rows <= 0 or row_bytes <= 0:
             raise ValueError(f"table {n!r}: rows {rows} and row bytes {row_bytes} must be > 0")
+    for n, (_, offsets) in traces.items():
+        if not 0 <= warmup < len(offsets) - 1:
+            raise ValueError(f"warmup {warmup} must be in [0, {len(offsets) - 1}): table {n!r}'s trace has "
+                             f"{len(offsets) - 1} batches, some left to count")
     cache_budget, host_budget = _bytes(cache_bytes), _bytes(host_bytes)
-    curves = {n: _Curve(*traces[n], tables[n][0], points) for n in tables}
+    curves = {n: _Curve(*traces[n], tables[n][0], points, warmup) for n in tables}
     least = sum(curves[n].smallest * tables[n][1] for n in tables)
     if cache_budget < least:
         raise ValueError(f"cache_bytes {cache_budget} cannot hold every table's widest batch ({least} bytes): "

@@ -43,6 +43,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="measure the bandwidths on this machine: host copies, and SSD reads in a directory DIR "
                         "(no DIR: host copies only)")
     p.add_argument("--points", type=int, default=48, help="sizes on each table's curve grid (default 48)")
+    p.add_argument("--warmup", type=int, default=0, metavar="BATCHES",
+                   help="the trace's first BATCHES batches only fill tier 0; predict the batches after them "
+                        "(a steady state; default 0: from a cold start)")
     p.add_argument("--json", metavar="PATH", help="write the three plans as JSON (the collection's plan= takes it)")
     p.add_argument("--png", metavar="PATH", help="write each table's curve with the chosen points")
     add_input_args(p)
@@ -92,8 +95,10 @@ def _plan(a) -> int:
     if a.bandwidth_ssd is not None:
         bandwidth = dataclasses.replace(bandwidth, ssd=a.bandwidth_ssd)
     plans = planner.plan(traces, {n: (rows[n], b) for n, b in zip(names, row_bytes)}, cache_bytes=a.cache_bytes,
-                         host_bytes=a.host_bytes, bandwidth=bandwidth, train=not a.inference, points=a.points)
-    print(f"{a.trace}: {len(names)} tables, {header.num_batches:,} batches, {header.num_lookups:,} lookups")
+                         host_bytes=a.host_bytes, bandwidth=bandwidth, train=not a.inference, points=a.points,
+                         warmup=a.warmup)
+    print(f"{a.trace}: {len(names)} tables, {header.num_batches:,} batches, {header.num_lookups:,} lookups"
+          + (f"; predicted over the batches after the first {a.warmup:,}" if a.warmup else ""))
     print(planner.report(plans))
     if a.json:
         with open(a.json, "w") as f:

@@ -113,6 +113,9 @@ def _mrc_parser() -> argparse.ArgumentParser:
     p.add_argument("--sample-rate", type=float, default=None, help="SHARDS sampling rate in (0, 1] for big traces")
     p.add_argument("--mode", choices=["batch", "request"], default="batch")
     p.add_argument("--lookahead", type=int, default=None, help="K for policy lookahead")
+    p.add_argument("--warmup", type=int, default=0, metavar="N",
+                   help="lru: the first N batches (request mode: requests) only fill the cache; the curve is "
+                        "over the lookups after them (default 0)")
     p.add_argument("--png", default=None, help="write a plot to this PNG file (stdout then gets a short summary)")
     p.add_argument("--json", action="store_true", help="print JSON (every point)")
     return p
@@ -150,15 +153,18 @@ def _mrc(a, source) -> int:
     total = source.header.total_rows
     sizes = None if a.sizes is None else np.array([_rows(s, total) for s in a.sizes], np.int64)
     c = curve_of(source, None, sizes, policy=a.policy, mode=a.mode, points=a.points, sample_rate=a.sample_rate,
-                 lookahead=a.lookahead, progress=_progress_wanted(a))
+                 lookahead=a.lookahead, progress=_progress_wanted(a), warmup=a.warmup)
     if a.png:
         rate = f", SHARDS rate {c.sample_rate:g}" if c.sample_rate else ""
         _plot(c, total, a.png, f"{a.trace}: {c.policy}, {c.mode} mode{rate}")
     if a.json:
         print(json.dumps(c.to_dict(), indent=1))
         return 0
+    unit = "requests" if c.mode == "request" else "batches"
+    warmed = f"; the first {a.warmup:,} {unit} only fill the cache" if a.warmup else ""
     print(f"{a.trace}: {c.policy} miss-ratio curve over {c.lookups:,} lookups ({c.mode} mode"
-          f"{f', SHARDS rate {c.sample_rate:g}' if c.sample_rate else ''})")
+          f"{f', SHARDS rate {c.sample_rate:g}' if c.sample_rate else ''}"
+          f"{warmed})")
     shown = np.arange(c.sizes.size)
     if a.png and c.sizes.size > _SUMMARY_POINTS:
         shown = np.unique(np.linspace(0, c.sizes.size - 1, _SUMMARY_POINTS).round().astype(np.int64))

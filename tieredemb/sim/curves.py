@@ -44,13 +44,14 @@ class MissRatioCurve:
                     "sizes": [int(s) for s in self.sizes], "miss_ratio": [float(r) for r in self.miss_ratio]}
 
 
-def _lookups(keys: np.ndarray, offsets: np.ndarray | None) -> tuple[int, int]:
-    """(cache lookups, the largest batch in distinct keys) of a trace, per the mode."""
+def _lookups(keys: np.ndarray, offsets: np.ndarray | None, count_from: int = 0) -> tuple[int, int]:
+    """(cache lookups of batch count_from on (request mode: request), the largest batch in
+    distinct keys) of a trace, per the mode."""
     if offsets is None or keys.size == 0:
-        return keys.size, min(1, keys.size)
+        return max(0, keys.size - count_from), min(1, keys.size)
     dense, nkeys, _ = compact(keys)
     widths = batch_widths(dense, offsets, nkeys)
-    return int(widths.sum()), int(widths.max(initial=0))
+    return int(widths[count_from:].sum()), int(widths.max(initial=0))
 
 
 def shards_sample(keys: np.ndarray, offsets: np.ndarray | None, rate: float, seed: int = 0):
@@ -84,11 +85,12 @@ def default_sizes(distinct: int, smallest: int, points: int) -> np.ndarray:
 
 def mrc(keys, batch_offsets=None, sizes=None, *, policy: str = "lru", mode: str = "batch", points: int = 100,
         sample_rate: float | None = None, lookahead: int | None = None, workers: int | None = None,
-        progress: bool = False) -> MissRatioCurve:
+        progress: bool = False, warmup: int = 0) -> MissRatioCurve:
     """Miss ratio at each size. keys/batch_offsets as simulate() (arrays, a Chunk, or a trace: a
     path in any format tieredemb.trace reads or a TraceSource, read whole); sizes: rows, or None for `points` log-spaced sizes up to the distinct keys.
     sample_rate: SHARDS sampling (sizes are scaled by it internally; the curve is reported at the
-    requested sizes)."""
+    requested sizes). warmup (lru only): the first `warmup` batches (request mode: requests) only
+    fill the cache; the ratios are over the lookups after them (a steady state, not a cold start)."""
     keys, batch_offsets, _, _ = _load(keys, batch_offsets)
     keys = check_keys(keys)
     if mode not in MODES:
@@ -96,12 +98,22 @@ def mrc(keys, batch_offsets=None, sizes=None, *, policy: str = "lru", mode: str 
     code, k = parse_policy(policy, lookahead)
     name = POLICIES[code] + (f"-{k}" if k else "")
     offsets = None if mode == "request" or batch_offsets is None else check_offsets(batch_offsets, keys.size)
-    full_lookups, smallest = _lookups(keys, offsets)
+    units = keys.size if offsets is None else offsets.size - 1
+    if warmup:
+        if code != LRU:
+            raise SimError(f"warmup {warmup}: only the lru curve takes a warm-up (policy {name})")
+        if not 0 <= int(warmup) < units:
+            raise SimError(f"warmup {warmup} must be in [0, {units}): the trace's "
+                           f"{'requests' if offsets is None else 'batches'}, some left to count")
+    warmup = int(warmup)
+    full_lookups, smallest = _lookups(keys, offsets, warmup)
     rate = None
     if sample_rate is not None and not 0 < float(sample_rate) <= 1:
         raise SimError(f"sample rate {sample_rate} must be in (0, 1]")
     if sample_rate is not None and float(sample_rate) < 1:
         rate = float(sample_rate)
+        if warmup and offsets is None:  # sampling renumbers the requests; batches keep theirs
+            raise SimError(f"warmup {warmup} with sample_rate {rate}: batch mode only")
         keys, offsets = shards_sample(keys, offsets, rate)
         smallest = _lookups(keys, offsets)[1]
     dense, nkeys, original = compact(keys)
@@ -119,10 +131,10 @@ def mrc(keys, batch_offsets=None, sizes=None, *, policy: str = "lru", mode: str 
     if code != LRU:  # a sampled batch can exceed its scaled size: simulate at least that size
         scaled = np.maximum(scaled, smallest)
     if code == LRU:
-        hits = lru_hits(dense, offsets, max(nkeys, 1), scaled)
+        hits = lru_hits(dense, offsets, max(nkeys, 1), scaled, warmup)
     else:
         hits = _per_size(dense, offsets, nkeys, name, scaled, mode, workers, progress)
-    sampled_lookups = _lookups(dense, offsets)[0] if rate else full_lookups
+    sampled_lookups = _lookups(dense, offsets, warmup)[0] if rate else full_lookups
     misses = sampled_lookups - hits
     expected = full_lookups * scale
     miss = np.clip(misses / expected, 0.0, 1.0) if expected else np.zeros(sizes.size)

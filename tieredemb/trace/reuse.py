@@ -163,11 +163,12 @@ def _bin(d, top, lut, sizes):
 
 
 @kernel
-def _lru_pass(keys, offsets, per_request, last, seen, owner, dead, tree, out, lut, sizes, hist):
+def _lru_pass(keys, offsets, per_request, last, seen, owner, dead, tree, out, lut, sizes, hist, count_from):
     """One pass of LRU stack distances. out [N] (or size 0): each lookup's distance.
-    hist [m+2] (or size 0): per lookup, +1 at j = the number of the m cache sizes <= its distance
-    (first use: j = m; repeats inside a batch: j = m+1); a cache of sizes[i] rows then hits
-    sum(hist[:i+1]) lookups. sizes: ascending, then int64 max; lut: _bin's table (lru_hits).
+    hist [m+2] (or size 0): per lookup of batch (request mode: request) count_from on, +1 at j =
+    the number of the m cache sizes <= its distance (first use: j = m; repeats inside a batch:
+    j = m+1); a cache of sizes[i] rows then hits sum(hist[:i+1]) of those lookups (the batches
+    before count_from only warm it). sizes: ascending, then int64 max; lut: _bin's table (lru_hits).
     Scratch: last/seen [D], owner [>= 2D+2 times], dead [words], tree (scratch)."""
     n = keys.size
     write_out = out.size == n
@@ -181,6 +182,7 @@ def _lru_pass(keys, offsets, per_request, last, seen, owner, dead, tree, out, lu
     for b in range(nbatches):
         s = b if per_request else offsets[b]
         e = b + 1 if per_request else offsets[b + 1]
+        counted = m >= 0 and b >= count_from
         for i in range(s, e):  # 1. every key against the order at the batch start
             if i + _AHEAD < n:
                 prefetch(last, keys[i + _AHEAD])
@@ -189,7 +191,7 @@ def _lru_pass(keys, offsets, per_request, last, seen, owner, dead, tree, out, lu
                 if seen[k] == b:
                     if write_out:
                         out[i] = DUPLICATE
-                    if m >= 0:
+                    if counted:
                         hist[m + 1] += 1
                     continue
                 seen[k] = b
@@ -197,7 +199,7 @@ def _lru_pass(keys, offsets, per_request, last, seen, owner, dead, tree, out, lu
             d = FIRST_USE if p < 0 else live - p - 1 + _dead_upto(dead, tree, levels, p)
             if write_out:
                 out[i] = d
-            if m >= 0:
+            if counted:
                 hist[m if d < 0 else _bin(d, top, lut, sizes)] += 1
             if per_request:
                 now, words, levels, live = _touch(k, last, owner, dead, tree, now, words, levels, live)
@@ -224,9 +226,11 @@ def scratch(nkeys: int, n: int, per_request: bool):
             np.empty(words, np.uint64), np.empty(tree, small))
 
 
-def lru_hits(dense: np.ndarray, offsets: np.ndarray | None, nkeys: int, sizes: np.ndarray) -> np.ndarray:
+def lru_hits(dense: np.ndarray, offsets: np.ndarray | None, nkeys: int, sizes: np.ndarray,
+             count_from: int = 0) -> np.ndarray:
     """Exact LRU hits at each of `sizes` (ascending int64, > 0) in one pass: dense keys in
-    [0, nkeys); offsets None for request mode. Returns int64 [m]."""
+    [0, nkeys); offsets None for request mode. Hits of batch (request mode: request) count_from
+    on: the ones before only warm the cache. Returns int64 [m]."""
     hist = np.zeros(sizes.size + 2, np.int64)
     if dense.size:
         shifts = np.arange(max(0, int(sizes[-1]).bit_length() - _M) + 1)[:, None]
@@ -235,7 +239,7 @@ def lru_hits(dense: np.ndarray, offsets: np.ndarray | None, nkeys: int, sizes: n
         per_request = offsets is None
         _lru_pass(dense, np.zeros(1, np.int64) if per_request else offsets, per_request,
                   *scratch(nkeys, dense.size, per_request), np.empty(0, np.int64), lut,
-                  np.append(sizes, np.iinfo(np.int64).max), hist)
+                  np.append(sizes, np.iinfo(np.int64).max), hist, int(count_from))
     return np.cumsum(hist[:sizes.size])
 
 
@@ -292,5 +296,5 @@ def stack_distances(keys, batch_offsets=None) -> np.ndarray:
     out = np.empty(keys.size, np.int64)
     if keys.size:
         _lru_pass(dense, offsets, per_request, *scratch(nkeys, keys.size, per_request), out,
-                  np.empty(0, np.uint8), np.empty(0, np.int64), np.empty(0, np.int64))
+                  np.empty(0, np.uint8), np.empty(0, np.int64), np.empty(0, np.int64), 0)
     return out
