@@ -170,6 +170,10 @@ def test_plan_command_writes_json_the_collection_takes_and_a_png(tmp_path, capsy
     assert caps == {t["name"]: t["cache_rows"] for t in doc["planned"]["tables"]}
     assert main(["plan", str(trace), "--cache-bytes", "400KiB", "--dim", "16", "32", "64"]) == 2
     assert "--dim: 3 dims given for 2 tables" in capsys.readouterr().err
+    assert main(["plan", str(trace), "--cache-bytes", "400KiB", "--dim", "16", "--warmup", "40"]) == 0
+    assert "predicted over the batches after the first 40" in capsys.readouterr().out
+    assert main(["plan", str(trace), "--cache-bytes", "400KiB", "--dim", "16", "--warmup", "60"]) == 2
+    assert "warmup 60 must be in [0, 60)" in capsys.readouterr().err
 
 
 def test_record_a_collection_then_plan_from_its_trace(tmp_path, capsys):

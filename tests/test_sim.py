@@ -434,6 +434,12 @@ def test_mrc_command(trace_file, tmp_path, capsys):
     assert mrc_command([str(path), "--policy", "belady", "--sizes", "20%", "50%"]) == 0
     assert "belady" in capsys.readouterr().out
     assert mrc_command([str(tmp_path / "missing.trace")]) == 2
+    batches = len(offsets) - 1
+    assert mrc_command([str(path), "--sizes", "150", "--warmup", str(batches // 2), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["miss_ratio"] == \
+        mrc(keys, offsets, [150], warmup=batches // 2).miss_ratio.tolist()
+    assert mrc_command([str(path), "--warmup", str(batches)]) == 2
+    assert f"warmup {batches} must be in [0, {batches})" in capsys.readouterr().err
 
 
 def test_bad_input():
