@@ -60,7 +60,6 @@ import datetime
 import hashlib
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -73,7 +72,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_train import machine, peak_rss, reset_peak_rss  # noqa: E402
+from bench_train import machine, peak_rss, reset_peak_rss, run_worker  # noqa: E402
 from workload import Workload, offsets_for, upstream_grad  # noqa: E402
 
 SYSTEMS = ("fbgemm", "loop", "collection", "proportional", "planned", "equal")
@@ -391,13 +390,7 @@ def run_one(system: str, a) -> dict:
         cmd.append(f"--plans={a.plans}")
     if a.kjt:
         cmd.append("--kjt")
-    p = subprocess.run(cmd, capture_output=True, text=True)
-    for line in p.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])
-    # (torch's glog warnings, "W1124 12:00:00...", are not the error)
-    tail = [x for x in (p.stderr or p.stdout).strip().splitlines() if not re.match(r"W\d{4} ", x)][-3:]
-    return {"system": system, "error": f"exit {p.returncode}: " + " | ".join(tail)}
+    return run_worker(cmd, system)
 
 
 def code_version() -> str:

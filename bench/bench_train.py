@@ -27,6 +27,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import resource
 import statistics
 import subprocess
@@ -424,11 +425,17 @@ def rss_in_subprocess(name: str, a: argparse.Namespace) -> dict:
         cmd.append(f"--host-rows={a.host_rows}")
     if a.preinit:
         cmd.append("--preinit")
+    return run_worker(cmd, name)
+
+
+def run_worker(cmd: list[str], name: str) -> dict:
+    """Runs a benchmark worker process; returns the JSON of its `RESULT ` line, or {"system": name,
+    "error": its exit status and last lines} (torch's glog warnings, "W1124 12:00:00...", left out)."""
     p = subprocess.run(cmd, capture_output=True, text=True)
     for line in p.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT "):])
-    tail = (p.stderr or p.stdout).strip().splitlines()[-5:]
+    tail = [x for x in (p.stderr or p.stdout).strip().splitlines() if not re.match(r"W\d{4} ", x)][-5:]
     return {"system": name, "error": f"exit {p.returncode}: " + " | ".join(tail)}
 
 
