@@ -96,6 +96,8 @@ def test_a_plan_from_a_warm_start_predicts_the_hits_after_the_warm_up():
     for bad in (-1, BATCHES):
         with pytest.raises(ValueError, match=rf"warmup {bad} must be in \[0, {BATCHES}\)"):
             planner.plan(tr, tables(), cache_bytes=budget(), warmup=bad)
+    with pytest.raises(ValueError, match=r"warmup 2.5 must be a whole number of batches"):
+        planner.plan(tr, tables(), cache_bytes=budget(), warmup=2.5)
 
 
 def test_the_plan_moves_fewer_bytes_than_either_split_predicted_and_measured(plans):

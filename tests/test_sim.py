@@ -335,6 +335,8 @@ def test_lru_curve_after_a_warm_up_counts_the_rest_only(mode):
         mrc(keys, offsets, [100], mode=mode, warmup=500 if mode == "batch" else 30000)
     with pytest.raises(SimError, match=r"only the lru curve takes a warm-up"):
         mrc(keys, offsets, [100], policy="fifo", mode=mode, warmup=10)
+    with pytest.raises(SimError, match=r"warmup 1.5 must be a whole number"):
+        mrc(keys, offsets, [100], mode=mode, warmup=1.5)
 
 
 def test_other_policy_curves_run_each_size():

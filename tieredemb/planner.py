@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import operator
 
 import numpy as np
 
@@ -156,6 +157,10 @@ def plan(traces: dict, tables: dict, *, cache_bytes, host_bytes=None, bandwidth:
     for n, (rows, row_bytes) in tables.items():
         if rows <= 0 or row_bytes <= 0:
             raise ValueError(f"table {n!r}: rows {rows} and row bytes {row_bytes} must be > 0")
+    try:
+        warmup = operator.index(warmup)
+    except TypeError:
+        raise ValueError(f"warmup {warmup!r} must be a whole number of batches") from None
     for n, (_, offsets) in traces.items():
         if not 0 <= warmup < len(offsets) - 1:
             raise ValueError(f"warmup {warmup} must be in [0, {len(offsets) - 1}): table {n!r}'s trace has "

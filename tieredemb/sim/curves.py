@@ -11,6 +11,7 @@ happen to be in or out of the sample.
 
 from __future__ import annotations
 
+import operator
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -99,13 +100,16 @@ def mrc(keys, batch_offsets=None, sizes=None, *, policy: str = "lru", mode: str 
     name = POLICIES[code] + (f"-{k}" if k else "")
     offsets = None if mode == "request" or batch_offsets is None else check_offsets(batch_offsets, keys.size)
     units = keys.size if offsets is None else offsets.size - 1
+    try:
+        warmup = operator.index(warmup)
+    except TypeError:
+        raise SimError(f"warmup {warmup!r} must be a whole number of batches (requests)") from None
     if warmup:
         if code != LRU:
             raise SimError(f"warmup {warmup}: only the lru curve takes a warm-up (policy {name})")
-        if not 0 <= int(warmup) < units:
+        if not 0 <= warmup < units:
             raise SimError(f"warmup {warmup} must be in [0, {units}): the trace's "
                            f"{'requests' if offsets is None else 'batches'}, some left to count")
-    warmup = int(warmup)
     full_lookups, smallest = _lookups(keys, offsets, warmup)
     rate = None
     if sample_rate is not None and not 0 < float(sample_rate) <= 1:
