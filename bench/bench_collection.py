@@ -73,7 +73,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_train import machine, peak_rss, reset_peak_rss, run_worker  # noqa: E402
-from workload import Workload, offsets_for, upstream_grad  # noqa: E402
+from workload import TABLES, Batches, Table, Workload, upstream_grad  # noqa: E402
 
 SYSTEMS = ("fbgemm", "loop", "collection", "proportional", "planned", "equal")
 DEFAULT_SYSTEMS = SYSTEMS[:-1]  # equal: only when asked for
@@ -84,29 +84,6 @@ TARGETS = {("collection", "fbgemm"): 1.0, ("collection", "loop"): 2.0, ("planned
 # Printed without a target: what else the run shows about the planner and the budget.
 OTHER_RATIOS = (("planned", "equal"), ("proportional", "collection"), ("planned", "collection"))
 FP32 = 4
-
-
-@dataclass(frozen=True)
-class Table:
-    rows: int
-    dim: int
-    alpha: float
-    ids_per_bag: int
-
-
-# Sum of rows x dim x 4 bytes: 7.9 GiB (2.11 G floats, under 2^31), which FBGEMM allocates and
-# writes at construction (8.5 GiB peak RSS with its row-wise state). Ours (measured): 8.5-8.6 GiB
-# whole, 9.6 GiB cached at steady state (the host store's huge pages).
-TABLES = (
-    Table(20_000_000, 64, 0.90, 2),
-    Table(2_000_000, 128, 0.94, 4),
-    Table(2_000_000, 64, 0.98, 4),
-    Table(1_000_000, 128, 1.03, 8),
-    Table(1_000_000, 64, 1.07, 8),
-    Table(1_000_000, 128, 1.11, 16),
-    Table(1_000_000, 64, 1.16, 16),
-    Table(1_000_000, 64, 1.20, 8),
-)
 QUICK = {"scale": 0.05, "bags": 256, "warmup": "20", "batches": 20, "runs": 2, "plan_batches": "20",
          "plan_warmup": 0}
 DEFAULTS = {"scale": 1.0, "bags": 2048, "warmup": "auto", "batches": 100, "runs": 3, "plan_batches": "auto",
@@ -120,25 +97,6 @@ def tables_of(a) -> list[Table]:
 
 def names(tables) -> list[str]:
     return [f"t{k}" for k in range(len(tables))]
-
-
-class Batches:
-    """Batch i: every table's ids (int64 [B * L_t], the table's own row ids), reproducible alone."""
-
-    def __init__(self, tables: list[Table], bags: int, seed: int):
-        from tieredemb.trace.synth import ZipfSampler
-
-        self.tables, self.bags = tables, bags
-        # One sampler per table: its own permutation and draws (table=k), the workload's seed.
-        self.samplers = [ZipfSampler(t.rows, t.alpha, seed=seed, table=k) for k, t in enumerate(tables)]
-        self.offsets = [offsets_for(bags, t.ids_per_bag) for t in tables]
-
-    def ids(self, i: int) -> list[torch.Tensor]:
-        return [torch.from_numpy(s.batch(i, self.bags * t.ids_per_bag)) for s, t in zip(self.samplers, self.tables)]
-
-    @property
-    def lookups_per_batch(self) -> int:
-        return self.bags * sum(t.ids_per_bag for t in self.tables)
 
 
 def row_bytes(t: Table) -> int:
@@ -244,28 +202,32 @@ def build(name: str, a, tables: list[Table], src: Batches, grad: torch.Tensor) -
         from fbgemm_gpu.split_table_batched_embeddings_ops_common import ComputeDevice, EmbeddingLocation, PoolingMode
         from fbgemm_gpu.split_table_batched_embeddings_ops_training import SplitTableBatchedEmbeddingBagsCodegen
 
+        # On cuda the tables sit in HBM (EmbeddingLocation.DEVICE), the ids are moved there before
+        # timing; on the host, HOST tables.
+        where, compute = ((EmbeddingLocation.DEVICE, ComputeDevice.CUDA) if a.device == "cuda"
+                          else (EmbeddingLocation.HOST, ComputeDevice.CPU))
         tbe = SplitTableBatchedEmbeddingBagsCodegen(
-            embedding_specs=[(t.rows, t.dim, EmbeddingLocation.HOST, ComputeDevice.CPU) for t in tables],
+            embedding_specs=[(t.rows, t.dim, where, compute) for t in tables],
             feature_table_map=list(range(len(tables))),
             optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD, pooling_mode=PoolingMode.SUM,
             weights_precision=SparseType.FP32, output_dtype=SparseType.FP32, learning_rate=a.lr, eps=a.eps)
         # Table-major: table 0's B bags, then table 1's, ...; B * T + 1 offsets (the last the total).
         lengths = torch.cat([torch.full((src.bags,), t.ids_per_bag, dtype=torch.int64) for t in tables])
-        offsets = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(lengths, 0)])
+        offsets = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(lengths, 0)]).to(a.device)
 
         def step(indices):
             out = tbe(indices, offsets)
             out.backward(grad)  # the fused optimizer updates the rows here
             return out.detach()
 
-        return System(lambda ids: torch.cat(ids), step)
+        return System(lambda ids: torch.cat(ids).to(a.device), step)
 
     import tieredemb
 
     opt = tieredemb.RowWiseAdagrad(lr=a.lr, eps=a.eps)
     if name == "loop":
-        mods = [tieredemb.TieredEmbeddingBag(t.rows, t.dim, mode="sum", cache_rows=None, optimizer=opt, seed=a.table_seed)
-                for t in tables]
+        mods = [tieredemb.TieredEmbeddingBag(t.rows, t.dim, mode="sum", cache_rows=None, optimizer=opt, seed=a.table_seed,
+                                             device=a.device) for t in tables]
 
         # Each module's backward gets its own columns of the fixed gradient, made contiguous once:
         # no torch.cat and slice backward in the step (their intra-op threads cost milliseconds
@@ -301,7 +263,8 @@ def build(name: str, a, tables: list[Table], src: Batches, grad: torch.Tensor) -
         with open(a.plans) as f:
             budget = {"plan": json.load(f)[name]}  # a Plan's to_dict()
     try:
-        ebc = tieredemb.TieredEmbeddingBagCollection(cfgs, optimizer=opt, seed=a.table_seed, **budget)
+        ebc = tieredemb.TieredEmbeddingBagCollection(cfgs, optimizer=opt, seed=a.table_seed, device=a.device,
+                                                     **budget)
     except TypeError as e:
         if "plan" in budget:
             raise SystemExit(f"planner not available: the collection takes no plan= ({e})")
@@ -336,7 +299,7 @@ def worker(a) -> None:
     warnings.filterwarnings("ignore")
     tables = tables_of(a)
     src = Batches(tables, a.bags, a.seed)
-    grad = upstream_grad(Workload(bags=a.bags, dim=sum(t.dim for t in tables), seed=a.seed))
+    grad = upstream_grad(Workload(bags=a.bags, dim=sum(t.dim for t in tables), seed=a.seed)).to(a.device)
     load = os.getloadavg()[0]
     reset_peak_rss()
     start = time.perf_counter()
@@ -354,9 +317,12 @@ def worker(a) -> None:
     warmed = time.perf_counter() - start
     before = system.tier0() if system.tier0 else None
     out = None
+    sync = torch.cuda.synchronize if a.device == "cuda" else (lambda: None)
+    sync()
     start = time.perf_counter()
     for x in timed:
         out = system.step(x)
+    sync()
     seconds = time.perf_counter() - start
     if isinstance(out, list):
         out = torch.cat(out, 1)
@@ -373,7 +339,7 @@ def worker(a) -> None:
     result = {"system": a.worker, "seconds": seconds, "lookups": a.batches * src.lookups_per_batch,
               "build_seconds": built, "warmup_seconds": warmed, "peak_rss": peak_rss(), "tier0": tier0,
               "load_before": load, "load_after": os.getloadavg()[0],
-              "last_output_sha1": hashlib.sha1(out.numpy().tobytes()).hexdigest()}
+              "last_output_sha1": hashlib.sha1(out.cpu().numpy().tobytes()).hexdigest()}
     print("RESULT " + json.dumps(result), flush=True)
 
 
@@ -385,7 +351,8 @@ def run_one(system: str, a) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", system, f"--scale={a.scale!r}",
            f"--bags={a.bags}", f"--warmup={a.warmup}", f"--batches={a.batches}", f"--seed={a.seed}",
            f"--cache-fraction={a.cache_fraction!r}", f"--threads={a.threads}", f"--lr={a.lr!r}",
-           f"--eps={a.eps!r}", f"--table-seed={a.table_seed}", f"--loop-order={a.loop_order}"]
+           f"--eps={a.eps!r}", f"--table-seed={a.table_seed}", f"--loop-order={a.loop_order}",
+           f"--device={a.device}"]
     if a.plans:
         cmd.append(f"--plans={a.plans}")
     if a.kjt:
@@ -443,6 +410,9 @@ def parse_args(argv=None):
     p.add_argument("--cache-fraction", type=float, default=0.1,
                    help="the cached systems' tier-0 budget, a fraction of every row's bytes (default 0.1)")
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads in every worker (default 2)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where every system's tables and tier 0 live (cuda: FBGEMM's GPU TBE with the tables in "
+                        "HBM; ours with device='cuda', host ids as a data loader gives them)")
     p.add_argument("--loop-order", choices=("model", "each"), default="model",
                    help="the loop's order: model (every forward, then the backwards, last first, as in a "
                         "model: default) or each (a table's backward right after its forward: its rows "
@@ -478,8 +448,13 @@ def main(argv=None) -> int:
         worker(a)
         return 0
     warnings.filterwarnings("ignore")
+    if a.device == "cuda" and not torch.cuda.is_available():
+        print("--device cuda: torch sees no GPU here", file=sys.stderr)
+        return 2
     tables = tables_of(a)
     src = Batches(tables, a.bags, a.seed)
+    if a.device == "cuda":
+        print(f"device: {torch.cuda.get_device_name()} (every system's tables and tier 0 there)")
     print(f"{len(tables)} tables (rows x dim, Zipf alpha, ids per bag): "
           + ", ".join(f"{t.rows:,}x{t.dim} a{t.alpha} L{t.ids_per_bag}" for t in tables))
     print(f"B={a.bags}: {src.lookups_per_batch:,} lookups per batch; {a.warmup} warm-up + {a.batches} timed "
