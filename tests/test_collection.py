@@ -126,7 +126,8 @@ def test_budget_is_split_in_proportion_to_bytes_and_each_table_keeps_its_share()
     assert s["c"]["group"] == "group1" and s["c"]["tier0"]["capacity"] == 50
 
 
-def test_inverse_keyed_batches_equal_their_duplicates():
+@pytest.mark.parametrize("keyed", ["all", "friend_id"])  # friend_id alone: user_id's bags share its lookup
+def test_inverse_keyed_batches_equal_their_duplicates(keyed):
     kw = dict(optimizer=tieredemb.Adagrad(lr=0.1))
     a, b = TieredEmbeddingBagCollection(TABLES, **kw), TieredEmbeddingBagCollection(TABLES, **kw)
     full = batch(3)
@@ -137,7 +138,8 @@ def test_inverse_keyed_batches_equal_their_duplicates():
         bags = [ids[s:s + n] for s, n in zip(starts.tolist(), lengths.tolist())]
         chosen = [bags[i] for i in inverse.tolist()]
         dup[f] = (torch.cat(chosen), torch.tensor([0] + [len(c) for c in chosen[:-1]]).cumsum(0))
-    ikjt = {f: InverseKeyed(ids, starts, inverse) for f, (ids, starts) in distinct.items()}
+    ikjt = {f: InverseKeyed(ids, starts, inverse) if keyed in ("all", f) else dup[f]
+            for f, (ids, starts) in distinct.items()}
     out_a, out_b = a(ikjt), b(dup)
     torch.testing.assert_close(out_a.values(), out_b.values())
     grad = torch.randn(out_a.values().shape)
