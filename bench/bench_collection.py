@@ -12,8 +12,9 @@ of (seed, table, i) alone). One step = forward, backward of a fixed upstream gra
   fbgemm        FBGEMM's CPU TBE holding the 8 tables in one table-batched module (embedding_specs
                 of 8 HOST tables, one feature per table, indices and B * 8 + 1 offsets table-major;
                 EXACT_ROWWISE_ADAGRAD; every row allocated and initialized at construction)
-  loop          8 TieredEmbeddingBag modules, whole tables (cache_rows=None), called one after
-                another, each module's backward run on its own columns of the gradient
+  loop          8 TieredEmbeddingBag modules, whole tables (cache_rows=None), in a model's order:
+                every forward, then each module's backward on its own columns of the gradient, last
+                first (--loop-order each: a table's backward right after its forward)
   collection    TieredEmbeddingBagCollection, every row in tier 0 (cache_bytes=None)
   proportional  the collection with cache_bytes = --cache-fraction of the rows' bytes (weights and
                 optimizer state): its default split, in proportion to the tables' bytes
@@ -212,8 +213,7 @@ def build(name: str, a, tables: list[Table], src: Batches, grad: torch.Tensor) -
             optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD, pooling_mode=PoolingMode.SUM,
             weights_precision=SparseType.FP32, output_dtype=SparseType.FP32, learning_rate=a.lr, eps=a.eps)
         # Table-major: table 0's B bags, then table 1's, ...; B * T + 1 offsets (the last the total).
-        lengths = torch.cat([torch.full((src.bags,), t.ids_per_bag, dtype=torch.int64) for t in tables])
-        offsets = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(lengths, 0)]).to(a.device)
+        offsets = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(src.lengths, 0)]).to(a.device)
 
         def step(indices):
             out = tbe(indices, offsets)
@@ -273,11 +273,10 @@ def build(name: str, a, tables: list[Table], src: Batches, grad: torch.Tensor) -
     if a.kjt:
         from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-        lengths = torch.cat([torch.full((src.bags,), t.ids_per_bag, dtype=torch.int64) for t in tables])
         keys = [f"f{k}" for k in range(len(tables))]
 
         def prepare(ids):
-            return KeyedJaggedTensor.from_lengths_sync(keys=keys, values=torch.cat(ids), lengths=lengths)
+            return KeyedJaggedTensor.from_lengths_sync(keys=keys, values=torch.cat(ids), lengths=src.lengths)
     else:
         def prepare(ids):
             return {f"f{k}": (i, o) for k, (i, o) in enumerate(zip(ids, src.offsets))}
@@ -555,8 +554,10 @@ def main(argv=None) -> int:
     cached = [s for s in CACHED if results.get(s)]
     if cached:
         how = f"after {a.plan_warmup:,} that fill tier 0" if a.plan_warmup else "cold"
-        print(f"\ntier-0 hit rate per table over the timed batches, measured (the planner's prediction, from its "
-              f"{a.plan_batches:,}-batch trace, {how}); tier-0 rows; resident / capacity after warm-up")
+        pred = (f" (the planner's prediction, from its {a.plan_batches:,}-batch trace, {how})"
+                if plans is not None else "")
+        print(f"\ntier-0 hit rate per table over the timed batches, measured{pred}; tier-0 rows; resident / "
+              "capacity after warm-up")
         for s in cached:
             measured = results[s][-1]["tier0"]
             print(f"  {s}:")

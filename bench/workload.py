@@ -166,6 +166,8 @@ class Batches:
         # One sampler per table: its own permutation and draws (table=k), the workload's seed.
         self.samplers = [ZipfSampler(t.rows, t.alpha, seed=seed, table=k) for k, t in enumerate(tables)]
         self.offsets = [offsets_for(bags, t.ids_per_bag) for t in tables]
+        # Every bag's length, table-major (table 0's B bags, then table 1's, ...): int64 [B * T].
+        self.lengths = torch.cat([torch.full((bags,), t.ids_per_bag, dtype=torch.int64) for t in tables])
 
     def ids(self, i: int) -> list[torch.Tensor]:
         return [torch.from_numpy(s.batch(i, self.bags * t.ids_per_bag)) for s, t in zip(self.samplers, self.tables)]
