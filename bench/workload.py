@@ -108,29 +108,6 @@ def workload_flags(w: Workload) -> list[str]:
     ]
 
 
-if __name__ == "__main__":
-    import time
-
-    p = argparse.ArgumentParser(description="Generate a few batches and describe the id distribution.")
-    add_workload_args(p)
-    a = p.parse_args()
-    w = workload_from_args(a)
-    t = time.perf_counter()
-    src = BatchSource(w)
-    t_setup = time.perf_counter() - t
-    t = time.perf_counter()
-    batches = src.batches(0, w.batches)
-    t_gen = time.perf_counter() - t
-    ids = torch.cat([b[0] for b in batches])
-    uniq = torch.unique(ids).numel()
-    hot = torch.from_numpy(src.ids.hottest(w.rows // 10))
-    top10 = torch.isin(ids, hot).double().mean().item()
-    print(f"{w}")
-    print(f"setup {t_setup:.2f}s, {w.batches} batches in {t_gen:.2f}s; per batch unique ids "
-          f"{torch.unique(batches[0][0]).numel()} of {w.lookups_per_batch}; over all batches {uniq}; "
-          f"share of lookups in the hottest 10% of rows {top10:.3f}")
-
-
 # -- many tables ----------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Table:
@@ -175,4 +152,27 @@ class Batches:
     @property
     def lookups_per_batch(self) -> int:
         return self.bags * sum(t.ids_per_bag for t in self.tables)
+
+
+if __name__ == "__main__":
+    import time
+
+    p = argparse.ArgumentParser(description="Generate a few batches and describe the id distribution.")
+    add_workload_args(p)
+    a = p.parse_args()
+    w = workload_from_args(a)
+    t = time.perf_counter()
+    src = BatchSource(w)
+    t_setup = time.perf_counter() - t
+    t = time.perf_counter()
+    batches = src.batches(0, w.batches)
+    t_gen = time.perf_counter() - t
+    ids = torch.cat([b[0] for b in batches])
+    uniq = torch.unique(ids).numel()
+    hot = torch.from_numpy(src.ids.hottest(w.rows // 10))
+    top10 = torch.isin(ids, hot).double().mean().item()
+    print(f"{w}")
+    print(f"setup {t_setup:.2f}s, {w.batches} batches in {t_gen:.2f}s; per batch unique ids "
+          f"{torch.unique(batches[0][0]).numel()} of {w.lookups_per_batch}; over all batches {uniq}; "
+          f"share of lookups in the hottest 10% of rows {top10:.3f}")
 
