@@ -96,17 +96,18 @@ class _Curve:
     binary search: the greedy asks at many sizes), and a grid of sizes for the report."""
 
     def __init__(self, ids, offsets, rows: int, points: int, warmup: int = 0):
-        from .sim.curves import _lookups
         from .trace.reuse import DUPLICATE, FIRST_USE, stack_distances
 
         keys = np.asarray(ids, dtype=np.int64)
         offsets = np.asarray(offsets, dtype=np.int64)
         self.rows = rows
         self.batches = max(1, len(offsets) - 1 - warmup)  # the counted ones: after the warm-up
-        lookups, widest = _lookups(keys, offsets, warmup)
-        self.lookups = lookups / self.batches  # distinct rows per counted batch
-        d = stack_distances(keys, offsets)[offsets[warmup]:] if keys.size else np.zeros(0, np.int64)
-        d = d[d != DUPLICATE]  # a repeat inside its batch is no lookup of tier 0
+        d = stack_distances(keys, offsets) if keys.size else np.zeros(0, np.int64)
+        looked_up = d != DUPLICATE  # a repeat inside its batch is no lookup of tier 0
+        upto = np.concatenate([[0], np.cumsum(looked_up)])
+        widest = int((upto[offsets[1:]] - upto[offsets[:-1]]).max(initial=0))  # distinct rows of a batch
+        d = d[offsets[warmup]:][looked_up[offsets[warmup]:]]
+        self.lookups = d.size / self.batches  # distinct rows per counted batch
         d[d == FIRST_USE] = np.iinfo(np.int64).max  # a miss at any size
         self._distances = np.sort(d)  # a tier of C rows hits a lookup iff its distance < C
         self.smallest = min(rows, max(1, widest))  # batch mode: a batch fits in the tier
