@@ -112,3 +112,47 @@ def test_window_stale_plans_and_bad_arguments():
     with pytest.raises(ValueError, match=r"the same length >= 1, got 2, 1, 2"):
         _C.PartitionedIndex([10, 20], [2], "lru", [0, 0])
     assert _C.CacheIndex(4, "lru").partitions == 0 and _index().partitions == 3
+
+
+_RACE = """
+import threading
+import numpy as np
+from tieredemb import _C
+
+ends, caps = [200000, 400000, 600000], [50000, 50000, 50000]
+index = _C.PartitionedIndex(ends, caps, "lru", [0, 0, 0])
+ids = np.arange(0, 600000, 4, dtype=np.int64)  # 50,000 in each part: every regular slot
+plan = index.plan(ids)
+index.commit(ids, plan, True, False)
+slots = np.ascontiguousarray(plan.slots)
+window = np.arange(1, 600000, 2, dtype=np.int64)
+
+def worker():  # what the prefetch worker does
+    for _ in range(150):
+        index.window_push(window)
+        index.window_pop()
+
+thread = threading.Thread(target=worker)
+thread.start()
+for _ in range(150):  # what a backward does, on the training thread
+    index.mark_dirty(slots)
+    index.unpin(slots)
+    plan = index.plan(ids)
+    index.commit(ids, plan, True, False)
+thread.join()
+assert index.pinned == len(ids) and index.size == len(ids), (index.pinned, index.size)
+print("ok")
+"""
+
+
+def test_window_and_pin_calls_from_two_threads_share_no_scratch(tmp_path):
+    """The index releases the GIL in every call; a window push (the prefetch worker) and an unpin
+    or mark_dirty (a backward) may run at once from two threads. Their per-part splits must be
+    their own (they once shared one buffer: a double free). Run in a child process, so a crash
+    fails this test instead of the suite."""
+    import subprocess
+    import sys
+    script = tmp_path / "race.py"
+    script.write_text(_RACE)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", (done.returncode, done.stderr[-2000:])

@@ -264,6 +264,24 @@ def test_loader_trains_bit_for_bit_through_a_tiny_cache_over_ssd(tmp_path, batch
     emb.close()
 
 
+@pytest.mark.parametrize("depth", [2, 4])
+def test_loader_trains_bit_for_bit_through_a_partitioned_tier0(tmp_path, batches, reference, depth):
+    """Tier 0 split by id range (a collection's group): the worker pushes the lookahead window
+    while the training thread unpins and marks rows dirty, into the same partitioned index."""
+    parts = ((1000, 150), (1500, 200), (NUM - 2500, 100))
+    ref_outs, ref_rows = reference
+    for run in range(3):  # the threads meet at random moments: give them several chances
+        emb = make_table(tmp_path, f"t{run}", partitions=parts)
+        outs = train_loader(emb, batches, depth, lookahead=3)
+        assert all(torch.equal(a, b) for a, b in zip(outs, ref_outs)) and len(outs) == STEPS
+        assert torch.equal(rows_and_state(emb), ref_rows)
+        s = emb.stats()
+        assert all(p["evictions"] > 100 for p in s["tier0"]["partitions"])  # every part cycles its rows
+        assert s["prefetch"]["demand_misses"] == 0 and emb._store.tier0.index.pinned == 0
+        assert stopped(emb)
+        emb.close()
+
+
 def test_loader_serves_several_modules_from_a_dataloader(tmp_path, batches):
     """Two tables (a bag over SSD, an Embedding with a host tier) on batches from a DataLoader."""
     def two_tables(prefix=None):

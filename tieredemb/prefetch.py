@@ -9,8 +9,10 @@ Ordering, and why training gives bit for bit the results it gives without prefet
   pinned by batches in flight, the worker waits for a backward to release some (it pins less far
   ahead), unless the batch's forward is already waiting for it or nothing else is pinned: then
   the batch is made resident at once, the rows that do not fit in overflow slots (see
-  tiers/cache.py). Values are the same either way. A backward's unpin and mark_dirty touch only its own pinned slots, under tier 0's
-  index lock, which plan and commit hold too: no two index calls interleave.
+  tiers/cache.py). Values are the same either way.
+- A backward's unpin and mark_dirty touch only its own pinned slots. Every call into a tier's
+  index (plan, commit, evict, unpin, mark_dirty, mark_clean, the window's push and pop) holds
+  that tier's index lock, so no two index calls interleave, whichever thread makes them.
 - A batch's rows are pinned from its residency until its backward has applied its update (or
   its forward ran under no_grad, or its graph was freed). The worker evicts unpinned rows only:
   it never moves a row that a batch in flight reads or updates, and it writes a dirty row back

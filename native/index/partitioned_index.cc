@@ -45,7 +45,6 @@ PartitionedIndex::PartitionedIndex(std::vector<int64_t> ends, std::vector<int64_
   planned_.assign(parts, 0);
   part_ids_.resize(parts);
   part_plans_.resize(parts);
-  scratch_.resize(parts);
 }
 
 int64_t PartitionedIndex::part_of_id(int64_t id) const {
@@ -171,32 +170,33 @@ void PartitionedIndex::lookup(const int64_t* ids, int64_t n, int64_t* slots) con
   }
 }
 
-void PartitionedIndex::split_slots(const int64_t* slots, int64_t n) const {
-  for (auto& v : scratch_) v.clear();
+std::vector<std::vector<int64_t>> PartitionedIndex::split_slots(const int64_t* slots, int64_t n) const {
+  std::vector<std::vector<int64_t>> local(parts_.size());
   for (int64_t i = 0; i < n; ++i) {
     const int64_t k = part_of_slot(slots[i]);
-    scratch_[k].push_back(to_local(k, slots[i]));
+    local[k].push_back(to_local(k, slots[i]));
   }
+  return local;
 }
 
 void PartitionedIndex::unpin(const int64_t* slots, int64_t n) {
-  split_slots(slots, n);
+  const auto local = split_slots(slots, n);
   for (size_t k = 0; k < parts_.size(); ++k) {
-    if (!scratch_[k].empty()) parts_[k]->unpin(scratch_[k].data(), static_cast<int64_t>(scratch_[k].size()));
+    if (!local[k].empty()) parts_[k]->unpin(local[k].data(), static_cast<int64_t>(local[k].size()));
   }
 }
 
 void PartitionedIndex::mark_dirty(const int64_t* slots, int64_t n) {
-  split_slots(slots, n);
+  const auto local = split_slots(slots, n);
   for (size_t k = 0; k < parts_.size(); ++k) {
-    if (!scratch_[k].empty()) parts_[k]->mark_dirty(scratch_[k].data(), static_cast<int64_t>(scratch_[k].size()));
+    if (!local[k].empty()) parts_[k]->mark_dirty(local[k].data(), static_cast<int64_t>(local[k].size()));
   }
 }
 
 void PartitionedIndex::mark_clean(const int64_t* slots, int64_t n) {
-  split_slots(slots, n);
+  const auto local = split_slots(slots, n);
   for (size_t k = 0; k < parts_.size(); ++k) {
-    if (!scratch_[k].empty()) parts_[k]->mark_clean(scratch_[k].data(), static_cast<int64_t>(scratch_[k].size()));
+    if (!local[k].empty()) parts_[k]->mark_clean(local[k].data(), static_cast<int64_t>(local[k].size()));
   }
 }
 
@@ -227,12 +227,12 @@ void PartitionedIndex::resident_ids(int64_t start, int64_t limit, std::vector<in
 }
 
 Status PartitionedIndex::window_push(const int64_t* ids, int64_t n) {
-  for (auto& v : scratch_) v.clear();
-  for (int64_t i = 0; i < n; ++i) scratch_[part_of_id(ids[i])].push_back(ids[i]);
+  std::vector<std::vector<int64_t>> part(parts_.size());
+  for (int64_t i = 0; i < n; ++i) part[part_of_id(ids[i])].push_back(ids[i]);
   // Every partition holds the same batches (empty ones included), so a full window fails at the
   // first partition, before any has changed.
   for (size_t k = 0; k < parts_.size(); ++k) {
-    Status s = parts_[k]->window_push(scratch_[k].data(), static_cast<int64_t>(scratch_[k].size()));
+    Status s = parts_[k]->window_push(part[k].data(), static_cast<int64_t>(part[k].size()));
     if (!s.ok()) return s;
   }
   return Status::Ok();

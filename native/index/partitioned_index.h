@@ -66,8 +66,9 @@ class PartitionedIndex final : public TierIndex {
   int64_t to_local(int64_t k, int64_t slot) const {
     return slot < capacity_ ? slot - reg_base_[k] : parts_[k]->capacity() + (slot - capacity_ - over_base_[k]);
   }
-  // Splits global slots by partition into local ones (scratch_ per partition); returns nothing.
-  void split_slots(const int64_t* slots, int64_t n) const;
+  // Global slots split by partition into local ones (a vector per partition; its own per call,
+  // so calls that change nothing shared may come from different threads).
+  std::vector<std::vector<int64_t>> split_slots(const int64_t* slots, int64_t n) const;
 
   std::vector<int64_t> ends_, reg_base_, over_base_;
   std::vector<std::unique_ptr<CacheIndex>> parts_;
@@ -76,7 +77,6 @@ class PartitionedIndex final : public TierIndex {
   std::vector<uint8_t> planned_;
   std::vector<std::vector<int64_t>> part_ids_;
   std::vector<Plan> part_plans_;
-  mutable std::vector<std::vector<int64_t>> scratch_;
   mutable TierStats sum_;
 };
 

@@ -270,13 +270,16 @@ class DeviceTier:
 
     # The lookahead window: unique ids of the batches ahead, as dedup gives them.
     def window_push(self, unique: torch.Tensor, num_unique: torch.Tensor) -> None:
-        self.index.window_push(unique.to(self.device), num_unique.to(self.device))
+        with self.index_lock:
+            self.index.window_push(unique.to(self.device), num_unique.to(self.device))
 
     def window_pop(self) -> None:
-        self.index.window_pop()
+        with self.index_lock:
+            self.index.window_pop()
 
     def window_clear(self) -> None:
-        self.index.window_clear()
+        with self.index_lock:
+            self.index.window_clear()
 
     # -- RowStore, as the others (nothing sits above tier 0, but flush and close come through) ---
     def flush(self, state: dict | None = None) -> None:

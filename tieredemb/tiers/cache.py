@@ -81,13 +81,17 @@ class CacheTier:
 
     def window_push(self, unique: torch.Tensor, count) -> None:
         """Appends a batch ahead (its distinct ids: unique[:count]) to the lookahead window."""
-        self.index.window_push(unique[:count].to(dtype=torch.int64).contiguous())
+        ids = unique[:count].to(dtype=torch.int64).contiguous()
+        with self.index_lock:
+            self.index.window_push(ids)
 
     def window_pop(self) -> None:
-        self.index.window_pop()
+        with self.index_lock:
+            self.index.window_pop()
 
     def window_clear(self) -> None:
-        self.index.window_clear()
+        with self.index_lock:
+            self.index.window_clear()
 
     # -- residency ----------------------------------------------------------------------------
     def resident(self, ids: torch.Tensor, *, pin: bool, fill=None, allow_overflow: bool = True):
