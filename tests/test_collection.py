@@ -183,9 +183,98 @@ def test_bad_collections_and_inputs():
         TieredEmbeddingBagCollection(TABLES, plan=plan)
     with pytest.raises(ValueError, match=r"the plan is for tables \['cat', 'item', 'user'\], this collection has \['user'\]"):
         TieredEmbeddingBagCollection(TABLES[:1], plan=plan)
-    b["category"] = (torch.tensor([50]), torch.tensor([0]))
+    b["category"] = (torch.tensor([50, 0, 0, 0, 0, 0]), torch.arange(B))
     with pytest.raises(IndexError, match=r"feature 'category': id 50 out of range \[0, 50\) of table 'cat'"):
         ebc(b)
+
+
+def _state(ebc):
+    return {t.name: (ebc.read_rows(t.name, torch.arange(t.num_embeddings)).clone(),
+                     ebc.read_optimizer_state(t.name, torch.arange(t.num_embeddings)).clone()) for t in TABLES}
+
+
+@pytest.mark.parametrize("tiers", [dict(), dict(cache_bytes=3000)], ids=["whole", "cached"])
+def test_a_bad_feature_fails_before_any_table_is_looked_up(tiers):
+    """Every feature is checked before the first group's lookup: a bad feature in a later group,
+    or features of different batch sizes, change no rows, no counters, no tier."""
+    ebc = TieredEmbeddingBagCollection(TABLES, optimizer=tieredemb.Adagrad(lr=0.1), **tiers)
+    good = {f: v[:2] for f, v in batch(0).items()}
+    ebc(good).values().sum().backward()
+    before = _state(ebc)
+    stats = ebc.stats()
+    bad_inputs = [
+        ({**good, "category": (torch.tensor([50] * B), torch.arange(B))}, IndexError,
+         r"feature 'category': id 50 out of range \[0, 50\) of table 'cat'"),
+        ({**good, "category": (torch.tensor([-1] * B), torch.arange(B))}, IndexError, r"feature 'category': id -1"),
+        ({**good, "category": (torch.arange(3), torch.tensor([0, 1, 2]))}, ValueError,
+         r"different batch sizes .*'category': 3"),
+        ({**good, "item_id": (torch.arange(6), torch.tensor([1, 2, 3, 4, 5, 5]))}, ValueError,
+         r"feature 'item_id': offsets\[0\] must be 0 .*got 1"),
+        ({**good, "item_id": (torch.arange(6), torch.tensor([0, 2, 1, 4, 5, 5]))}, ValueError,
+         r"feature 'item_id': offsets must be non-decreasing: feature 'item_id': offsets\[2\] = 1"),
+        ({**good, "item_id": (torch.arange(6), torch.tensor([0, 2, 3, 4, 5, 7]))}, ValueError,
+         r"feature 'item_id': offsets\[-1\] = 7 is past the end of input \(length 6\)"),
+        ({**good, "item_id": (torch.arange(6.0), torch.arange(B))}, TypeError,
+         r"feature 'item_id': ids must be an integer tensor, got torch.float32"),
+        ({**good, "item_id": (torch.arange(6), torch.arange(B), torch.ones(5))}, ValueError,
+         r"feature 'item_id': per_sample_weights must be a tensor of its ids' shape \(6,\)"),
+        ({**good, "category": InverseKeyed(torch.arange(3), torch.tensor([0, 1, 2]), torch.tensor([0, 1, 2, 2, 1, 3]))},
+         ValueError, r"feature 'category': inverse 3 out of range \[0, 3\)"),
+        ({**good, "category": InverseKeyed(torch.arange(3), torch.tensor([0, 1, 2]), torch.tensor([0, 1, -1, 2, 1, 0]))},
+         ValueError, r"feature 'category': inverse -1 out of range"),
+        ({**good, "category": [torch.arange(3)]}, TypeError, r"feature 'category': give \(ids, offsets"),
+        (KJT(["user_id"], torch.arange(4), torch.tensor([1, 1, 1])), ValueError,
+         r"KeyedJaggedTensor: lengths sum to 3, values\(\) has 4"),
+        (KJT(["user_id"], torch.arange(2), torch.tensor([3, -1])), ValueError,
+         r"KeyedJaggedTensor: lengths must be >= 0, got -1"),
+        (KJT(["user_id", "item_id"], torch.arange(3), torch.tensor([1, 1, 1])), ValueError,
+         r"3 lengths do not split into 2 keys' batches"),
+        ([1, 2], TypeError, r"features must be a KeyedJaggedTensor or a dict"),
+    ]
+    for features, error, message in bad_inputs:
+        with pytest.raises(error, match=message):
+            ebc(features)
+    assert ebc.stats() == stats  # (before reading rows back, which the stores count)
+    after = _state(ebc)
+    assert all(torch.equal(before[t][0], after[t][0]) and torch.equal(before[t][1], after[t][1]) for t in before)
+
+
+def test_rows_and_state_are_read_and_written_within_their_table():
+    ebc = TieredEmbeddingBagCollection(TABLES, optimizer=tieredemb.Adagrad(lr=0.1))
+    before = _state(ebc)
+    for call in (lambda: ebc.read_rows("item", torch.tensor([200])),
+                 lambda: ebc.read_optimizer_state("item", [0, -1]),
+                 lambda: ebc.write_rows("item", torch.tensor([3, 200]), torch.ones(2, 8))):
+        with pytest.raises(IndexError, match=r"table 'item': id (200|-1) out of range \[0, 200\)"):
+            call()
+    with pytest.raises(TypeError, match=r"table 'item': ids must be integers, got torch.float32"):
+        ebc.read_rows("item", torch.tensor([1.0]))
+    with pytest.raises(KeyError, match=r"no table 'nope'"):
+        ebc.read_rows("nope", [0])
+    after = _state(ebc)
+    assert all(torch.equal(before[t][0], after[t][0]) for t in before)
+    ebc.write_rows("cat", torch.tensor([49]), torch.full((1, 4), 2.0))
+    assert torch.equal(ebc.read_rows("cat", [49]), torch.full((1, 4), 2.0))
+    assert torch.equal(ebc.read_rows("user", torch.arange(300)), before["user"][0])  # not the next table's row 0
+
+
+def test_bad_tables_and_budgets_are_refused_by_name():
+    cases = [
+        (lambda: EmbeddingBagConfig("t", -5, 8, ["f"]), ValueError, r"table 't': num_embeddings must be an int >= 1, got -5"),
+        (lambda: EmbeddingBagConfig("t", 5, 0, ["f"]), ValueError, r"table 't': embedding_dim must be an int >= 1, got 0"),
+        (lambda: EmbeddingBagConfig("t", 5, 8, "feat"), TypeError, r"table 't': feature_names must be a list .*'feat'"),
+        (lambda: tieredemb.EmbeddingConfig("t", 5.5, 8, ["f"]), ValueError, r"num_embeddings must be an int >= 1, got 5.5"),
+        (lambda: TieredEmbeddingBagCollection(TABLES, cache_bytes=0), ValueError, r"cache_bytes must be at least 1 byte, got 0"),
+        (lambda: TieredEmbeddingBagCollection(TABLES, cache_bytes=4000, host_bytes=-1), ValueError,
+         r"host_bytes must be at least 1 byte, got -1"),
+        (lambda: TieredEmbeddingBagCollection(TABLES, cache_bytes=4.5), TypeError, r"cache_bytes must be a size like"),
+        (lambda: TieredEmbeddingBagCollection(TABLES, cache_bytes="lots"), ValueError, r"size 'lots' is not a number"),
+        (lambda: TieredEmbeddingBagCollection(TABLES, cache_rows=10), TypeError,
+         r"a collection sizes its tables' tiers itself: give cache_bytes / host_bytes or a plan, not cache_rows"),
+    ]
+    for make, error, message in cases:
+        with pytest.raises(error, match=message):
+            make()
 
 
 UNPOOLED = [tieredemb.EmbeddingConfig("user", 300, 8, ["user_id", "friend_id"]),
@@ -296,3 +385,13 @@ def test_a_keyed_jagged_tensor_with_offsets_only():
     ebc = TieredEmbeddingBagCollection(TABLES, optimizer=tieredemb.SGD(lr=0.1))
     kjt = as_kjt(batch(5))
     torch.testing.assert_close(ebc(OffsetsOnly(kjt)).values(), ebc(kjt).values())
+
+
+def test_unpooled_collection_refuses_an_inverse_outside_its_bags():
+    ec = tieredemb.TieredEmbeddingCollection(UNPOOLED, optimizer=tieredemb.SGD(lr=0.1))
+    good = {"user_id": (torch.arange(3), torch.tensor([0, 1])), "friend_id": (torch.arange(2), torch.tensor([0, 1])),
+            "category": (torch.arange(2), torch.tensor([0, 1]))}
+    before = ec.read_rows("cat", torch.arange(50)).clone()
+    with pytest.raises(ValueError, match=r"feature 'category': inverse -1 out of range \[0, 2\)"):
+        ec({**good, "category": InverseKeyed(torch.arange(2), torch.tensor([0, 1]), torch.tensor([0, -1]))})
+    assert ec.stats()["tables"]["user"]["lookups"] == 0 and torch.equal(ec.read_rows("cat", torch.arange(50)), before)

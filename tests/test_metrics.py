@@ -79,3 +79,15 @@ def test_a_collection_gives_every_table_its_own_series(tmp_path):
     # tier 0 is counted per table only (the groups' totals would count it twice)
     assert not any(k[1].startswith('collection="ebc",group=') and "tier0" in k[1] for k in values)
     assert json.loads(tieredemb.metrics.as_json({"ebc": ebc}))["ebc"]["tables"]["b"]["lookups"] == 24
+
+
+def test_an_unpooled_collection_gives_every_table_its_own_series():
+    tables = [tieredemb.EmbeddingConfig("a", 400, 4, ["fa"]), tieredemb.EmbeddingConfig("b", 200, 4, ["fb"])]
+    ec = tieredemb.TieredEmbeddingCollection(tables, cache_bytes=1000, optimizer=tieredemb.SGD(lr=0.1))
+    out = ec({"fa": (torch.arange(30), torch.tensor([0, 10])), "fb": (torch.arange(5), torch.tensor([0, 2]))})
+    sum(o.values().sum() for o in out.values()).backward()
+    text = tieredemb.metrics.prometheus({"ec": ec})
+    assert 'tieredemb_lookups_total{collection="ec",table="a"} 30' in text
+    assert 'tieredemb_lookups_total{collection="ec",table="b"} 5' in text
+    assert 'tieredemb_tier_misses_total{collection="ec",table="a",tier="tier0"} 30' in text
+    assert json.loads(tieredemb.metrics.as_json({"ec": ec}))["ec"]["tables"]["b"]["lookups"] == 5

@@ -35,6 +35,14 @@ from .optim import Optimizer
 
 
 def _check_table(t) -> None:
+    if not isinstance(t.name, str) or not t.name:
+        raise TypeError(f"a table's name must be a non-empty str, got {t.name!r}")
+    for field in ("num_embeddings", "embedding_dim"):
+        value = getattr(t, field)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"table {t.name!r}: {field} must be an int >= 1, got {value!r}")
+    if isinstance(t.feature_names, str) or not all(isinstance(f, str) for f in t.feature_names):
+        raise TypeError(f"table {t.name!r}: feature_names must be a list of feature names, got {t.feature_names!r}")
     object.__setattr__(t, "feature_names", tuple(t.feature_names))
     if not t.feature_names:
         raise ValueError(f"table {t.name!r} has no features: give feature_names")
@@ -135,6 +143,11 @@ class _Collection(nn.Module):
     def __init__(self, tables: list, *, cache_bytes=None, host_bytes=None, ssd_path=None,
                  optimizer: Optimizer | None = None, init: Init | None = None, plan=None, **table_args):
         super().__init__()
+        taken = sorted(set(table_args) & {"cache_rows", "host_rows", "partitions", "padding_idx"})
+        if taken:
+            raise TypeError(f"a collection sizes its tables' tiers itself: give cache_bytes / host_bytes or a plan, "
+                            f"not {', '.join(taken)}")
+        cache_bytes, host_bytes = _budget("cache_bytes", cache_bytes), _budget("host_bytes", host_bytes)
         names = [t.name for t in tables]
         if len(set(names)) != len(names):
             raise ValueError(f"table names must be unique, got {names}")
@@ -160,7 +173,7 @@ class _Collection(nn.Module):
             host = None
             if host_bytes is not None and not whole:
                 group_bytes = sum(t.num_embeddings * _row_bytes(t) for t in g.tables)
-                host = max(sum(c for _, c in parts), _bytes(host_bytes) * group_bytes // total_bytes // _row_bytes(t0))
+                host = max(sum(c for _, c in parts), host_bytes * group_bytes // total_bytes // _row_bytes(t0))
             self.engines.append(self._engine(
                 g, partitions=None if whole else parts, host_rows=host, optimizer=t0.optimizer, init=t0.init,
                 dtype=t0.dtype, ssd_path=os.path.join(ssd_path, f"group{k}") if g.store == "ssd" else None,
@@ -172,7 +185,7 @@ class _Collection(nn.Module):
             store = "host" if ssd_path is None else "ssd"
             if cache_bytes is None:
                 return {t.name: t.num_embeddings for t in self.tables}, {t.name: store for t in self.tables}
-            budget = _bytes(cache_bytes)
+            budget = cache_bytes
             total = sum(t.num_embeddings * _row_bytes(t) for t in self.tables)
             return ({t.name: min(t.num_embeddings, max(1, budget * t.num_embeddings // total)) for t in self.tables},
                     {t.name: store for t in self.tables})
@@ -196,20 +209,29 @@ class _Collection(nn.Module):
 
     # -- input and output -----------------------------------------------------------------------
     def _lookups_of(self, features) -> dict:
-        """Every group's features looked up, one call per group: {feature: what _outputs gives}."""
+        """Every group's features looked up, one call per group: {feature: what _outputs gives}.
+        Every feature is checked before any group is looked up: a bad one changes nothing."""
         given = features_of(features)
         missing = [f for f in self.feature_table if f not in given]
         unknown = [f for f in given if f not in self.feature_table]
         if missing or unknown:
             raise ValueError(f"features: missing {missing}, unknown {unknown} (this collection reads "
                              f"{list(self.feature_table)})")
+        self._check_batch(given)
+        batches = [self._batch(group, given) for group in self.groups]
         out = {}
-        for group, engine in zip(self.groups, self.engines):
-            out.update(self._lookup(group, engine, given))
+        for group, engine, batch in zip(self.groups, self.engines, batches):
+            for t in group.tables:
+                self.lookups[t.name] += sum(len(given[f][0]) for f in t.feature_names)
+            out.update(self._outputs(group, engine, *batch))
         return out
 
-    def _lookup(self, group: _Group, engine, given: dict) -> dict:
-        """Every feature of the group's tables in one lookup: the features' bags one after another."""
+    def _check_batch(self, given: dict) -> None:
+        """Checks that hold across features (the bag collection's: one batch size)."""
+
+    def _batch(self, group: _Group, given: dict) -> tuple:
+        """Every feature of the group's tables as one lookup (the features' bags one after another),
+        ids checked to lie in their tables: (ids, offsets, per_sample_weights, parts)."""
         ids, bounds, weights, parts, ranges = [], [np.zeros(1, dtype=np.int64)], [], [], []
         start = 0
         for t in group.tables:
@@ -231,14 +253,12 @@ class _Collection(nn.Module):
         if ranges:
             for (f, t, _), (lo, hi) in zip(ranges, torch.stack([r for _, _, r in ranges]).tolist()):
                 _check_range(f, t, lo, hi)
-        for t in group.tables:
-            self.lookups[t.name] += sum(len(given[f][0]) for f in t.feature_names)
         flat = _cat(ids)
         offsets = torch.from_numpy(np.concatenate(bounds)[:-1])
         psw = None
         if any(w is not None for w in weights):
             psw = _cat([w if w is not None else torch.ones(len(i), device=i.device) for w, i in zip(weights, ids)])
-        return self._outputs(group, engine, flat, offsets, psw, parts)
+        return flat, offsets, psw, parts
 
     # -- rows, state, stats ---------------------------------------------------------------------
     def _where(self, table: str):
@@ -247,18 +267,31 @@ class _Collection(nn.Module):
                 return engine, int(group.offsets[table])
         raise KeyError(f"no table {table!r}; tables: {[t.name for t in self.tables]}")
 
+    def _rows(self, table: str, ids) -> tuple:
+        """(the table's group engine, its ids as the group's rows), ids checked to lie in the table."""
+        engine, base = self._where(table)
+        ids = torch.as_tensor(ids)
+        if ids.is_floating_point() or ids.dtype == torch.bool:
+            raise TypeError(f"table {table!r}: ids must be integers, got {ids.dtype}")
+        if ids.numel():
+            rows = next(t.num_embeddings for t in self.tables if t.name == table)
+            lo, hi = int(ids.min()), int(ids.max())
+            if lo < 0 or hi >= rows:
+                raise IndexError(f"table {table!r}: id {lo if lo < 0 else hi} out of range [0, {rows})")
+        return engine, ids.to(torch.int64) + base
+
     def read_rows(self, table: str, ids) -> Tensor:
         """The current rows of a table: float32 [n, D]."""
-        engine, base = self._where(table)
-        return engine.read_rows(torch.as_tensor(ids) + base)
+        engine, rows = self._rows(table, ids)
+        return engine.read_rows(rows)
 
     def write_rows(self, table: str, ids, values: Tensor, optimizer_state: Tensor | None = None) -> None:
-        engine, base = self._where(table)
-        engine.write_rows(torch.as_tensor(ids) + base, values, optimizer_state)
+        engine, rows = self._rows(table, ids)
+        engine.write_rows(rows, values, optimizer_state)
 
     def read_optimizer_state(self, table: str, ids) -> Tensor:
-        engine, base = self._where(table)
-        return engine.read_optimizer_state(torch.as_tensor(ids) + base)
+        engine, rows = self._rows(table, ids)
+        return engine.read_optimizer_state(rows)
 
     def stats(self) -> dict:
         """{"tables": {table: {"group", "lookups" (ids looked up, duplicates included), "tier0":
@@ -303,11 +336,13 @@ class TieredEmbeddingBagCollection(_Collection):
         KeyedTensor where torchrec imports, else a KeyedEmbeddings)."""
         pooled = self._lookups_of(features)
         keys = [f for t in self.tables for f in t.feature_names]
-        batch = {n for _, _, n in pooled.values()}
-        if len(batch) > 1:
-            raise ValueError(f"features have different batch sizes: {sorted(batch)}")
         dims = [self.feature_table[f].embedding_dim for f in keys]
-        return keyed(keys, dims, _place([pooled[f] for f in keys], batch.pop(), sum(dims)))
+        return keyed(keys, dims, _place([pooled[f] for f in keys], pooled[keys[0]][2], sum(dims)))
+
+    def _check_batch(self, given: dict) -> None:
+        sizes = {f: len(b) - 1 if inverse is None else len(inverse) for f, (_, b, _, inverse) in given.items()}
+        if len(set(sizes.values())) > 1:
+            raise ValueError(f"features have different batch sizes (bags per feature): {sizes}")
 
     def _outputs(self, group, engine, flat, offsets, psw, parts) -> dict:
         """{feature: (the tensor holding its pooled bags, first row, bags)}: a slice of the group's
@@ -425,5 +460,14 @@ def _place(blocks: list, batch: int, width: int) -> Tensor:
     return _Place.apply(layout, batch, width, *sources)
 
 
-def _bytes(value) -> int:
-    return parse_bytes(value) if isinstance(value, str) else int(value)
+def _budget(name: str, value) -> int | None:
+    """A tier's budget in bytes ('8GiB' or an int >= 1; None stays None)."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        value = parse_bytes(value)
+    elif isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be a size like '8GiB' or a number of bytes, got {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be at least 1 byte, got {value!r}")
+    return int(value)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -13,7 +14,8 @@ from torch import Tensor
 @dataclasses.dataclass(frozen=True)
 class InverseKeyed:
     """A feature's batch given as its distinct bags and, per sample, which one it is (RecD's
-    inverse-keyed jagged tensor): values and offsets [U + 1] of the U distinct bags, inverse [B]."""
+    inverse-keyed jagged tensor): values [N] and offsets [U] (bag starts, as EmbeddingBag's) of
+    the U distinct bags; inverse [B], each in [0, U)."""
 
     values: Tensor
     offsets: Tensor
@@ -84,34 +86,101 @@ def features_of(features) -> dict:
     """A KeyedJaggedTensor (duck-typed: keys(), values(), lengths() or offsets(), weights_or_none()), or
     {feature: (ids, offsets[, per_sample_weights])} with offsets [B] bag starts, or {feature:
     InverseKeyed} -> {feature: (ids [N], bag boundaries int64 [B + 1] on the host, weights or
-    None, inverse int64 [B] or None)}."""
+    None, inverse int64 [B] or None)}. Every feature is checked (ValueError or TypeError naming
+    it and the rule) before any is returned."""
     if hasattr(features, "keys") and callable(getattr(features, "values", None)) and \
             not isinstance(features, dict):  # a KeyedJaggedTensor (duck-typed)
-        keys = list(features.keys())
-        values = features.values()
-        weights = features.weights_or_none()
-        lengths = (features.lengths() if callable(getattr(features, "lengths", None))
-                   else torch.diff(features.offsets()))  # a KeyedJaggedTensor may carry either
-        stride = len(lengths) // max(len(keys), 1)
-        bounds = torch.zeros(len(lengths) + 1, dtype=torch.int64)
-        torch.cumsum(lengths.to("cpu", torch.int64), 0, out=bounds[1:])
-        out = {}
-        for k, key in enumerate(keys):
-            b = bounds[k * stride:(k + 1) * stride + 1]
-            lo, hi = int(b[0]), int(b[-1])
-            out[key] = (values[lo:hi], b - lo, None if weights is None else weights[lo:hi], None)
-        return out
+        return _keyed_jagged(features)
+    if not isinstance(features, dict):
+        raise TypeError(f"features must be a KeyedJaggedTensor or a dict of feature -> (ids, offsets[, "
+                        f"per_sample_weights]) or InverseKeyed, got {type(features).__name__}")
     out = {}
     for key, item in features.items():
         if isinstance(item, InverseKeyed):
-            out[key] = (item.values, _bounds(item.offsets, len(item.values)), None, item.inverse.to(torch.int64))
+            ids = _ids(f"feature {key!r}", item.values)
+            bounds = _bounds(key, item.offsets, len(ids))
+            out[key] = (ids, bounds, None, _inverse(key, item.inverse, len(bounds) - 1))
+        elif isinstance(item, (tuple, list)) and len(item) in (2, 3):
+            ids = _ids(f"feature {key!r}", item[0])
+            weights = item[2] if len(item) > 2 else None
+            if weights is not None and (not isinstance(weights, Tensor) or weights.shape != ids.shape):
+                raise ValueError(f"feature {key!r}: per_sample_weights must be a tensor of its ids' shape "
+                                 f"{tuple(ids.shape)}, got {getattr(weights, 'shape', type(weights).__name__)}")
+            out[key] = (ids, _bounds(key, item[1], len(ids)), weights, None)
         else:
-            ids, offsets = item[0], item[1]
-            out[key] = (ids, _bounds(offsets, len(ids)), item[2] if len(item) > 2 else None, None)
+            raise TypeError(f"feature {key!r}: give (ids, offsets[, per_sample_weights]) or an InverseKeyed, "
+                            f"got {type(item).__name__}")
     return out
 
 
-def _bounds(offsets: Tensor, n: int) -> Tensor:
-    """Bag starts [B] -> boundaries [B + 1] (as a host int64 tensor)."""
+def _keyed_jagged(kjt) -> dict:
+    keys = list(kjt.keys())
+    values = _ids("KeyedJaggedTensor values()", kjt.values())
+    weights = kjt.weights_or_none()
+    lengths = (kjt.lengths() if callable(getattr(kjt, "lengths", None))
+               else torch.diff(kjt.offsets()))  # a KeyedJaggedTensor may carry either
+    lengths = lengths.to("cpu", torch.int64)
+    if not keys or len(lengths) % len(keys):
+        raise ValueError(f"KeyedJaggedTensor: {len(lengths)} lengths do not split into {len(keys)} keys' batches")
+    bounds = torch.zeros(len(lengths) + 1, dtype=torch.int64)
+    torch.cumsum(lengths, 0, out=bounds[1:])
+    if len(lengths) and int(lengths.min()) < 0:
+        raise ValueError(f"KeyedJaggedTensor: lengths must be >= 0, got {int(lengths.min())}")
+    if int(bounds[-1]) != len(values):
+        raise ValueError(f"KeyedJaggedTensor: lengths sum to {int(bounds[-1])}, values() has {len(values)}")
+    stride = len(lengths) // len(keys)
+    out = {}
+    for k, key in enumerate(keys):
+        b = bounds[k * stride:(k + 1) * stride + 1]
+        lo, hi = int(b[0]), int(b[-1])
+        out[key] = (values[lo:hi], b - lo, None if weights is None else weights[lo:hi], None)
+    return out
+
+
+def _ids(what: str, ids) -> Tensor:
+    if not isinstance(ids, Tensor) or ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise TypeError(f"{what}: ids must be an integer tensor, got {getattr(ids, 'dtype', type(ids).__name__)}")
+    if ids.dim() != 1:
+        raise ValueError(f"{what}: ids must be 1-D, got shape {tuple(ids.shape)}")
+    return ids
+
+
+def _bounds(key, offsets, n: int) -> Tensor:
+    """A feature's bag starts [B] -> boundaries [B + 1] (as a host int64 tensor), checked."""
+    if not isinstance(offsets, Tensor) or offsets.is_floating_point() or offsets.dim() != 1:
+        raise TypeError(f"feature {key!r}: offsets must be a 1-D integer tensor of bag starts, got "
+                        f"{getattr(offsets, 'dtype', type(offsets).__name__)} {tuple(getattr(offsets, 'shape', ()))}")
     o = offsets.to("cpu", torch.int64)
+    check_starts(o.numpy(), n, f"feature {key!r}: offsets")
     return torch.cat([o, torch.tensor([n])])
+
+
+def _inverse(key, inverse, bags: int) -> Tensor:
+    """A feature's inverse index (each sample's distinct bag), checked to be in [0, bags)."""
+    if not isinstance(inverse, Tensor) or inverse.is_floating_point() or inverse.dim() != 1:
+        raise TypeError(f"feature {key!r}: inverse must be a 1-D integer tensor, got "
+                        f"{getattr(inverse, 'dtype', type(inverse).__name__)}")
+    inverse = inverse.to(torch.int64)
+    if len(inverse):
+        lo, hi = torch.stack(torch.aminmax(inverse)).tolist()
+        if lo < 0 or hi >= bags:
+            raise ValueError(f"feature {key!r}: inverse {lo if lo < 0 else hi} out of range [0, {bags}) "
+                             f"(the feature's distinct bags)")
+    return inverse
+
+
+def check_starts(o: np.ndarray, n: int, what: str = "offsets") -> None:
+    """Bag starts o (int64) over n ids: from 0, non-decreasing, none past the end. ValueError
+    naming `what` and the first value that breaks a rule."""
+    if not len(o):
+        return
+    if o[0] != 0:
+        raise ValueError(f"{what}[0] must be 0 (the first bag starts at the first id), got {int(o[0])}")
+    if len(o) > 1:
+        down = np.flatnonzero(o[1:] < o[:-1])
+        if len(down):
+            k = int(down[0]) + 1
+            raise ValueError(f"{what} must be non-decreasing: {what}[{k}] = {int(o[k])} < "
+                             f"{what}[{k - 1}] = {int(o[k - 1])}")
+    if o[-1] > n:
+        raise ValueError(f"{what}[-1] = {int(o[-1])} is past the end of input (length {n})")

@@ -5,9 +5,9 @@
 
 Names follow Prometheus' conventions: a `tieredemb_` prefix, the unit in the name (`_bytes`,
 `_rows`, `_seconds`), `_total` on counters; the table and the tier (or store) are labels. A
-collection (TieredEmbeddingBagCollection) gives every table's own series (labels collection,
-table, tier: its lookups and its share of tier 0), and its groups' shared tiers, stores and
-prefetch (labels collection, group).
+collection (TieredEmbeddingBagCollection or TieredEmbeddingCollection) gives every table's own
+series (labels collection, table, tier: its lookups and its share of tier 0), and its groups'
+shared tiers, stores and prefetch (labels collection, group).
 """
 
 from __future__ import annotations
@@ -92,10 +92,10 @@ def prometheus(tables: dict) -> str:
 
 def _parts(name: str, obj):
     """(labels, part, stats) of every part of a table module or a collection (see the top)."""
-    from .collection import TieredEmbeddingBagCollection
+    from .collection import _Collection
 
     stats = obj.stats()
-    if not isinstance(obj, TieredEmbeddingBagCollection):
+    if not isinstance(obj, _Collection):
         for part, s in stats.items():
             yield {"table": name}, part, s
         return

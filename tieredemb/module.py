@@ -12,6 +12,7 @@ from torch import Tensor, nn
 
 from . import lookup
 from .config import TableConfig
+from .keyed import check_starts
 from .persistence import Persistence, restored_step
 from .prefetch import Prefetcher
 from .tiers import TableStore
@@ -242,16 +243,7 @@ class TieredEmbeddingBag(_TieredBase):
                 raise ValueError("offsets must not be empty with include_last_offset=True")
             return torch.zeros(1, dtype=torch.int64)
         o = offsets.numpy()
-        if o[0] != 0:
-            raise ValueError(f"offsets[0] must be 0 (the first bag starts at the first id), got {int(o[0])}")
-        if len(o) > 1:
-            down = np.flatnonzero(o[1:] < o[:-1])
-            if len(down):
-                k = int(down[0]) + 1
-                raise ValueError(f"offsets must be non-decreasing: offsets[{k}] = {int(o[k])} < "
-                                 f"offsets[{k - 1}] = {int(o[k - 1])}")
-        if o[-1] > n:
-            raise ValueError(f"offsets[-1] = {int(o[-1])} is past the end of input (length {n})")
+        check_starts(o, n)
         if self.include_last_offset:
             return offsets.contiguous()
         return torch.from_numpy(np.append(o, n))
