@@ -150,6 +150,51 @@ def test_split_trace_and_bad_input():
         planner.plan({k: v for k, v in tr.items() if k != "hot"}, tables(), cache_bytes=budget())
     with pytest.raises(ValueError, match=r"bandwidth ssd must be > 0 bytes/s, got 0"):
         planner.Bandwidth(ssd=0)
+    bad = [
+        ({**tr, "tiny": (tr["tiny"][0] + 2_000, tr["tiny"][1])}, {}, r"table 'tiny': trace id \d+ is outside its rows \[0, 2000\)"),
+        ({**tr, "tiny": (tr["tiny"][0] - 2_000, tr["tiny"][1])}, {}, r"table 'tiny': trace id -2000 is outside"),
+        ({**tr, "tiny": (tr["tiny"][0], tr["tiny"][1][::-1].copy())}, {}, r"table 'tiny': batch offsets must run from 0"),
+        ({**tr, "tiny": (tr["tiny"][0][:60], tr["tiny"][1][:2])}, {},
+         r"the traces must be of the same batches .*'tiny': 1"),
+        (tr, dict(points=0), r"points 0 must be >= 2"),
+        (tr, dict(points=2.5), r"points 2.5 must be a whole number of curve points"),
+        (tr, dict(host_bytes=-1), r"host_bytes must be at least 1 byte, got -1"),
+        (tr, dict(cache_bytes=None), r"cache_bytes is required"),
+    ]
+    for given, kw, message in bad:
+        with pytest.raises(ValueError, match=message):
+            planner.plan(given, tables(), **{"cache_bytes": budget(), **kw})
+
+
+def test_host_memory_left_over_holds_a_table_that_never_misses():
+    """A table whose batches reread the rows of the first (no miss after it at any tier-0 size)
+    saves nothing on SSD, and still sits in host memory while host memory lasts, not on SSD
+    beside free memory."""
+    tr, tb = traces(), tables()
+    tr["same"] = (np.tile(np.arange(60), BATCHES), np.arange(BATCHES + 1) * 60)
+    tb["same"] = (500, tb["tiny"][1])
+    whole = sum(r * b for r, b in tb.values())
+    plans = planner.plan(tr, tb, cache_bytes=budget(), host_bytes=whole, warmup=1)
+    same = next(t for t in plans["planned"].tables if t.name == "same")
+    assert same.tier0_hit == 1.0 and same.ssd_rows_per_batch == 0
+    assert {t.name: t.store for t in plans["planned"].tables} == {n: "host" for n in tb}
+    plans = planner.plan(tr, tb, cache_bytes=budget(), host_bytes=whole - tb["flat"][0] * tb["flat"][1], warmup=1)
+    assert {t.name: t.store for t in plans["planned"].tables} == {**{n: "host" for n in tb}, "flat": "ssd"}
+
+
+def test_the_splits_stay_within_the_budget_where_a_widest_batch_raises_a_share():
+    """A small table's proportional (or equal) share below its widest batch is raised to it; the
+    other tables give up the difference, so the split never overruns tier 0's budget."""
+    tr, tb = traces(), tables()
+    least = sum(planner._Curve(*tr[n], tb[n][0], 8).smallest * tb[n][1] for n in tb)
+    for cache in (least, least + 5_000, budget()):
+        plans = planner.plan(tr, tb, cache_bytes=cache)
+        for strategy in ("proportional", "equal"):
+            used = sum(t.cache_rows * t.row_bytes for t in plans[strategy].tables)
+            assert used <= cache, (strategy, cache, used)
+    plans = planner.plan(tr, tb, cache_bytes=budget())
+    total = sum(r * b for r, b in tb.values())
+    assert [t.cache_rows for t in plans["proportional"].tables] == [budget() * r // total for r, _ in tb.values()]
 
 
 def test_plan_command_writes_json_the_collection_takes_and_a_png(tmp_path, capsys):

@@ -132,10 +132,39 @@ def _price(name, rows, row_bytes, curve: _Curve, cache: int, store: str, bw: Ban
                      curve.sizes.tolist(), hits)
 
 
-def _bytes(value) -> int | None:
+def _bytes(name: str, value) -> int | None:
     if value is None:
         return None
-    return parse_bytes(value) if isinstance(value, str) else int(value)
+    if isinstance(value, str):
+        value = parse_bytes(value)
+    elif isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be a size like '8GiB' or a number of bytes, got {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be at least 1 byte, got {value!r}")
+    return int(value)
+
+
+def _whole(name: str, value, what: str) -> int:
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name} {value!r} must be a whole number of {what}") from None
+
+
+def _checked_trace(name, ids, offsets, rows: int) -> tuple:
+    """A table's trace as int64 arrays: ids in [0, rows), offsets [B + 1] from 0 to len(ids),
+    non-decreasing. ValueError naming the table and the first value that breaks a rule."""
+    ids, offsets = np.asarray(ids, dtype=np.int64), np.asarray(offsets, dtype=np.int64)
+    if ids.ndim != 1 or offsets.ndim != 1 or len(offsets) < 2:
+        raise ValueError(f"table {name!r}: a trace is ids [N] and batch offsets [B + 1] with B >= 1, got shapes "
+                         f"{ids.shape} and {offsets.shape}")
+    if ids.size and (ids.min() < 0 or ids.max() >= rows):
+        raise ValueError(f"table {name!r}: trace id {int(ids.min() if ids.min() < 0 else ids.max())} is outside "
+                         f"its rows [0, {rows})")
+    if offsets[0] != 0 or offsets[-1] != ids.size or (np.diff(offsets) < 0).any():
+        raise ValueError(f"table {name!r}: batch offsets must run from 0 to the {ids.size} ids, non-decreasing; "
+                         f"got {offsets[0]} .. {offsets[-1]}")
+    return ids, offsets
 
 
 def plan(traces: dict, tables: dict, *, cache_bytes, host_bytes=None, bandwidth: Bandwidth = Bandwidth(),
@@ -158,15 +187,21 @@ def plan(traces: dict, tables: dict, *, cache_bytes, host_bytes=None, bandwidth:
     for n, (rows, row_bytes) in tables.items():
         if rows <= 0 or row_bytes <= 0:
             raise ValueError(f"table {n!r}: rows {rows} and row bytes {row_bytes} must be > 0")
-    try:
-        warmup = operator.index(warmup)
-    except TypeError:
-        raise ValueError(f"warmup {warmup!r} must be a whole number of batches") from None
-    for n, (_, offsets) in traces.items():
-        if not 0 <= warmup < len(offsets) - 1:
-            raise ValueError(f"warmup {warmup} must be in [0, {len(offsets) - 1}): table {n!r}'s trace has "
-                             f"{len(offsets) - 1} batches, some left to count")
-    cache_budget, host_budget = _bytes(cache_bytes), _bytes(host_bytes)
+    warmup = _whole("warmup", warmup, "batches")
+    points = _whole("points", points, "curve points")
+    if points < 2:
+        raise ValueError(f"points {points} must be >= 2 (a curve's grid runs from its widest batch to all its rows)")
+    traces = {n: _checked_trace(n, *traces[n], tables[n][0]) for n in tables}
+    batches = {n: len(offsets) - 1 for n, (_, offsets) in traces.items()}
+    if len(set(batches.values())) > 1:
+        raise ValueError(f"the traces must be of the same batches (one warm-up for all), got batch counts {batches}")
+    count = next(iter(batches.values()))
+    if not 0 <= warmup < count:
+        raise ValueError(f"warmup {warmup} must be in [0, {count}): the traces have {count} batches, some left "
+                         "to count")
+    cache_budget, host_budget = _bytes("cache_bytes", cache_bytes), _bytes("host_bytes", host_bytes)
+    if cache_budget is None:
+        raise ValueError("cache_bytes is required: tier 0's budget over every table")
     curves = {n: _Curve(*traces[n], tables[n][0], points, warmup) for n in tables}
     least = sum(curves[n].smallest * tables[n][1] for n in tables)
     if cache_budget < least:
@@ -193,10 +228,7 @@ def _split(strategy, budget, tables, curves, store, bw, train) -> dict:
     names = list(tables)
     lo = {n: curves[n].smallest for n in names}
     if strategy != "planned":
-        total = sum(tables[n][0] * tables[n][1] for n in names)
-        share = {n: (budget * tables[n][0] // total if strategy == "proportional"
-                     else budget // len(names) // tables[n][1]) for n in names}
-        return {n: int(min(tables[n][0], max(lo[n], share[n]))) for n in names}
+        return _shares(strategy, budget, tables, lo)
     # Greedy: each step moves one table to a larger size on its grid (or as far as the last bytes
     # reach), the step that saves the most per byte; looking past the next grid size steps over
     # a curve's flat stretches.
@@ -228,6 +260,35 @@ def _split(strategy, budget, tables, curves, store, bw, train) -> dict:
         size[n], left = step, left - extra
 
 
+def _shares(strategy, budget, tables, lo) -> dict:
+    """Tier-0 rows per table in proportion to its bytes (the same fraction of every table's rows,
+    as the collection splits cache_bytes) or in equal bytes, each held between its widest batch
+    and all its rows. Where raising tables to their widest batch would overrun the budget, the
+    common fraction (or share of bytes) is lowered until the shares fit: the largest that does,
+    by bisection (the planner checked that the budget holds every widest batch)."""
+    total = sum(rows * rb for rows, rb in tables.values())
+
+    def at(scale: float | None) -> dict:
+        if scale is None:  # the budget's own split, in integers
+            raw = {n: budget * rows // total if strategy == "proportional" else budget // len(tables) // rb
+                   for n, (rows, rb) in tables.items()}
+        else:
+            raw = {n: int(scale * (rows if strategy == "proportional" else 1 / rb)) for n, (rows, rb) in tables.items()}
+        return {n: int(min(tables[n][0], max(lo[n], raw[n]))) for n in tables}
+
+    def fits(shares: dict) -> bool:
+        return sum(shares[n] * tables[n][1] for n in tables) <= budget
+
+    shares = at(None)
+    if fits(shares):
+        return shares
+    low, high = 0.0, budget / total if strategy == "proportional" else budget / len(tables)
+    for _ in range(64):
+        mid = (low + high) / 2
+        low, high = (mid, high) if fits(at(mid)) else (low, mid)
+    return at(low)
+
+
 def _place(host_budget, tables, curves, cache, bw, train) -> dict:
     """'host' or 'ssd' per table: whole tables in host memory, dearest SSD traffic per byte first."""
     if host_budget is None:
@@ -238,7 +299,7 @@ def _place(host_budget, tables, curves, cache, bw, train) -> dict:
     store, left = {}, host_budget
     for n in sorted(tables, key=lambda n: -saving[n]):
         need = tables[n][0] * tables[n][1]
-        store[n] = "host" if need <= left and saving[n] > 0 else "ssd"
+        store[n] = "host" if need <= left else "ssd"  # (one that never misses too, while room lasts)
         left -= need if store[n] == "host" else 0
     return store
 
