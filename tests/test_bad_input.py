@@ -330,8 +330,10 @@ def test_torch_optimizer_is_rejected():
     (lambda: te.Adam(betas=(1.0, 0.999)), "betas"),
     (lambda: te.Adam(betas=(0.9, -0.1)), "betas"),
     (lambda: te.Adam(eps=0.0), "eps"),
+    (lambda: te.MomentumScaledRowWiseAdagrad(lr=0.1, scale=0), r"scale=0: must be a finite number > 0"),
+    (lambda: te.MomentumScaledRowWiseAdagrad(lr=0.1, scale=float("inf")), "scale=inf"),
 ], ids=["sgd-neg-lr", "sgd-nan-lr", "sgd-inf-lr", "adagrad-neg-lr", "adagrad-eps0", "rowwise-eps",
-        "adam-neg-lr", "adam-beta1", "adam-beta2", "adam-eps0"])
+        "adam-neg-lr", "adam-beta1", "adam-beta2", "adam-eps0", "msrowwise-scale0", "msrowwise-scale-inf"])
 def test_bad_optimizer_hyper_parameters(make, match):
     with pytest.raises(ValueError, match=match):
         make()

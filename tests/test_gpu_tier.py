@@ -20,7 +20,8 @@ from tieredemb.gpu.tier import DeviceTier  # noqa: E402
 
 NUM, D = 300, 8
 OPTIMIZERS = {"sgd": lambda: tieredemb.SGD(lr=0.1), "adagrad": lambda: tieredemb.Adagrad(lr=0.1),
-              "rowwise": lambda: tieredemb.RowWiseAdagrad(lr=0.1), "adam": lambda: tieredemb.Adam(lr=0.05)}
+              "rowwise": lambda: tieredemb.RowWiseAdagrad(lr=0.1), "adam": lambda: tieredemb.Adam(lr=0.05),
+              "msrowwise": lambda: tieredemb.MomentumScaledRowWiseAdagrad(lr=0.1, scale=4)}
 
 
 def device_tier(emb, cache_rows, policy="lru", partitions=None):

@@ -79,9 +79,55 @@ def test_rowwise_adagrad_matches_fbgemm(kernels):
     torch.testing.assert_close(got.read_rows(torch.arange(NUM)), expected, rtol=1e-5, atol=1e-5)
 
 
+def train_momentum_scaled_reference(lr, eps, c):
+    """Momentum-scaled row-wise AdaGrad written from its rule (tieredemb.optim's docstring says
+    whence): every row a batch touches, g its summed gradient, gets acc += mean(g^2), then
+    w -= lr * g / (sqrt(acc / c) + eps). Plain torch: a dense weight and its .grad."""
+    w = initial_weight().clone().requires_grad_(True)
+    acc = torch.zeros(NUM)
+    for ids, offsets, grad in batches():
+        w.grad = None
+        torch.nn.functional.embedding_bag(ids, w, offsets, mode="sum").backward(grad)
+        with torch.no_grad():
+            for r in torch.unique(ids).tolist():
+                g = w.grad[r]
+                acc[r] += (g * g).mean()
+                w[r] -= lr * g / (torch.sqrt(acc[r] / c) + eps)
+    return w.detach(), acc
+
+
+@pytest.mark.parametrize("c", [1.0, 4.0, 64.0])
+def test_momentum_scaled_rowwise_adagrad_follows_its_rule(c, kernels):
+    expected, acc = train_momentum_scaled_reference(0.1, 1e-8, c)
+    got = train_ours(tieredemb.MomentumScaledRowWiseAdagrad(lr=0.1, eps=1e-8, scale=c), cache_rows=80, host_rows=120)
+    ids = torch.arange(NUM)
+    torch.testing.assert_close(got.read_rows(ids), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got.read_optimizer_state(ids)[:, 0], acc, rtol=1e-5, atol=1e-7)
+
+
+def test_momentum_scaled_rowwise_adagrad_at_scale_1_is_rowwise_adagrad_and_scale_moves_faster():
+    """c = 1: the same weights and state as RowWiseAdagrad, bit for bit. c > 1: every touched
+    row moves farther, and the accumulator is the same (it sums the same squared gradients: the
+    batches give them, whatever the weights)."""
+    ids = torch.arange(NUM)
+    plain = train_ours(tieredemb.RowWiseAdagrad(lr=0.1), cache_rows=80)
+    scaled = train_ours(tieredemb.MomentumScaledRowWiseAdagrad(lr=0.1, scale=1.0), cache_rows=80)
+    assert torch.equal(scaled.read_rows(ids), plain.read_rows(ids))
+    assert torch.equal(scaled.read_optimizer_state(ids), plain.read_optimizer_state(ids))
+    faster = train_ours(tieredemb.MomentumScaledRowWiseAdagrad(lr=0.1, scale=16.0), cache_rows=80)
+    assert torch.equal(faster.read_optimizer_state(ids), plain.read_optimizer_state(ids))
+    moved = (faster.read_rows(ids) - initial_weight()).norm(dim=1)
+    touched = moved > 0
+    assert touched.sum() > 100
+    assert (moved[touched] > (plain.read_rows(ids) - initial_weight()).norm(dim=1)[touched]).all()
+    opt = tieredemb.MomentumScaledRowWiseAdagrad(lr=0.1, scale=16.0)
+    assert tieredemb.optim.from_meta(opt.to_meta()) == opt
+
+
 @pytest.mark.parametrize("make_opt", [lambda: tieredemb.SGD(lr=0.05), lambda: tieredemb.Adagrad(lr=0.1),
-                                      lambda: tieredemb.RowWiseAdagrad(lr=0.1), lambda: tieredemb.Adam(lr=0.01)],
-                         ids=["sgd", "adagrad", "rowwise", "adam"])
+                                      lambda: tieredemb.RowWiseAdagrad(lr=0.1), lambda: tieredemb.Adam(lr=0.01),
+                                      lambda: tieredemb.MomentumScaledRowWiseAdagrad(lr=0.1, scale=8)],
+                         ids=["sgd", "adagrad", "rowwise", "adam", "msrowwise"])
 def test_result_independent_of_tiers_and_policy(make_opt):
     """Invariant 6: the same weights and optimizer state, bit for bit, whatever the tiers."""
     tables = [train_ours(make_opt(), mode="mean", **t) for t in TIERS]

@@ -12,7 +12,7 @@ __version__ = "0.1.0"
 # public name -> the submodule that defines it
 _EXPORTS = {
     "TieredEmbeddingBag": "module", "TieredEmbedding": "module",
-    "SGD": "optim", "Adagrad": "optim", "RowWiseAdagrad": "optim", "Adam": "optim", "Optimizer": "optim",
+    "SGD": "optim", "Adagrad": "optim", "RowWiseAdagrad": "optim", "MomentumScaledRowWiseAdagrad": "optim", "Adam": "optim", "Optimizer": "optim",
     "TableConfig": "config", "Init": "config", "parse_bytes": "config",
     "RocksDBOptions": "config", "LogOptions": "config", "SlotOptions": "config",
     "PrefetchLoader": "prefetch", "PrefetchOrderError": "prefetch",

@@ -112,7 +112,8 @@ class TableConfig:
     ssd: the SSD backend and its settings (RocksDBOptions, LogOptions, SlotOptions, or the dict
         {"backend": name, **settings}); None: the backend the directory holds, else RocksDB.
     policy: eviction policy of the cache tiers: 'lru', 'lfu' or 'clock'.
-    optimizer: the fused optimizer (SGD, Adagrad, RowWiseAdagrad, Adam); None: inference only.
+    optimizer: the fused optimizer (SGD, Adagrad, RowWiseAdagrad, MomentumScaledRowWiseAdagrad,
+        Adam); None: inference only.
     init, seed: rows never written read as init's draw for (seed, row id).
     padding_idx: a row that starts at zero and is never updated (torch's padding_idx).
     device: where tier 0 lives: 'cpu' or 'cuda[:k]'.
@@ -159,8 +160,8 @@ class TableConfig:
         if self.policy not in POLICIES:
             raise ValueError(f"policy {self.policy!r} is not one of {POLICIES}")
         if self.optimizer is not None and not isinstance(self.optimizer, Optimizer):
-            raise TypeError(f"optimizer must be a tieredemb optimizer (SGD, Adagrad, RowWiseAdagrad, Adam), "
-                            f"got {type(self.optimizer).__name__}")
+            raise TypeError("optimizer must be a tieredemb optimizer (SGD, Adagrad, RowWiseAdagrad, "
+                            f"MomentumScaledRowWiseAdagrad, Adam), got {type(self.optimizer).__name__}")
         if not isinstance(self.init, Init):
             raise TypeError(f"init must be a tieredemb.Init, got {type(self.init).__name__}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:

@@ -159,8 +159,8 @@ _TABLE_ARGS = """The table's arguments (see TableConfig, which they build; or pa
     the first argument): cache_rows (tier 0's rows or bytes; None: the whole table), host_rows
     (the host cache; None: none), ssd_path (the SSD store's directory; None: host memory),
     ssd_options (its backend and settings), policy ('lru', 'lfu', 'clock'), optimizer (fused:
-    SGD, Adagrad, RowWiseAdagrad, Adam; None: inference only), init and seed (rows never written),
-    device ('cpu' or 'cuda'), dtype (float32)."""
+    SGD, Adagrad, RowWiseAdagrad, MomentumScaledRowWiseAdagrad, Adam; None: inference only),
+    init and seed (rows never written), device ('cpu' or 'cuda'), dtype (float32)."""
 
 
 class TieredEmbeddingBag(_TieredBase):

@@ -26,7 +26,7 @@ class Optimizer:
     """A fused optimizer: applied inside backward to the rows a batch touched (one step per
     backward, the gradients of duplicate ids summed first); its state is stored in each row after
     the weights and travels with the row through every tier. lr: learning rate, >= 0.
-    Subclasses: SGD, Adagrad, RowWiseAdagrad, Adam."""
+    Subclasses: SGD, Adagrad, RowWiseAdagrad, MomentumScaledRowWiseAdagrad, Adam."""
 
     lr: float
 
@@ -107,6 +107,47 @@ class RowWiseAdagrad(Optimizer):
 
 
 @dataclasses.dataclass(frozen=True)
+class MomentumScaledRowWiseAdagrad(RowWiseAdagrad):
+    """Row-wise Adagrad whose accumulated second moment is scaled down by c before its square
+    root: acc += mean over the row of g^2; w -= lr * g / (sqrt(acc / c) + eps). 1 float of state
+    per row, as RowWiseAdagrad; scale c > 0 (c = 1 is RowWiseAdagrad, bit for bit).
+
+    The rule is that of momentum-scaled row-wise AdaGrad in "Two-Dimensional Sparse Parallelism
+    for Large Scale Deep Learning Recommendation Model Training" (Zhang et al., arXiv
+    2508.03854): with M data-parallel groups each holding a replica of the table, a row's
+    second moment ("momentum") accumulates about M times as fast as on one replica and its
+    learning rate decays too early; dividing it by c = M before the square root restores the
+    rate one replica would have. Give scale=M to train a replica as one of M groups does, or to
+    reproduce a model trained that way.
+
+    Source: the paper's method section could not be read where this was written (only its
+    abstract and introduction were reachable); the formula is as a public review of the paper
+    quotes it: step lr / sqrt(v / c + eps), c = M. eps is added outside the root here, as in
+    RowWiseAdagrad (FBGEMM's EXACT_ROWWISE_ADAGRAD, the optimizer the paper scales), so that
+    c = 1 is exactly RowWiseAdagrad. The two placements change the step by a relative
+    eps / (2 acc / c) or less: under 1e-6 once acc / c > 0.005 with eps = 1e-8."""
+
+    scale: float = 1.0
+    name = "momentum_scaled_rowwise_adagrad"
+
+    def __post_init__(self):
+        super().__post_init__()
+        _check("scale", self.scale, "a finite number > 0 (c: the paper's M data-parallel groups)",
+               isinstance(self.scale, (int, float)) and not isinstance(self.scale, bool)
+               and math.isfinite(self.scale) and self.scale > 0)
+
+    def native_args(self, step):
+        a = super().native_args(step)
+        a.accumulator_divisor = self.scale
+        return a
+
+    def apply_torch(self, rows, grad, dim, step):
+        m = rows[:, dim]
+        m.add_(grad.square().sum(1) / dim)
+        rows[:, :dim].sub_((self.lr / ((m / self.scale).sqrt() + self.eps)).unsqueeze(1) * grad)
+
+
+@dataclasses.dataclass(frozen=True)
 class Adam(Optimizer):
     """Lazy Adam: only the rows of a batch move; torch.optim.SparseAdam's arithmetic. State: the
     first and second moments (2 * D floats). betas: two numbers in [0, 1); eps > 0.
@@ -152,7 +193,7 @@ class Adam(Optimizer):
         w.add_(-self.step_size(step) * (numer / (vv.sqrt() + self.eps)))
 
 
-OPTIMIZERS = {cls.name: cls for cls in (SGD, Adagrad, RowWiseAdagrad, Adam)}
+OPTIMIZERS = {cls.name: cls for cls in (SGD, Adagrad, RowWiseAdagrad, MomentumScaledRowWiseAdagrad, Adam)}
 
 
 def from_meta(meta: dict | None) -> Optimizer | None:

@@ -194,6 +194,7 @@ void register_kernels(nb::module_& m) {
       .def_rw("beta1", &OptimizerArgs::beta1)
       .def_rw("beta2", &OptimizerArgs::beta2)
       .def_rw("adam_step_size", &OptimizerArgs::adam_step_size)
+      .def_rw("accumulator_divisor", &OptimizerArgs::accumulator_divisor)
       .def_rw("stochastic_rounding", &OptimizerArgs::stochastic_rounding)
       .def_rw("sr_seed", &OptimizerArgs::sr_seed)
       .def_rw("step", &OptimizerArgs::step);

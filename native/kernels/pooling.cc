@@ -44,7 +44,7 @@ inline void apply_optimizer(const OptimizerArgs& o, int64_t dim, float* __restri
     }
     case OptimizerKind::kRowWiseAdagrad: {
       state[0] += dot(g, g, dim) / static_cast<float>(dim);
-      float multiplier = o.lr / (std::sqrt(state[0]) + o.eps);
+      float multiplier = o.lr / (std::sqrt(state[0] / o.accumulator_divisor) + o.eps);
       for (int64_t d = 0; d < dim; ++d) w[d] -= multiplier * g[d];
       break;
     }

@@ -41,6 +41,9 @@ struct OptimizerArgs {
   OptimizerKind kind = OptimizerKind::kSGD;
   float lr = 0.01f, eps = 1e-8f, beta1 = 0.9f, beta2 = 0.999f;
   float adam_step_size = 0.f;  // lr * sqrt(1 - beta2^t) / (1 - beta1^t), set per step
+  // Row-wise Adagrad divides its accumulator by this before the square root: 1 for plain
+  // row-wise Adagrad, c for momentum-scaled row-wise Adagrad (tieredemb/optim.py).
+  float accumulator_divisor = 1.f;
   // 16-bit weights are written back rounded to nearest even, or stochastically with the random
   // bits of rounding_key(sr_seed, row id, step) (weights.h): the same result on every run.
   bool stochastic_rounding = false;

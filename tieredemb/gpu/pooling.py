@@ -97,7 +97,7 @@ def _psw_grad_kernel(pool_ptr, slots_ptr, unique_ptr, inverse_ptr, bag_ptr, grad
 @triton.jit
 def _update_kernel(pool_ptr, dirty_ptr, slots_ptr, unique_ptr, num_unique_ptr, order_ptr, start_ptr, bag_ptr,
                    scale_ptr, grad_ptr, argmax_ptr, dim, dim_f, width, weight_words, skip_id, frozen_id, lr, eps, beta1,
-                   beta2, adam_step, sr_seed, step, OPT: tl.constexpr, MODE: tl.constexpr, WEIGHTS: tl.constexpr,
+                   beta2, adam_step, acc_div, sr_seed, step, OPT: tl.constexpr, MODE: tl.constexpr, WEIGHTS: tl.constexpr,
                    STOCHASTIC: tl.constexpr, BLOCK: tl.constexpr):
     """Unique row u = program 0: g = the sum of its occurrences' gradients, in occurrence order
     (occurrences order[start[u]] .. order[start[u+1]-1], each the gradient of its bag times its
@@ -128,10 +128,11 @@ def _update_kernel(pool_ptr, dirty_ptr, slots_ptr, unique_ptr, num_unique_ptr, o
             s = tl.load(row + dim + cols, mask=w, other=0.0) + g * g
             tl.store(row + dim + cols, s, mask=w)
             x = x - lr * tl.math.div_rn(g, tl.math.sqrt_rn(s) + eps)
-        elif OPT == 2:  # row-wise Adagrad: one accumulator, the mean squared gradient
+        elif OPT == 2:  # row-wise Adagrad: one accumulator, the mean squared gradient (over acc_div: 1, or
+            # momentum-scaled row-wise Adagrad's c)
             acc = tl.load(row + dim) + tl.math.div_rn(tl.sum(g * g, axis=0), dim_f)
             tl.store(row + dim, acc)
-            x = x - tl.math.div_rn(lr, tl.math.sqrt_rn(acc) + eps) * g
+            x = x - tl.math.div_rn(lr, tl.math.sqrt_rn(tl.math.div_rn(acc, acc_div)) + eps) * g
         else:  # lazy Adam, torch.optim.SparseAdam's arithmetic
             m = tl.load(row + dim + cols, mask=w, other=0.0)
             v = tl.load(row + 2 * dim + cols, mask=w, other=0.0)
@@ -209,6 +210,6 @@ def backward_update(pool: torch.Tensor, dirty: torch.Tensor, dim: int, slots: to
     _update_kernel[(n,)](pool, dirty, slots, unique, num_unique, order, start, bag_of, scale, grad_out,
                          argmax if argmax is not None else order, dim, float(dim), pool.shape[1],
                          dim if weights == 0 else (dim + 1) // 2, skip_id, frozen_id, a.lr, a.eps, a.beta1, a.beta2,
-                         a.adam_step_size, sr_seed, step, OPT=optimizer.kind, MODE=mode, WEIGHTS=weights,
+                         a.adam_step_size, a.accumulator_divisor, sr_seed, step, OPT=optimizer.kind, MODE=mode, WEIGHTS=weights,
                          STOCHASTIC=stochastic_rounding, BLOCK=block)
     return psw_grad
