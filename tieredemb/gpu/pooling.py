@@ -94,7 +94,9 @@ def _psw_grad_kernel(pool_ptr, slots_ptr, unique_ptr, inverse_ptr, bag_ptr, grad
     tl.store(out_ptr + i, tl.sum(acc, axis=0))
 
 
-@triton.jit
+# sr_seed and step are 64-bit keys, never constants: Triton would compile a value of 1 in as a
+# Python int, which has no .to().
+@triton.jit(do_not_specialize=["sr_seed", "step"])
 def _update_kernel(pool_ptr, dirty_ptr, slots_ptr, unique_ptr, num_unique_ptr, order_ptr, start_ptr, bag_ptr,
                    scale_ptr, grad_ptr, argmax_ptr, dim, dim_f, width, weight_words, skip_id, frozen_id, lr, eps, beta1,
                    beta2, adam_step, acc_div, sr_seed, step, OPT: tl.constexpr, MODE: tl.constexpr, WEIGHTS: tl.constexpr,

@@ -105,7 +105,9 @@ def bf16_bits(x):
     return tl.where(x != x, (bits >> 16) | 0x40, rounded).to(tl.uint16)
 
 
-@triton.jit
+# seed is a 64-bit key, never a constant: Triton would compile a seed of 1 in as a Python int,
+# which has no .to().
+@triton.jit(do_not_specialize=["seed"])
 def _init_rows_kernel(ids_ptr, out_ptr, rows_ptr, n, dim, width, weight_words, seed, kind, a, b, below_high,
                       zero_id, HAS_ROWS: tl.constexpr, WEIGHTS: tl.constexpr, BLOCK: tl.constexpr):
     """Row i of the batch: the initial row of ids[i] into out[rows[i]] (out[i] without rows):

@@ -1,0 +1,91 @@
+"""Compiles every Triton kernel of tieredemb/gpu, in every specialization the package launches,
+to machine code for an NVIDIA GPU (argv[1]: compute capability, e.g. 90 for an H100), with no
+GPU present: Triton's own launcher binds the arguments (its real specialization of each one),
+then compiles through ptxas to a cubin instead of launching. Run by tests/test_gpu_compile.py in
+a process of its own (without TRITON_INTERPRET, which chooses the interpreter at import).
+Prints one line per kernel compiled: name, then the constexpr values, then the cubin's bytes."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+os.environ.pop("TRITON_INTERPRET", None)
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton's default, said out loud
+
+import torch  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.runtime.driver import driver  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+
+class Offline:
+    """The active driver: names the GPU to compile for and launches nothing."""
+
+    def __init__(self, capability: int):
+        self.target = GPUTarget("cuda", capability, 32)
+
+    def get_current_target(self):
+        return self.target
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+
+def main() -> None:
+    driver.set_active(Offline(int(sys.argv[1])))
+    launch = JITFunction.run
+
+    def compile_only(self, *args, grid, warmup, **kwargs):
+        kernel = launch(self, *args, grid=grid, warmup=True, **kwargs)
+        constants = {k: v for k, v in kwargs.items() if k.isupper()}
+        print(self.fn.__name__, constants, len(kernel.asm["cubin"]), flush=True)
+        return kernel
+
+    JITFunction.run = compile_only
+
+    import tieredemb
+    from tieredemb.gpu import pooling, rowinit
+
+    opts = [tieredemb.SGD(lr=0.1), tieredemb.Adagrad(lr=0.1), tieredemb.RowWiseAdagrad(lr=0.1),
+            tieredemb.MomentumScaledRowWiseAdagrad(lr=0.1, scale=4), tieredemb.Adam(lr=0.1)]
+    g = torch.Generator().manual_seed(0)
+    for dim in (1, 8, 200):  # a dim Triton compiles in as a constant, one column block, several
+        unique = torch.arange(10)
+        inverse = torch.randint(0, 10, (30,), generator=g)
+        offsets = torch.tensor([0, 3, 10, 30])
+        grad = torch.zeros(3, dim)
+        for weights, width in ((0, dim + 2 * dim), (1, dim // 2 + 2 * dim), (2, dim // 2 + 2 * dim)):
+            pool = torch.zeros(40, width)
+            dirty = torch.zeros(40, dtype=torch.uint8)
+            for mode in (0, 1, 2):
+                pooling.forward(pool, dim, unique, unique, inverse, offsets, None, mode, -1, weights)
+            pooling.forward(pool, dim, unique, unique, inverse, offsets, torch.ones(30), 0, -1, weights)
+            argmax = torch.zeros(3, dim, dtype=torch.int64)
+            for mode in (0, 1, 2):
+                for opt in opts:
+                    for stochastic in ((False, True) if weights else (False,)):
+                        # every optimizer on float32 sums; the other modes and the 16-bit weights
+                        # (both roundings) with row-wise Adagrad
+                        if not ((weights, mode) == (0, 0) or opt.kind == 2):
+                            continue
+                        if weights and mode:
+                            continue
+                        for step, sr_seed in ((1, 1), (2, 7)):  # (Triton compiles 1s in as constants)
+                            pooling.backward_update(pool, dirty, dim, unique, unique, torch.tensor([10]), inverse,
+                                                    offsets, None, mode, -1, 1, grad,
+                                                    argmax if mode == 2 else None, opt, step, mode == 0, weights,
+                                                    stochastic, sr_seed)
+            for rows in (None, torch.arange(10)):
+                for kind, seed in ((0, 1), (1, 5), (2, 0)):
+                    rowinit.init_rows(unique, pool, rows, dim, kind, 0.0, 1.0, seed, 1, weights)
+
+
+if __name__ == "__main__":
+    main()

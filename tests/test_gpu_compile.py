@@ -1,0 +1,27 @@
+"""Every Triton kernel of tieredemb/gpu compiles to machine code for an H100 (sm_90), in every
+specialization the package launches, on a machine with no GPU: the interpreter (test_gpu_tier.py)
+checks what the kernels compute, and this checks that a GPU can run them at all. Triton
+compiles some arguments in as constants (an int equal to 1, say), which the interpreter never
+does: a first training step (step 1) once failed to compile this way."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+triton = pytest.importorskip("triton")
+
+
+def test_every_kernel_compiles_for_an_h100():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    child = os.path.join(os.path.dirname(__file__), "gpu_compile_child.py")
+    done = subprocess.run([sys.executable, child, "90"], capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    compiled = [line.split(" ", 1)[0] for line in done.stdout.splitlines()]
+    assert set(compiled) == {"_forward_kernel", "_psw_grad_kernel", "_update_kernel", "_init_rows_kernel"}
+    assert len(compiled) > 200  # every specialization of the child's list reached the compiler
+    sizes = [int(line.rsplit(" ", 1)[1]) for line in done.stdout.splitlines()]
+    assert min(sizes) > 1000  # each a cubin, not an empty shell
