@@ -16,7 +16,7 @@ from tieredemb import _C
 pytest.importorskip("triton")
 from tieredemb.gpu import pooling, rowinit  # noqa: E402
 from tieredemb.gpu.index import SetIndex  # noqa: E402
-from tieredemb.gpu.tier import DeviceTier  # noqa: E402
+from tieredemb.gpu.tier import on_cpu_tensors  # noqa: E402
 
 NUM, D = 300, 8
 OPTIMIZERS = {"sgd": lambda: tieredemb.SGD(lr=0.1), "adagrad": lambda: tieredemb.Adagrad(lr=0.1),
@@ -24,14 +24,7 @@ OPTIMIZERS = {"sgd": lambda: tieredemb.SGD(lr=0.1), "adagrad": lambda: tieredemb
               "msrowwise": lambda: tieredemb.MomentumScaledRowWiseAdagrad(lr=0.1, scale=4)}
 
 
-def device_tier(emb, cache_rows, policy="lru", partitions=None):
-    """emb with its tier 0 replaced by a DeviceTier on CPU tensors, over the same layers below."""
-    st = emb._store
-    lower = st.tier0.lower
-    tier = DeviceTier(emb.num_embeddings, emb.width, cache_rows, policy, lower, st.init, torch.device("cpu"),
-                      lower_is_store=lower is st.bottom, partitions=partitions)
-    st.tier0 = st.tiers[0] = tier
-    return emb
+device_tier = on_cpu_tensors  # emb with its tier 0 replaced by a DeviceTier on CPU tensors
 
 
 def batches(seed=0, steps=8, num=NUM, bags=10, length=6):

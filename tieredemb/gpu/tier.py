@@ -320,6 +320,18 @@ class DeviceTier:
         self.lower.close()
 
 
+def on_cpu_tensors(table, cache_rows: int | None, policy: str = "lru", partitions=None):
+    """A CPU table (TieredEmbeddingBag / TieredEmbedding) with its tier 0 replaced by a DeviceTier
+    on CPU tensors over the same layers below: the GPU path run on a CPU, its Triton kernels under
+    TRITON_INTERPRET=1 (tests/test_gpu_tier.py, bench/gpu_ops.py). Returns the table."""
+    st = table._store
+    lower = st.tier0.lower
+    tier = DeviceTier(table.num_embeddings, table.width, cache_rows, policy, lower, st.init, torch.device("cpu"),
+                      lower_is_store=lower is st.bottom, partitions=partitions)
+    st.tier0 = st.tiers[0] = tier
+    return table
+
+
 def _check_range(ids: np.ndarray, num_embeddings: int) -> None:
     if ids.size and (ids.min() < 0 or ids.max() >= num_embeddings):
         bad = int(ids.min()) if ids.min() < 0 else int(ids.max())

@@ -1,0 +1,165 @@
+"""The GPU path's work per training step, counted on a CPU: what a device tier 0 asks of torch and
+Triton for one forward + backward, run on CPU tensors (the Triton kernels under the interpreter).
+
+On a GPU each torch op that is not a view is about one kernel launch (a few microseconds of host
+time each, whatever its size); FBGEMM's TBE takes a few launches a step. So these counts are the
+host-side cost the GPU path pays, measurable without a GPU. The time itself, and the
+device-to-host waits (which CPU tensors cannot show), are bench_gpu.py's, on a GPU.
+
+Counted for one step after a few warm-up steps, per configuration: torch ops that launch a kernel
+on a GPU (not views, allocations or wrapped Python numbers; outside the Triton kernels), Triton
+kernel launches, and item() reads. Configurations: the whole table in
+tier 0; tier 0 = 10% of the rows over host memory; the same through a PrefetchLoader of depth 2
+(the training thread's step, and separately the prefetch worker's residency of that step's
+batch).
+
+    python bench/gpu_ops.py
+    python bench/gpu_ops.py --rows 100000 --bags 1024 --detail
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import threading
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+
+import torch  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+import tieredemb  # noqa: E402
+from tieredemb.gpu.tier import on_cpu_tensors  # noqa: E402
+
+# Ops that launch no kernel on a GPU: views of a tensor's memory, allocations, Python numbers
+# wrapped as tensors.
+NO_KERNEL = {"view", "_unsafe_view", "slice", "select", "expand", "as_strided", "unsqueeze", "squeeze", "t",
+             "transpose", "alias", "detach", "reshape", "split", "permute", "lift_fresh", "_reshape_alias",
+             "split_with_sizes", "unbind", "narrow", "empty", "empty_like", "new_empty", "scalar_tensor"}
+
+
+class Counter(TorchDispatchMode):
+    """Counts the torch ops dispatched on the calling thread (the Triton interpreter's own tensor
+    work excluded), and the Triton kernels launched."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = collections.Counter()
+        self.kernels = collections.Counter()
+        self.inside_kernel = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.__name__.split(".")[0]
+        if name not in NO_KERNEL and not self.inside_kernel:
+            self.ops[name] += 1
+        return func(*args, **(kwargs or {}))
+
+    def summary(self) -> dict:
+        """torch ops that launch a kernel on a GPU; scalar reads (.item(), int(), bool() of a
+        tensor: a wait for the device; .tolist() and .cpu() are not seen on CPU tensors)."""
+        return {"torch_ops": sum(n for k, n in self.ops.items() if k != "_local_scalar_dense"),
+                "scalar_reads": self.ops["_local_scalar_dense"], "triton_launches": sum(self.kernels.values())}
+
+
+def count_kernels(counter_of_thread):
+    """Patches the Triton interpreter's launch so that each launch is counted by the counter of
+    the thread making it (counter_of_thread(): a Counter or None)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    launch = InterpretedFunction.run
+
+    def run(self, *args, **kwargs):
+        counter = counter_of_thread()
+        if counter is None:
+            return launch(self, *args, **kwargs)
+        counter.kernels[self.fn.__name__] += 1
+        counter.inside_kernel += 1
+        try:
+            return launch(self, *args, **kwargs)
+        finally:
+            counter.inside_kernel -= 1
+
+    InterpretedFunction.run = run
+
+
+def batches(a, count: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(count):
+        ids = (torch.rand(a.bags * a.length, generator=g) ** 3 * a.rows).long()
+        out.append((ids, torch.arange(0, a.bags * a.length, a.length), torch.randn(a.bags, a.dim, generator=g)))
+    return out
+
+
+def table(a, cache_rows):
+    emb = tieredemb.TieredEmbeddingBag(a.rows, a.dim, "sum", optimizer=tieredemb.RowWiseAdagrad(lr=0.1),
+                                       cache_rows=cache_rows)
+    return on_cpu_tensors(emb, cache_rows)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", type=int, default=20_000)
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--bags", type=int, default=256)
+    p.add_argument("--length", type=int, default=20, help="ids per bag")
+    p.add_argument("--warmup", type=int, default=5, help="steps before the one counted")
+    p.add_argument("--detail", action="store_true", help="also print each configuration's ops by name")
+    a = p.parse_args(argv)
+    current = threading.local()
+    count_kernels(lambda: getattr(current, "counter", None))
+    data = batches(a, a.warmup + 1)
+    print(f"{a.rows:,} rows x {a.dim}, {a.bags} bags x {a.length} ids; one step (forward + backward + row-wise "
+          f"Adagrad) after {a.warmup}, on CPU tensors (Triton interpreted)")
+    results = {}
+    for name, cache_rows in (("whole table in tier 0", None), ("tier 0 = 10% over host memory", a.rows // 10)):
+        emb = table(a, cache_rows)
+        for ids, offsets, grad in data[:-1]:
+            emb(ids, offsets).backward(grad)
+        ids, offsets, grad = data[-1]
+        current.counter = Counter()
+        with current.counter:
+            emb(ids, offsets).backward(grad)
+        results[name] = current.counter
+        current.counter = None
+    # Prefetch: the training thread's step, and the worker's residency of one batch.
+    emb = table(a, a.rows // 10)
+    step, worker = Counter(), Counter()
+    residency = emb._prefetch._make_resident
+
+    def counted_residency(*args, **kwargs):
+        batch, counted_residency.seen = counted_residency.seen, counted_residency.seen + 1
+        if batch != a.warmup:  # (batches are made resident in order: this one the counted step's)
+            return residency(*args, **kwargs)
+        current.counter = worker
+        try:
+            with worker:
+                return residency(*args, **kwargs)
+        finally:
+            current.counter = None
+
+    counted_residency.seen = 0
+    emb._prefetch._make_resident = counted_residency
+    with tieredemb.PrefetchLoader(data, [emb], depth=2) as loader:
+        for k, (ids, offsets, grad) in enumerate(loader):
+            if k == a.warmup:
+                current.counter = step
+                with step:
+                    emb(ids, offsets).backward(grad)
+                current.counter = None
+            else:
+                emb(ids, offsets).backward(grad)
+    results["tier 0 = 10%, PrefetchLoader depth 2: the step"] = step
+    results["  ... and the worker's residency of its batch"] = worker
+    for name, c in results.items():
+        s = c.summary()
+        print(f"  {name:48s} torch kernels {s['torch_ops']:4d}  triton launches {s['triton_launches']:2d}  "
+              f"item() reads {s['scalar_reads']}")
+        if a.detail:
+            print("    " + ", ".join(f"{k} {n}" for k, n in c.ops.most_common()))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
