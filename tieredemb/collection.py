@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from .config import Init, TableConfig, parse_bytes
+from .config import Init, TableConfig, parse_budget
 from .keyed import InverseKeyed, KeyedEmbeddings, features_of, jagged, keyed  # noqa: F401 (re-exported)
 from .module import TieredEmbedding, TieredEmbeddingBag
 from .optim import Optimizer
@@ -147,7 +147,7 @@ class _Collection(nn.Module):
         if taken:
             raise TypeError(f"a collection sizes its tables' tiers itself: give cache_bytes / host_bytes or a plan, "
                             f"not {', '.join(taken)}")
-        cache_bytes, host_bytes = _budget("cache_bytes", cache_bytes), _budget("host_bytes", host_bytes)
+        cache_bytes, host_bytes = parse_budget("cache_bytes", cache_bytes), parse_budget("host_bytes", host_bytes)
         names = [t.name for t in tables]
         if len(set(names)) != len(names):
             raise ValueError(f"table names must be unique, got {names}")
@@ -458,16 +458,3 @@ def _place(blocks: list, batch: int, width: int) -> Tensor:
             sources.append(t)
         layout.append((index[id(t)], row))
     return _Place.apply(layout, batch, width, *sources)
-
-
-def _budget(name: str, value) -> int | None:
-    """A tier's budget in bytes ('8GiB' or an int >= 1; None stays None)."""
-    if value is None:
-        return None
-    if isinstance(value, str):
-        value = parse_bytes(value)
-    elif isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be a size like '8GiB' or a number of bytes, got {value!r}")
-    if value < 1:
-        raise ValueError(f"{name} must be at least 1 byte, got {value!r}")
-    return int(value)

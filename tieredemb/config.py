@@ -12,6 +12,7 @@ error that names the value and the rule.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import os
 import re
 
@@ -36,6 +37,20 @@ def parse_bytes(text: str) -> int:
     if m is None or m.group(2).lower() not in _UNITS:
         raise ValueError(f"size {text!r} is not a number of bytes like '512MiB', '4GB' or '1048576'")
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def parse_budget(name: str, value) -> int | None:
+    """A tier's budget in bytes: a size ('8GiB') or an int >= 1; None stays None. Errors name
+    the argument and the value."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        value = parse_bytes(value)
+    elif isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be a size like '8GiB' or a number of bytes, got {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be at least 1 byte, got {value!r}")
+    return int(value)
 
 
 def parse_rows(name: str, value: int | str | None, row_bytes: int) -> int | None:

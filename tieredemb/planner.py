@@ -31,7 +31,7 @@ import operator
 
 import numpy as np
 
-from .config import parse_bytes
+from .config import parse_budget
 
 STRATEGIES = ("planned", "proportional", "equal")
 
@@ -132,18 +132,6 @@ def _price(name, rows, row_bytes, curve: _Curve, cache: int, store: str, bw: Ban
                      curve.sizes.tolist(), hits)
 
 
-def _bytes(name: str, value) -> int | None:
-    if value is None:
-        return None
-    if isinstance(value, str):
-        value = parse_bytes(value)
-    elif isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be a size like '8GiB' or a number of bytes, got {value!r}")
-    if value < 1:
-        raise ValueError(f"{name} must be at least 1 byte, got {value!r}")
-    return int(value)
-
-
 def _whole(name: str, value, what: str) -> int:
     try:
         return operator.index(value)
@@ -199,7 +187,7 @@ def plan(traces: dict, tables: dict, *, cache_bytes, host_bytes=None, bandwidth:
     if not 0 <= warmup < count:
         raise ValueError(f"warmup {warmup} must be in [0, {count}): the traces have {count} batches, some left "
                          "to count")
-    cache_budget, host_budget = _bytes("cache_bytes", cache_bytes), _bytes("host_bytes", host_bytes)
+    cache_budget, host_budget = parse_budget("cache_bytes", cache_bytes), parse_budget("host_bytes", host_bytes)
     if cache_budget is None:
         raise ValueError("cache_bytes is required: tier 0's budget over every table")
     curves = {n: _Curve(*traces[n], tables[n][0], points, warmup) for n in tables}
