@@ -275,6 +275,9 @@ def test_bad_tables_and_budgets_are_refused_by_name():
     for make, error, message in cases:
         with pytest.raises(error, match=message):
             make()
+    import numpy as np
+    t = EmbeddingBagConfig("t", np.int64(5), np.int32(8), ["f"])  # numpy ints, as a plan or a table may give
+    assert (t.num_embeddings, t.embedding_dim) == (5, 8) and type(t.num_embeddings) is int
 
 
 UNPOOLED = [tieredemb.EmbeddingConfig("user", 300, 8, ["user_id", "friend_id"]),

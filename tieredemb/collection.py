@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import numbers
 import os
 
 import numpy as np
@@ -39,8 +40,9 @@ def _check_table(t) -> None:
         raise TypeError(f"a table's name must be a non-empty str, got {t.name!r}")
     for field in ("num_embeddings", "embedding_dim"):
         value = getattr(t, field)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
             raise ValueError(f"table {t.name!r}: {field} must be an int >= 1, got {value!r}")
+        object.__setattr__(t, field, int(value))
     if isinstance(t.feature_names, str) or not all(isinstance(f, str) for f in t.feature_names):
         raise TypeError(f"table {t.name!r}: feature_names must be a list of feature names, got {t.feature_names!r}")
     object.__setattr__(t, "feature_names", tuple(t.feature_names))
