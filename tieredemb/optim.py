@@ -44,7 +44,7 @@ class Optimizer:
         a = _C.OptimizerArgs()
         a.kind = self.kind
         a.lr = self.lr
-        for field in ("eps", "beta1", "beta2"):
+        for field in ("eps", "beta1", "beta2", "accumulator_divisor"):
             if hasattr(self, field):
                 setattr(a, field, getattr(self, field))
         return a
@@ -95,6 +95,9 @@ class RowWiseAdagrad(Optimizer):
     eps: float = 1e-8
     kind = 2
     name = "rowwise_adagrad"
+    # What the accumulator is divided by before its square root (1: exact, so no change here;
+    # MomentumScaledRowWiseAdagrad's c).
+    accumulator_divisor = 1.0
 
     def __post_init__(self):
         super().__post_init__()
@@ -103,7 +106,7 @@ class RowWiseAdagrad(Optimizer):
     def apply_torch(self, rows, grad, dim, step):
         m = rows[:, dim]
         m.add_(grad.square().sum(1) / dim)
-        rows[:, :dim].sub_((self.lr / (m.sqrt() + self.eps)).unsqueeze(1) * grad)
+        rows[:, :dim].sub_((self.lr / ((m / self.accumulator_divisor).sqrt() + self.eps)).unsqueeze(1) * grad)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,15 +139,9 @@ class MomentumScaledRowWiseAdagrad(RowWiseAdagrad):
                isinstance(self.scale, (int, float)) and not isinstance(self.scale, bool)
                and math.isfinite(self.scale) and self.scale > 0)
 
-    def native_args(self, step):
-        a = super().native_args(step)
-        a.accumulator_divisor = self.scale
-        return a
-
-    def apply_torch(self, rows, grad, dim, step):
-        m = rows[:, dim]
-        m.add_(grad.square().sum(1) / dim)
-        rows[:, :dim].sub_((self.lr / ((m / self.scale).sqrt() + self.eps)).unsqueeze(1) * grad)
+    @property
+    def accumulator_divisor(self) -> float:
+        return self.scale
 
 
 @dataclasses.dataclass(frozen=True)
