@@ -67,6 +67,16 @@ def main() -> None:
             for mode in (0, 1, 2):
                 pooling.forward(pool, dim, unique, unique, inverse, offsets, None, mode, -1, weights)
             pooling.forward(pool, dim, unique, unique, inverse, offsets, torch.ones(30), 0, -1, weights)
+            # bags placed in a wider block (a collection's [B, sum of dims]), each way
+            block, at = torch.zeros(3, 2 * dim), torch.tensor([0, 2 * dim, dim])
+            for mode in (0, 1, 2):
+                pooling.forward(pool, dim, unique, unique, inverse, offsets, None, mode, -1, weights, block, at)
+            pooling.forward(pool, dim, unique, unique, inverse, offsets, torch.ones(30), 0, -1, weights, block, at)
+            for mode in (0, 1, 2):
+                pooling.backward_update(pool, dirty, dim, unique, unique, torch.tensor([10]), inverse, offsets,
+                                        torch.ones(30) if mode == 0 else None, mode, -1, 1, block,
+                                        torch.zeros(3, dim, dtype=torch.int64) if mode == 2 else None,
+                                        opts[2], 2, mode == 0, weights, False, 7, at)
             argmax = torch.zeros(3, dim, dtype=torch.int64)
             for mode in (0, 1, 2):
                 for opt in opts:

@@ -70,7 +70,7 @@ def ref_forward(refs, b):
 @pytest.mark.parametrize("tiers", [dict(), dict(cache_bytes=4000), dict(cache_bytes=3000, host_bytes=8000)],
                          ids=["whole", "cached", "host"])
 @pytest.mark.parametrize("kind", ["sgd", "adagrad"])
-def test_trains_as_a_dict_of_embedding_bags(tiers, kind):
+def test_trains_as_a_dict_of_embedding_bags(tiers, kind, kernels):
     ours_opt = {"sgd": tieredemb.SGD(lr=0.1), "adagrad": tieredemb.Adagrad(lr=0.1, eps=1e-10)}[kind]
     ref_opt = {"sgd": lambda p: torch.optim.SGD(p, lr=0.1),
                "adagrad": lambda p: torch.optim.Adagrad(p, lr=0.1, eps=1e-10)}[kind]
@@ -99,11 +99,19 @@ def test_tables_of_one_kind_are_one_lookup(monkeypatch):
     ebc = TieredEmbeddingBagCollection(same, optimizer=tieredemb.SGD(lr=0.1), cache_bytes=10_000)
     assert len(ebc.engines) == 1 and ebc.engines[0].num_embeddings == sum(100 + k for k in range(4))
     calls = []
-    original = type(ebc.engines[0]).forward
-    monkeypatch.setattr(type(ebc.engines[0]), "forward", lambda self, *a, **k: (calls.append(1), original(self, *a, **k))[1])
+
+    def counted(name, fn):
+        return lambda *a, **k: (calls.append(name), fn(*a, **k))[1]
+
+    monkeypatch.setattr(tieredemb.kernels, "forward", counted("forward", tieredemb.kernels.forward))
+    monkeypatch.setattr(tieredemb.kernels, "backward_update", counted("backward", tieredemb.kernels.backward_update))
+    take = ebc.engines[0]._prefetch.take
+    monkeypatch.setattr(ebc.engines[0]._prefetch, "take", counted("take", take))
     out = ebc({f"f{k}": (torch.tensor([k, 99]), torch.tensor([0, 1])) for k in range(4)})
-    assert len(calls) == 1 and out.values().shape == (2, 32)
+    assert calls == ["take", "forward"] and out.values().shape == (2, 32)  # one residency pass, one kernel
     assert torch.equal(out["f3"][1], ebc.read_rows("t3", torch.tensor([99]))[0])
+    out.values().sum().backward()
+    assert calls == ["take", "forward", "backward"]
 
 
 def test_budget_is_split_in_proportion_to_bytes_and_each_table_keeps_its_share():
@@ -127,7 +135,7 @@ def test_budget_is_split_in_proportion_to_bytes_and_each_table_keeps_its_share()
 
 
 @pytest.mark.parametrize("keyed", ["all", "friend_id"])  # friend_id alone: user_id's bags share its lookup
-def test_inverse_keyed_batches_equal_their_duplicates(keyed):
+def test_inverse_keyed_batches_equal_their_duplicates(keyed, kernels):
     kw = dict(optimizer=tieredemb.Adagrad(lr=0.1))
     a, b = TieredEmbeddingBagCollection(TABLES, **kw), TieredEmbeddingBagCollection(TABLES, **kw)
     full = batch(3)
@@ -223,6 +231,10 @@ def test_a_bad_feature_fails_before_any_table_is_looked_up(tiers):
         ({**good, "category": InverseKeyed(torch.arange(3), torch.tensor([0, 1, 2]), torch.tensor([0, 1, -1, 2, 1, 0]))},
          ValueError, r"feature 'category': inverse -1 out of range"),
         ({**good, "category": [torch.arange(3)]}, TypeError, r"feature 'category': give \(ids, offsets"),
+        ({**good, "item_id": (torch.arange(6), torch.arange(B), torch.ones(6))}, ValueError,
+         r"feature 'item_id': per_sample_weights need pooling 'sum', its table pools by 'mean'"),
+        ({**good, "category": (torch.arange(B), torch.arange(B), torch.ones(B, dtype=torch.int64))}, TypeError,
+         r"feature 'category': per_sample_weights must be a floating point tensor, got torch.int64"),
         (KJT(["user_id"], torch.arange(4), torch.tensor([1, 1, 1])), ValueError,
          r"KeyedJaggedTensor: lengths sum to 3, values\(\) has 4"),
         (KJT(["user_id"], torch.arange(2), torch.tensor([3, -1])), ValueError,

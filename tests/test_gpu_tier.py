@@ -203,6 +203,92 @@ def test_pooling_kernels_match_the_native_ones():
                 s for k, s in enumerate(slots.tolist()) if k != 2)
 
 
+def test_kernels_write_and_read_each_bag_where_out_at_places_it():
+    """Native and Triton: bags pooled into a wider block at out_at (a collection's [B, sum of
+    dims]) equal the [B, D] output, nothing else in the block is written, and the backward that
+    reads each bag's gradient there (NaN everywhere else) updates the rows as the plain one."""
+    g = torch.Generator().manual_seed(5)
+    bags, width = 5, 3 * D + 2
+    out_at = torch.tensor([4 * width + 1, 2 * width + D + 2, 0, width + 2 * D, 3 * width + 1])
+    for opt in OPTIMIZERS.values():
+        o = opt()
+        for mode in (0, 1, 2):
+            pool = torch.randn(50, D + o.state_width(D), generator=g).abs()
+            ids = torch.randint(0, 20, (30,), generator=g)
+            offsets = torch.tensor([0, 3, 3, 10, 17, 30])
+            psw = torch.rand(30, generator=g) if mode == 0 else None
+            unique, inverse = (torch.from_numpy(a) for a in _C.dedup(ids, 100))
+            slots = unique * 2 + 1
+            grad = torch.randn(bags, D, generator=g)
+            block_grad = torch.full((bags, width), float("nan"))
+            block_grad.view(-1)[out_at[:, None] + torch.arange(D)] = grad
+            argmax = torch.empty(bags * D, dtype=torch.int64) if mode == 2 else None
+            plain, placed = pool.clone(), pool.clone()
+            out = torch.empty(bags, D)
+            _C.pool_forward(plain, D, slots, inverse, offsets, psw, mode, -1, out, argmax)
+            psw_grad = torch.empty(30) if psw is not None else None
+            _C.pool_backward_update(plain, D, slots, inverse, offsets, psw, mode, -1, grad, argmax, o.native_args(3), -1,
+                                    psw_grad)
+            block = torch.full((bags, width), float("nan"))
+            _C.pool_forward(placed, D, slots, inverse, offsets, psw, mode, -1, block, argmax, out_at=out_at)
+            assert torch.equal(block.view(-1)[out_at[:, None] + torch.arange(D)], out)
+            assert int(block.isnan().sum()) == bags * (width - D)
+            placed_psw_grad = torch.empty(30) if psw is not None else None
+            _C.pool_backward_update(placed, D, slots, inverse, offsets, psw, mode, -1, block_grad, argmax,
+                                    o.native_args(3), -1, placed_psw_grad, out_at=out_at)
+            assert torch.equal(placed, plain)
+            if psw is not None:
+                assert torch.equal(placed_psw_grad, psw_grad)
+            # Triton, the same block
+            tri = pool.clone()
+            block_t = torch.full((bags, width), float("nan"))
+            _, argmax_t = pooling.forward(tri, D, slots, unique, inverse, offsets, psw, mode, -1, 0, block_t, out_at)
+            torch.testing.assert_close(block_t, block, rtol=1e-6, atol=1e-6, equal_nan=True)
+            psw_grad_t = pooling.backward_update(tri, torch.zeros(50, dtype=torch.uint8), D, slots, unique,
+                                                 torch.tensor([len(unique)]), inverse, offsets, psw, mode, -1, -1,
+                                                 block_grad, argmax_t, o, 3, psw is not None, at=out_at)
+            torch.testing.assert_close(tri, plain, rtol=1e-5, atol=1e-5)
+            if psw is not None:
+                torch.testing.assert_close(psw_grad_t, psw_grad, rtol=1e-5, atol=1e-5)
+
+
+def test_a_collection_on_the_device_path_trains_as_on_the_cpu():
+    """A collection whose groups' tier 0 are device tiers (Triton kernels writing the [B, sum of
+    dims] block in place) against the same collection on the CPU kernels: weighted and
+    inverse-keyed features, a cached group, three groups of different dims and poolings."""
+    tables = [tieredemb.EmbeddingBagConfig("u", 120, D, ["a", "b"]),
+              tieredemb.EmbeddingBagConfig("v", 80, D, ["c"], pooling="mean"),
+              tieredemb.EmbeddingBagConfig("w", 40, 4, ["d"])]
+    kw = dict(optimizer=tieredemb.RowWiseAdagrad(lr=0.1), cache_bytes=4000)
+    cpu, dev = (tieredemb.TieredEmbeddingBagCollection(tables, **kw) for _ in range(2))
+    for engine in dev.engines:
+        part = engine.config.partitions
+        on_cpu_tensors(engine, None if part is None else sum(c for _, c in part), partitions=part)
+    assert [tieredemb.kernels.implementation(e._store.tier0.pool) for e in dev.engines] == ["triton"] * 3
+    assert all(e.config.partitions for e in dev.engines)  # each table cached: a share of tier 0
+    g = torch.Generator().manual_seed(2)
+    for step in range(5):
+        feats = {}
+        for t in tables:
+            for f in t.feature_names:
+                ids = torch.randint(0, t.num_embeddings, (12,), generator=g)
+                starts = torch.tensor([0, 2, 2, 5, 9, 10])
+                if f == "b":
+                    feats[f] = tieredemb.InverseKeyed(ids, starts, torch.tensor([5, 0, 0, 3, 2, 5]))
+                elif f == "a":
+                    feats[f] = (ids, starts, torch.rand(12, generator=g))
+                else:
+                    feats[f] = (ids, starts)
+        out_c, out_d = cpu(feats), dev(feats)
+        torch.testing.assert_close(out_d.values(), out_c.values(), rtol=1e-5, atol=1e-5)
+        grad = torch.randn(out_c.values().shape, generator=g)
+        out_c.values().backward(grad)
+        out_d.values().backward(grad)
+    for t in tables:
+        ids = torch.arange(t.num_embeddings)
+        torch.testing.assert_close(dev.read_rows(t.name, ids), cpu.read_rows(t.name, ids), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("stochastic", [False, True])
 def test_16_bit_weights_train_as_on_the_cpu(dtype, stochastic):

@@ -526,3 +526,26 @@ def test_stochastic_rounding_needs_the_unique_ids_and_leaves_float32_rows_alone(
     _backward(rounded, 8, batch, 0, False, _opt(0, sr=True), 0)  # float32 rows: nothing to round
     _backward(plain, 8, batch, 0, False, _opt(0), 0)
     assert torch.equal(rounded, plain)
+
+
+def test_out_at_is_checked_before_anything_is_written():
+    """pool_forward / pool_backward_update with out_at (each bag's row in a wider block): a
+    start that puts a row outside the block, or an out_at of the wrong length, is refused by
+    value, and neither the block nor the pool changes."""
+    pool = torch.rand(10, 4)
+    slots, inverse, offsets = torch.arange(3), torch.tensor([0, 1, 2, 1]), torch.tensor([0, 2, 4])
+    block = torch.zeros(3, 5)
+    for out_at, error, message in ((torch.tensor([0, 12]), IndexError,
+                                    r"out_at\[1\] = 12 puts a row of 4 floats outside its 15 floats"),
+                                   (torch.tensor([-1, 0]), IndexError, r"out_at\[0\] = -1"),
+                                   (torch.tensor([0]), ValueError, r"out_at has 1 entries for 2 bags")):
+        before = pool.clone()
+        with pytest.raises(error, match=message):
+            _C.pool_forward(pool, 4, slots, inverse, offsets, None, 0, -1, block, None, out_at=out_at)
+        assert torch.equal(block, torch.zeros(3, 5))
+        with pytest.raises(error, match=message.replace("pool_forward out", "grad_output")):
+            _C.pool_backward_update(pool, 4, slots, inverse, offsets, None, 0, -1, block, None,
+                                    tieredemb.SGD(lr=1.0).native_args(1), -1, None, out_at=out_at)
+        assert torch.equal(pool, before)
+    _C.pool_forward(pool, 4, slots, inverse, offsets, None, 0, -1, block, None, out_at=torch.tensor([11, 0]))
+    assert torch.equal(block.view(-1)[11:15], pool[0] + pool[1]) and torch.equal(block.view(-1)[:4], pool[2] + pool[1])

@@ -31,7 +31,8 @@ from torch import Tensor, nn
 
 from .config import Init, TableConfig, parse_budget
 from .keyed import InverseKeyed, KeyedEmbeddings, features_of, jagged, keyed  # noqa: F401 (re-exported)
-from .module import TieredEmbedding, TieredEmbeddingBag
+from . import lookup
+from .module import _MODES, TieredEmbedding, TieredEmbeddingBag
 from .optim import Optimizer
 
 
@@ -139,9 +140,6 @@ class _Collection(nn.Module):
     def _engine(self, group, **args) -> nn.Module:
         raise NotImplementedError
 
-    def _outputs(self, group, engine, flat, offsets, psw, parts) -> dict:
-        raise NotImplementedError
-
     def __init__(self, tables: list, *, cache_bytes=None, host_bytes=None, ssd_path=None,
                  optimizer: Optimizer | None = None, init: Init | None = None, plan=None, **table_args):
         super().__init__()
@@ -167,6 +165,7 @@ class _Collection(nn.Module):
         self.groups = [_Group(g, key[-1]) for key, g in groups.items()]
         total_bytes = sum(t.num_embeddings * _row_bytes(t) for t in self.tables)
         self.lookups = {t.name: 0 for t in self.tables}
+        self.looked_up: list = []  # the last forward's ids, per group
         self.engines = nn.ModuleList()
         for k, g in enumerate(self.groups):
             t0 = g.tables[0]
@@ -210,9 +209,10 @@ class _Collection(nn.Module):
                 {t.name: chosen[t.name][1] for t in self.tables})
 
     # -- input and output -----------------------------------------------------------------------
-    def _lookups_of(self, features) -> dict:
-        """Every group's features looked up, one call per group: {feature: what _outputs gives}.
-        Every feature is checked before any group is looked up: a bad one changes nothing."""
+    def _lookups_of(self, features) -> list:
+        """Every feature checked, before any group is looked up (a bad one changes nothing), then
+        each group's features as one lookup: [(group, engine, (ids, bag boundaries [B + 1],
+        per_sample_weights, parts))] (see _batch)."""
         given = features_of(features)
         missing = [f for f in self.feature_table if f not in given]
         unknown = [f for f in given if f not in self.feature_table]
@@ -221,19 +221,19 @@ class _Collection(nn.Module):
                              f"{list(self.feature_table)})")
         self._check_batch(given)
         batches = [self._batch(group, given) for group in self.groups]
-        out = {}
-        for group, engine, batch in zip(self.groups, self.engines, batches):
+        self.looked_up = [flat for flat, _, _, _ in batches]  # each group's ids (tieredemb.record reads them)
+        for group in self.groups:
             for t in group.tables:
                 self.lookups[t.name] += sum(len(given[f][0]) for f in t.feature_names)
-            out.update(self._outputs(group, engine, *batch))
-        return out
+        return list(zip(self.groups, self.engines, batches))
 
     def _check_batch(self, given: dict) -> None:
         """Checks that hold across features (the bag collection's: one batch size)."""
 
     def _batch(self, group: _Group, given: dict) -> tuple:
         """Every feature of the group's tables as one lookup (the features' bags one after another),
-        ids checked to lie in their tables: (ids, offsets, per_sample_weights, parts)."""
+        ids checked to lie in their tables: (ids, bag boundaries [B + 1], per_sample_weights,
+        parts: [(feature, its boundaries, its InverseKeyed inverse or None)])."""
         ids, bounds, weights, parts, ranges = [], [np.zeros(1, dtype=np.int64)], [], [], []
         start = 0
         for t in group.tables:
@@ -256,7 +256,7 @@ class _Collection(nn.Module):
             for (f, t, _), (lo, hi) in zip(ranges, torch.stack([r for _, _, r in ranges]).tolist()):
                 _check_range(f, t, lo, hi)
         flat = _cat(ids)
-        offsets = torch.from_numpy(np.concatenate(bounds)[:-1])
+        offsets = torch.from_numpy(np.concatenate(bounds))
         psw = None
         if any(w is not None for w in weights):
             psw = _cat([w if w is not None else torch.ones(len(i), device=i.device) for w, i in zip(weights, ids)])
@@ -335,30 +335,44 @@ class TieredEmbeddingBagCollection(_Collection):
         """features: a KeyedJaggedTensor, or {feature: (ids, offsets[, per_sample_weights])} with
         offsets [B] bag starts, or {feature: InverseKeyed}. Every feature of every table must be
         given, with the same B. Returns the pooled features in the tables' order (a torchrec
-        KeyedTensor where torchrec imports, else a KeyedEmbeddings)."""
-        pooled = self._lookups_of(features)
+        KeyedTensor where torchrec imports, else a KeyedEmbeddings). Each group's kernels write
+        its features' rows straight into the [B, sum of dims] block, one autograd node for all."""
+        lookups = self._lookups_of(features)
         keys = [f for t in self.tables for f in t.feature_names]
         dims = [self.feature_table[f].embedding_dim for f in keys]
-        return keyed(keys, dims, _place([pooled[f] for f in keys], pooled[keys[0]][2], sum(dims)))
+        width = sum(dims)
+        col = dict(zip(keys, np.cumsum([0] + dims[:-1]).tolist()))
+        _, _, (_, _, _, first) = lookups[0]
+        _, b, inverse = first[0]
+        samples = len(b) - 1 if inverse is None else len(inverse)
+        side = samples * width  # where inverse-keyed features' distinct bags go: after the samples' rows
+        parts, expand = [], []
+        for group, engine, (flat, offsets, psw, features) in lookups:
+            dim, at = engine.embedding_dim, []
+            for f, b, inverse in features:
+                bags = len(b) - 1
+                if inverse is None:
+                    at.append(np.arange(bags, dtype=np.int64) * width + col[f])
+                else:
+                    expand.append(lookup.Expand(col[f], dim, side, bags, inverse))
+                    at.append(np.arange(bags, dtype=np.int64) * dim + side)
+                    side += bags * dim
+            parts.append(lookup.Part(engine, flat, offsets, psw, _MODES[group.tables[0].pooling], True,
+                                     torch.from_numpy(np.concatenate(at))))
+        values = lookup.pooled_block(parts, (-(-side // width), width), samples, expand)
+        return keyed(keys, dims, values)
 
     def _check_batch(self, given: dict) -> None:
         sizes = {f: len(b) - 1 if inverse is None else len(inverse) for f, (_, b, _, inverse) in given.items()}
         if len(set(sizes.values())) > 1:
             raise ValueError(f"features have different batch sizes (bags per feature): {sizes}")
-
-    def _outputs(self, group, engine, flat, offsets, psw, parts) -> dict:
-        """{feature: (the tensor holding its pooled bags, first row, bags)}: a slice of the group's
-        output, or (inverse-keyed) its distinct bags expanded to the samples."""
-        out = engine(flat, offsets, per_sample_weights=psw)
-        result, row = {}, 0
-        for f, b, inverse in parts:
-            bags = len(b) - 1
-            if inverse is None:
-                result[f] = (out, row, bags)
-            else:
-                result[f] = (out[row:row + bags].index_select(0, inverse.to(out.device)), 0, len(inverse))
-            row += bags
-        return result
+        for f, (_, _, w, _) in given.items():
+            pooling = self.feature_table[f].pooling
+            if w is not None and not w.dtype.is_floating_point:
+                raise TypeError(f"feature {f!r}: per_sample_weights must be a floating point tensor, got {w.dtype}")
+            if w is not None and pooling != "sum":
+                raise ValueError(f"feature {f!r}: per_sample_weights need pooling 'sum', its table pools by "
+                                 f"{pooling!r}")
 
 
 class TieredEmbeddingCollection(_Collection):
@@ -378,13 +392,18 @@ class TieredEmbeddingCollection(_Collection):
         start each sample's ids). Returns {feature: its rows, one per id, as a torchrec
         JaggedTensor (values [N, D], lengths [B]) where torchrec imports, else a JaggedEmbeddings};
         an InverseKeyed feature's samples get their distinct bag's rows."""
-        out = self._lookups_of(features)
+        out = {}
+        for group, engine, (flat, _, _, parts) in self._lookups_of(features):
+            out.update(self._jagged(engine(flat), parts))
         return {f: out[f] for t in self.tables for f in t.feature_names}
 
-    def _outputs(self, group, engine, flat, offsets, psw, parts) -> dict:
-        if psw is not None:
+    def _check_batch(self, given: dict) -> None:
+        if any(w is not None for _, _, w, _ in given.values()):
             raise ValueError("per_sample_weights apply to pooled features: an EmbeddingCollection takes none")
-        rows = engine(flat)
+
+    @staticmethod
+    def _jagged(rows: Tensor, parts) -> dict:
+        """{feature: its rows as a jagged tensor} from a group's rows, one per id."""
         result, at = {}, 0
         for f, b, inverse in parts:
             n = int(b[-1])
@@ -410,53 +429,3 @@ def _cat(parts: list[Tensor]) -> Tensor:
     if all(p.device.type == "cpu" for p in parts):
         return torch.from_numpy(np.concatenate([p.numpy() for p in parts]))
     return torch.cat(parts)
-
-
-class _Place(torch.autograd.Function):
-    """The features' pooled blocks side by side in [B, sum of dims]: block j is rows [row_j,
-    row_j + B) of sources[k_j] (layout [(k_j, row_j)]), at the columns after the blocks before
-    it; backward gives each source its rows' gradients (zero elsewhere). On the host by numpy
-    copies (one thread: no cat / slice backward ops with their intra-op threads); on a device
-    by torch ops."""
-
-    @staticmethod
-    def forward(ctx, layout, batch: int, width: int, *sources):
-        ctx.layout, ctx.batch = layout, batch
-        ctx.shapes = [s.shape for s in sources]
-        if any(s.device.type != "cpu" for s in sources):
-            return torch.cat([sources[k][row:row + batch] for k, row in layout], 1)
-        out = torch.empty(batch, width, dtype=sources[0].dtype)
-        o, col = out.numpy(), 0
-        views = [s.detach().numpy() for s in sources]
-        for k, row in layout:
-            d = ctx.shapes[k][1]
-            o[:, col:col + d] = views[k][row:row + batch]
-            col += d
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        on_host = grad.device.type == "cpu"
-        if on_host:
-            grads = [torch.from_numpy(np.zeros(tuple(shape), dtype=np.float32)) for shape in ctx.shapes]
-            g, views = grad.numpy(), [x.numpy() for x in grads]
-        else:
-            grads = [torch.zeros(shape, dtype=grad.dtype, device=grad.device) for shape in ctx.shapes]
-            g, views = grad, grads
-        col = 0
-        for k, row in ctx.layout:
-            d = ctx.shapes[k][1]
-            views[k][row:row + ctx.batch] = g[:, col:col + d]
-            col += d
-        return (None, None, None, *grads)
-
-
-def _place(blocks: list, batch: int, width: int) -> Tensor:
-    """blocks [(tensor, first row, rows)] side by side (see _Place)."""
-    sources, index, layout = [], {}, []
-    for t, row, _ in blocks:
-        if id(t) not in index:
-            index[id(t)] = len(sources)
-            sources.append(t)
-        layout.append((index[id(t)], row))
-    return _Place.apply(layout, batch, width, *sources)

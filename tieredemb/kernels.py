@@ -31,13 +31,17 @@ _MODE_NAMES = ("sum", "mean", "max")
 class Bags:
     """How the batch's ids form bags. offsets: int64 [B + 1] bag boundaries; psw: per-sample
     weights [N] or None; mode: 0 sum, 1 mean, 2 max; skip_id: the row left out of every bag
-    (EmbeddingBag's padding_idx) or -1; frozen_id: the row never updated (the padding row) or -1."""
+    (EmbeddingBag's padding_idx) or -1; frozen_id: the row never updated (the padding row) or -1.
+    out_at: int64 [B] on the host, where bag b's pooled row starts in the output block (and its
+    gradient in the gradient's), in floats: several lookups write one [B, sum of dims] block side
+    by side; None: the output is [B, dim] of its own."""
 
     offsets: torch.Tensor
     psw: torch.Tensor | None
     mode: int
     skip_id: int
     frozen_id: int
+    out_at: torch.Tensor | None = None
 
 
 def implementation(pool) -> str:
@@ -58,16 +62,19 @@ def _psw_cpu(psw):
     return None if psw is None else psw.detach().to("cpu", torch.float32).contiguous()
 
 
-def forward(tier0, config, batch, bags: Bags):
-    """Pools the batch's bags from tier 0. Returns (float32 [B, dim] on tier 0's device, saved)."""
+def forward(tier0, config, batch, bags: Bags, out: torch.Tensor | None = None):
+    """Pools the batch's bags from tier 0 into out (float32, contiguous, on tier 0's device: [B,
+    dim], or the block bags.out_at places the rows in; None: a new [B, dim]). Returns (out,
+    saved)."""
     pool, layout = tier0.pool, config.layout
     dim = layout.dim
     how = implementation(pool)
+    if out is None:
+        out = torch.empty(len(bags.offsets) - 1, dim, dtype=torch.float32, device=pool.device)
     if how == "native":
-        out = torch.empty(len(bags.offsets) - 1, dim, dtype=torch.float32)
         argmax = torch.empty((len(bags.offsets) - 1) * dim, dtype=torch.int64) if bags.mode == 2 else None
         _C.pool_forward(pool.rows, dim, batch.slots, batch.inverse, bags.offsets, _psw_cpu(bags.psw), bags.mode,
-                        _unique_index(batch, bags.skip_id), out, argmax, weights=layout.code)
+                        _unique_index(batch, bags.skip_id), out, argmax, weights=layout.code, out_at=bags.out_at)
         return out, argmax
     if how == "triton":
         from .gpu import pooling
@@ -76,7 +83,8 @@ def forward(tier0, config, batch, bags: Bags):
         psw = None if bags.psw is None else bags.psw.detach().to(dev, torch.float32).contiguous()
         with tier0.pool_lock:
             return pooling.forward(pool.rows, dim, batch.slots, batch.unique, batch.inverse,
-                                   bags.offsets.to(dev, non_blocking=True), psw, bags.mode, bags.skip_id, layout.code)
+                                   bags.offsets.to(dev, non_blocking=True), psw, bags.mode, bags.skip_id, layout.code,
+                                   out, _out_at(bags, dev))
     count = int(batch.count)
     dev = pool.device
     leaf = layout.weights(pool.gather(batch.slots[:count])).contiguous().requires_grad_(True)
@@ -85,17 +93,30 @@ def forward(tier0, config, batch, bags: Bags):
         psw = bags.psw.detach().to(dev, torch.float32).requires_grad_(bags.psw.requires_grad)
     skip_u = _unique_index(batch, bags.skip_id)
     with torch.enable_grad():
-        out = F.embedding_bag(batch.inverse.to(dev), leaf, bags.offsets.to(dev), mode=_MODE_NAMES[bags.mode],
-                              per_sample_weights=psw, include_last_offset=True,
-                              padding_idx=skip_u if skip_u >= 0 else None)
-    return out.detach(), (out, leaf, psw)
+        pooled = F.embedding_bag(batch.inverse.to(dev), leaf, bags.offsets.to(dev), mode=_MODE_NAMES[bags.mode],
+                                 per_sample_weights=psw, include_last_offset=True,
+                                 padding_idx=skip_u if skip_u >= 0 else None)
+    if bags.out_at is None:
+        out.copy_(pooled.detach())
+    else:
+        out.view(-1)[_row_floats(bags, dim, dev)] = pooled.detach()
+    return out, (pooled, leaf, psw)
+
+
+def _out_at(bags: Bags, device) -> torch.Tensor | None:
+    return None if bags.out_at is None else bags.out_at.to(device, non_blocking=True)
+
+
+def _row_floats(bags: Bags, dim: int, device) -> torch.Tensor:
+    """[B, dim]: the positions of each bag's output row in the flat block (bags.out_at's)."""
+    return _out_at(bags, device)[:, None] + torch.arange(dim, device=device)
 
 
 def backward_update(tier0, config, batch, bags: Bags, saved, grad_out: torch.Tensor, step: int,
                     need_psw_grad: bool) -> torch.Tensor | None:
     """Sums each unique row's gradient and applies the table's optimizer to its row in tier 0,
-    except the padding row, and marks the rows it updated dirty. Returns the gradient of the
-    per-sample weights when asked."""
+    except the padding row, and marks the rows it updated dirty. grad_out: [B, dim], or the block
+    bags.out_at places the rows in. Returns the gradient of the per-sample weights when asked."""
     pool, layout, optimizer = tier0.pool, config.layout, config.optimizer
     dim = layout.dim
     how = implementation(pool)
@@ -108,7 +129,8 @@ def backward_update(tier0, config, batch, bags: Bags, saved, grad_out: torch.Ten
             psw_grad = pooling.backward_update(pool.rows, tier0.dirty, dim, batch.slots, batch.unique, batch.count,
                                                batch.inverse, bags.offsets.to(dev, non_blocking=True), psw, bags.mode,
                                                bags.skip_id, bags.frozen_id, grad_out, saved, optimizer, step,
-                                               need_psw_grad, layout.code, config.stochastic_rounding, config.seed)
+                                               need_psw_grad, layout.code, config.stochastic_rounding, config.seed,
+                                               _out_at(bags, dev))
         return None if psw_grad is None else psw_grad.to(bags.psw.device, bags.psw.dtype)
     skip_u, frozen_u = _unique_index(batch, bags.skip_id), _unique_index(batch, bags.frozen_id)
     count = int(batch.count)
@@ -123,7 +145,7 @@ def backward_update(tier0, config, batch, bags: Bags, saved, grad_out: torch.Ten
         _C.pool_backward_update(pool.rows, dim, batch.slots, batch.inverse, bags.offsets, _psw_cpu(bags.psw),
                                 bags.mode, skip_u, grad_out.detach().to("cpu", torch.float32).contiguous(),
                                 saved, args, frozen_u, psw_grad, weights=layout.code,
-                                unique_ids=batch.unique if config.stochastic_rounding else None)
+                                unique_ids=batch.unique if config.stochastic_rounding else None, out_at=bags.out_at)
         tier0.mark_dirty(updated)
         if psw_grad is not None and bags.psw is not None:
             psw_grad = psw_grad.to(bags.psw.device, bags.psw.dtype)
@@ -132,7 +154,10 @@ def backward_update(tier0, config, batch, bags: Bags, saved, grad_out: torch.Ten
         raise NotImplementedError("the torch-ops twin rounds 16-bit weights to the nearest only")
     out, leaf, psw = saved
     inputs = [leaf] + ([psw] if need_psw_grad and psw is not None else [])
-    grads = torch.autograd.grad(out, inputs, grad_out.to(out.device, out.dtype), allow_unused=True)
+    grad_out = grad_out.to(out.device, out.dtype)
+    if bags.out_at is not None:
+        grad_out = grad_out.reshape(-1)[_row_floats(bags, dim, out.device)]
+    grads = torch.autograd.grad(out, inputs, grad_out, allow_unused=True)
     grad = grads[0] if grads[0] is not None else torch.zeros_like(leaf)
     stored = pool.gather(updated)
     rows = torch.cat([layout.weights(stored), layout.state(stored)], 1)  # float32 weights ‖ state

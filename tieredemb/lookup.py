@@ -10,6 +10,8 @@ builds no graph (no_grad, or a frozen table).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
 
@@ -17,42 +19,140 @@ from . import kernels
 from .kernels import Bags
 
 
+class Part(NamedTuple):
+    """One table's share of a lookup: the tiered module, its ids int64 [N], bag boundaries int64
+    [B + 1], per-sample weights [N] or None, pooling mode (0 sum, 1 mean, 2 max), whether the
+    padding row is left out of the bags, and out_at: where each bag's row starts in the output
+    block, in floats (int64 [B] on the host; None: the block is this part's own [B, dim])."""
+
+    table: object
+    ids: Tensor
+    offsets: Tensor
+    psw: Tensor | None
+    mode: int
+    exclude_padding: bool
+    out_at: Tensor | None = None
+
+
+class Expand(NamedTuple):
+    """Columns [col, col + dim) of every sample b's row take distinct bag inverse[b] of `bags`,
+    pooled once at the block's float side + dim * inverse[b] (after the samples' rows)."""
+
+    col: int
+    dim: int
+    side: int
+    bags: int
+    inverse: Tensor
+
+
 class _Pool(torch.autograd.Function):
-    """Autograd's view of a lookup: inputs (per-sample weights, the module's grad anchor), output
-    the pooled bags. Its backward applies the fused optimizer to tier 0."""
+    """Autograd's view of a lookup over one or more tables: inputs (each part's per-sample weights
+    and its table's grad anchor), output the pooled bags. Its backward applies each trained
+    table's fused optimizer to its tier 0."""
 
     @staticmethod
-    def forward(ctx, table, batch, bags: Bags, psw: Tensor | None, anchor: Tensor) -> Tensor:
-        out, saved = kernels.forward(table._store.tier0, table.config, batch, bags)
-        ctx.lookup = (table, batch, bags, saved)
-        return out
+    def forward(ctx, resident: list, shape: tuple, samples: int, expand: list, *inputs) -> Tensor:
+        block, ctx.saved = _forward(resident, shape)
+        ctx.resident, ctx.shape, ctx.expand = resident, shape, expand
+        return _result(block, samples, expand)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_out: Tensor):
-        table, batch, bags, saved = ctx.lookup
-        psw_grad = _backward(table, batch, bags, saved, grad_out, need_psw_grad=ctx.needs_input_grad[3])
-        return None, None, None, psw_grad, None
+    def backward(ctx, grad: Tensor):
+        grad = _grad_block(grad, ctx.shape, ctx.expand)
+        grads = []
+        for (part, batch, bags), saved, needs in zip(ctx.resident, ctx.saved, ctx.needs_input_grad[4::2]):
+            trained = saved is not _FROZEN
+            grads += [_backward(part.table, batch, bags, saved, grad, need_psw_grad=needs) if trained else None, None]
+        return None, None, None, None, *grads
+
+
+_FROZEN = object()  # a part's saved state when its table takes no update
 
 
 def pooled(table, ids: Tensor, offsets: Tensor, psw: Tensor | None, mode: int, exclude_padding: bool) -> Tensor:
     """ids int64 [N]; offsets int64 [B + 1] bag boundaries; psw [N] or None; mode 0 sum, 1 mean,
     2 max. Returns [B, D]. table: the tiered module (its store, prefetcher, optimizer, step)."""
-    batch = table._prefetch.take(ids, offsets)
-    batch.await_rows()
-    pad = -1 if table.padding_idx is None else table.padding_idx
-    bags = Bags(offsets, psw, mode, pad if exclude_padding else -1, pad)
-    training = torch.is_grad_enabled() and table._grad_anchor.requires_grad
-    if not training:
-        try:
-            return kernels.forward(table._store.tier0, table.config, batch, bags)[0]
-        finally:
-            batch.release()
+    bags = len(offsets) - 1
+    return pooled_block([Part(table, ids, offsets, psw, mode, exclude_padding)], (bags, table.embedding_dim), bags)
+
+
+def pooled_block(parts: list, shape: tuple, samples: int, expand: tuple = ()) -> Tensor:
+    """Every part's bags pooled into one float32 block of `shape` on the tables' device (each
+    part's rows at its out_at), one autograd node for them all; its backward reads each bag's
+    gradient where its row went. Returns the block's first `samples` rows, each Expand's columns
+    filled from its distinct bags (which the rows after them hold). Each part's table is a
+    different module (each has one batch in flight here)."""
+    taken = []
     try:
-        return _Pool.apply(table, batch, bags, psw, table._grad_anchor)
+        for part in parts:
+            batch = part.table._prefetch.take(part.ids, part.offsets)
+            taken.append(batch)
+            batch.await_rows()
     except BaseException:
-        batch.release()
+        for batch in taken:
+            batch.release()
         raise
+    resident = []
+    for part, batch in zip(parts, taken):
+        pad = -1 if part.table.padding_idx is None else part.table.padding_idx
+        resident.append((part, batch, Bags(part.offsets, part.psw, part.mode, pad if part.exclude_padding else -1,
+                                           pad, part.out_at)))
+    try:
+        if torch.is_grad_enabled() and any(p.table._grad_anchor.requires_grad for p in parts):
+            inputs = [t for p in parts for t in (p.psw, p.table._grad_anchor)]
+            return _Pool.apply(resident, shape, samples, list(expand), *inputs)
+    except BaseException:
+        for batch in taken:
+            batch.release()
+        raise
+    try:  # no graph: nothing to update
+        return _result(_forward(resident, shape)[0], samples, expand)
+    finally:
+        for batch in taken:
+            batch.release()
+
+
+def _forward(resident: list, shape: tuple) -> tuple[Tensor, list]:
+    """The block with every part's bags pooled in, and what each part's backward needs (_FROZEN
+    for a table that takes no update: its batch is released at once)."""
+    block = torch.empty(shape, dtype=torch.float32, device=resident[0][0].table._store.tier0.pool.device)
+    saved = []
+    for part, batch, bags in resident:
+        s = kernels.forward(part.table._store.tier0, part.table.config, batch, bags, block)[1]
+        saved.append(s if part.table._grad_anchor.requires_grad else _FROZEN)
+    for (_, batch, _), s in zip(resident, saved):
+        if s is _FROZEN:
+            batch.release()
+    return block, saved
+
+
+def _result(block: Tensor, samples: int, expand: list) -> Tensor:
+    """The samples' rows of the block, each Expand's columns filled from its distinct bags."""
+    if samples == block.shape[0] and not expand:
+        return block
+    out = block[:samples].clone()
+    flat = block.view(-1)
+    for e in expand:
+        distinct = flat[e.side:e.side + e.bags * e.dim].view(e.bags, e.dim)
+        out[:, e.col:e.col + e.dim] = distinct.index_select(0, e.inverse.to(block.device))
+    return out
+
+
+def _grad_block(grad: Tensor, shape: tuple, expand: list) -> Tensor:
+    """The gradient in the block's layout: the samples' rows, and where each Expand's distinct
+    bags were pooled, their gradient (the sum over their samples)."""
+    grad = grad.to(torch.float32).contiguous()
+    if tuple(grad.shape) == tuple(shape) and not expand:
+        return grad
+    block = torch.zeros(shape, dtype=torch.float32, device=grad.device)
+    block[:grad.shape[0]] = grad
+    flat = block.view(-1)
+    for e in expand:
+        sums = torch.zeros(e.bags, e.dim, dtype=torch.float32, device=grad.device)
+        sums.index_add_(0, e.inverse.to(grad.device), grad[:, e.col:e.col + e.dim])
+        flat[e.side:e.side + e.bags * e.dim] = sums.view(-1)
+    return block
 
 
 def _backward(table, batch, bags: Bags, saved, grad_out: Tensor, need_psw_grad: bool) -> Tensor | None:

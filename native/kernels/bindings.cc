@@ -93,6 +93,32 @@ Status check_batch(const PoolingArgs& a, int64_t pool_rows) {
   return check_slots("inverse: unique index", a.inverse, a.num_ids, a.num_unique);
 }
 
+// Where the bags' output rows go in an [rows, cols] block (out_at: [B] starts in floats, or none:
+// the block is [B, dim]); the O(B) check of out_at runs in check_out_at, with the GIL released.
+void set_out(PoolingArgs* a, const char* what, int64_t rows, int64_t cols, const std::optional<Ids>& out_at) {
+  if (!out_at) {
+    raise_if_error(check_rows(what, rows, a->num_bags, cols, a->dim));
+    return;
+  }
+  if (static_cast<int64_t>(out_at->shape(0)) != a->num_bags)
+    throw nb::value_error((std::string(what) + ": out_at has " + std::to_string(out_at->shape(0)) + " entries for " +
+                           std::to_string(a->num_bags) + " bags").c_str());
+  a->out_at = out_at->data();
+}
+
+// Every bag's output row (dim floats at out_at[b]) inside a block of `size` floats.
+Status check_out_at(const PoolingArgs& a, const char* what, int64_t size) {
+  if (a.out_at == nullptr) return Status::Ok();
+  for (int64_t b = 0; b < a.num_bags; ++b) {
+    const int64_t at = a.out_at[b];
+    if (at < 0 || at > size - a.dim)
+      return Status::IndexError(std::string(what) + ": out_at[" + std::to_string(b) + "] = " + std::to_string(at) +
+                                " puts a row of " + std::to_string(a.dim) + " floats outside its " +
+                                std::to_string(size) + " floats");
+  }
+  return Status::Ok();
+}
+
 // ValueError unless max pooling has an argmax of num_bags * dim entries.
 void check_argmax(const PoolingArgs& a, int64_t argmax_size) {
   if (a.mode == PoolingMode::kMax && argmax_size != a.num_bags * a.dim)
@@ -165,21 +191,24 @@ void register_kernels(nb::module_& m) {
         "kind"_a, "dim"_a, "floats of optimizer state per row");
 
   m.def("pool_forward", [](Rows pool, int64_t dim, Ids slots_u, Ids inverse, Ids offsets, std::optional<Floats> psw,
-                           int mode, int64_t skip_u, Rows out, std::optional<MutIds> argmax, int weights) {
+                           int mode, int64_t skip_u, Rows out, std::optional<MutIds> argmax, int weights,
+                           std::optional<Ids> out_at) {
         PoolingArgs a = pooling_args(pool, dim, slots_u, inverse, offsets, psw, mode, skip_u, weights);
-        raise_if_error(check_rows("pool_forward out", out.shape(0), a.num_bags, out.shape(1), dim));
+        set_out(&a, "pool_forward out", out.shape(0), out.shape(1), out_at);
         check_argmax(a, argmax ? static_cast<int64_t>(argmax->shape(0)) : -1);
         int64_t* am = argmax ? argmax->data() : nullptr;
         run_without_gil([&] {
           Status s = check_batch(a, static_cast<int64_t>(pool.shape(0)));
+          if (s.ok()) s = check_out_at(a, "pool_forward out", static_cast<int64_t>(out.shape(0) * out.shape(1)));
           if (s.ok()) pool_forward(a, pool.data(), out.data(), am);
           return s;
         });
       }, "pool"_a.noconvert(), "dim"_a, "slots_u"_a.noconvert(), "inverse"_a.noconvert(), "offsets"_a.noconvert(),
       "per_sample_weights"_a.noconvert().none(), "mode"_a, "skip_u"_a, "out"_a.noconvert(),
-      "argmax"_a.noconvert().none(), "weights"_a = 0,
+      "argmax"_a.noconvert().none(), "weights"_a = 0, "out_at"_a.noconvert().none() = nb::none(),
       "out[b] = the pooled float32 weights of bag b's rows (pool rows of `weights` type: 0 float32, 1 float16, "
-      "2 bfloat16); for max pooling argmax[b * dim + d] = the occurrence that gave the max");
+      "2 bfloat16), or with out_at [B] the dim floats of out's flat buffer from out_at[b] (several lookups "
+      "side by side in one block); for max pooling argmax[b * dim + d] = the occurrence that gave the max");
 
   nb::class_<OptimizerArgs>(m, "OptimizerArgs")
       .def(nb::init<>())
@@ -202,9 +231,9 @@ void register_kernels(nb::module_& m) {
   m.def("pool_backward_update", [](Rows pool, int64_t dim, Ids slots_u, Ids inverse, Ids offsets, std::optional<Floats> psw,
                                    int mode, int64_t skip_u, ConstRows grad_out, std::optional<Ids> argmax,
                                    const OptimizerArgs& opt, int64_t frozen_u, std::optional<MutFloats> psw_grad,
-                                   int weights, std::optional<Ids> unique_ids) {
+                                   int weights, std::optional<Ids> unique_ids, std::optional<Ids> out_at) {
         PoolingArgs a = pooling_args(pool, dim, slots_u, inverse, offsets, psw, mode, skip_u, weights);
-        raise_if_error(check_rows("grad_output", grad_out.shape(0), a.num_bags, grad_out.shape(1), dim));
+        set_out(&a, "grad_output", grad_out.shape(0), grad_out.shape(1), out_at);
         check_argmax(a, argmax ? static_cast<int64_t>(argmax->shape(0)) : -1);
         if (psw_grad && static_cast<int64_t>(psw_grad->shape(0)) != a.num_ids)
           throw nb::value_error(("psw_grad has " + std::to_string(psw_grad->shape(0)) + " entries for " +
@@ -222,14 +251,16 @@ void register_kernels(nb::module_& m) {
         float* pg = psw_grad ? psw_grad->data() : nullptr;
         run_without_gil([&] {
           Status s = check_batch(a, static_cast<int64_t>(pool.shape(0)));
+          if (s.ok()) s = check_out_at(a, "grad_output", static_cast<int64_t>(grad_out.shape(0) * grad_out.shape(1)));
           if (s.ok()) pool_backward_update(a, pool.data(), grad_out.data(), am, opt, frozen_u, pg);
           return s;
         });
       }, "pool"_a.noconvert(), "dim"_a, "slots_u"_a.noconvert(), "inverse"_a.noconvert(), "offsets"_a.noconvert(),
       "per_sample_weights"_a.noconvert().none(), "mode"_a, "skip_u"_a, "grad_out"_a.noconvert(),
       "argmax"_a.noconvert().none(), "opt"_a, "frozen_u"_a, "psw_grad"_a.noconvert().none(), "weights"_a = 0,
-      "unique_ids"_a.noconvert().none() = nb::none(),
-      "sums each unique row's gradient and applies the optimizer to its row in place (16-bit weights: to the "
+      "unique_ids"_a.noconvert().none() = nb::none(), "out_at"_a.noconvert().none() = nb::none(),
+      "sums each unique row's gradient (bag b's: grad_out's row b, or with out_at the dim floats of its flat "
+      "buffer from out_at[b]) and applies the optimizer to its row in place (16-bit weights: to the "
       "decoded float32 weights, then written back rounded to nearest even, or stochastically with "
       "opt.stochastic_rounding, which needs unique_ids [U], the row id of each unique row)");
 }

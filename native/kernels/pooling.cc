@@ -207,7 +207,7 @@ void pool_forward_typed(const PoolingArgs& a, const float* pool, float* out, int
     std::vector<float> scales;
     std::vector<float> decoded(W == WeightType::kFloat32 ? 0 : dim);
     for (int64_t b = begin; b < end; ++b) {
-      float* __restrict o = out + b * dim;
+      float* __restrict o = out + a.out_row(b);
       if (a.mode == PoolingMode::kMax) {
         std::fill(o, o + dim, 0.f);
         int64_t* __restrict am = argmax + b * dim;
@@ -273,8 +273,8 @@ struct GradTerms {
   static constexpr WeightType kWeights = WeightType::kFloat32;
   const GradTerm* terms;
   const float* grad_out;
-  int64_t dim;
-  const float* row(int64_t k) const { return grad_out + terms[k].bag * dim; }
+  const PoolingArgs* a;
+  const float* row(int64_t k) const { return grad_out + a->out_row(terms[k].bag); }
   float scale(int64_t k) const { return terms[k].scale; }
 };
 
@@ -311,7 +311,7 @@ void pool_backward_update_typed(const PoolingArgs& a, float* pool, const float* 
       const int64_t stream_end = a.offsets[end];
       std::vector<float> decoded(W == WeightType::kFloat32 ? 0 : dim);
       for (int64_t b = begin; b < end; ++b) {
-        const float* g = grad_out + b * dim;
+        const float* g = grad_out + a.out_row(b);
         for (int64_t i = a.offsets[b]; i < a.offsets[b + 1]; ++i) {
           if (i + kPrefetchAhead < stream_end)
             prefetch_floats(pool + a.slots_u[a.inverse[i + kPrefetchAhead]] * a.width, weight_words(W, dim));
@@ -332,7 +332,7 @@ void pool_backward_update_typed(const PoolingArgs& a, float* pool, const float* 
     for (int64_t b = 0; b < num_bags; ++b) {
       for (int64_t d = 0; d < dim; ++d) {
         int64_t i = argmax[b * dim + d];
-        if (i >= 0) grad_u[a.inverse[i] * dim + d] += grad_out[b * dim + d];
+        if (i >= 0) grad_u[a.inverse[i] * dim + d] += grad_out[a.out_row(b) + d];
       }
     }
     parallel_for(num_u, kRowGrain, [&](int64_t begin, int64_t end) {
@@ -406,9 +406,9 @@ void pool_backward_update_typed(const PoolingArgs& a, float* pool, const float* 
           prefetch_floats(pool + a.slots_u[u_ahead] * a.width, a.width);
         int64_t k0 = start[u], k1 = start[u + 1];
         for (k_ahead = std::max(k_ahead, k0); k_ahead < std::min(k1 + kPrefetchAhead, k_stop); ++k_ahead)
-          prefetch_floats(grad_out + terms[k_ahead].bag * dim, dim);
+          prefetch_floats(grad_out + a.out_row(terms[k_ahead].bag), dim);
         if (u == frozen_u || u == a.skip_u) continue;
-        GradTerms src{terms.data() + k0, grad_out, dim};
+        GradTerms src{terms.data() + k0, grad_out, &a};
         if (unit_scale) {
           sum_rows<false>(src, k1 - k0, dim, g);
         } else {

@@ -31,9 +31,13 @@ struct PoolingArgs {
   int64_t skip_u = -1;  // unique index left out of every bag (EmbeddingBag's padding_idx), or -1
   WeightType weights = WeightType::kFloat32;  // of the pool's rows (weights.h)
   const int64_t* unique_ids = nullptr;  // [U] the row id of each unique row (stochastic rounding), or null
+  // [B]: where bag b's output row starts in out (and its gradient in grad_out), in floats; null:
+  // at b * dim (out is [B, dim]). Lets several lookups write one [B, sum of dims] block.
+  const int64_t* out_at = nullptr;
+  int64_t out_row(int64_t b) const { return out_at != nullptr ? out_at[b] : b * dim; }
 };
 
-// out[b] = pooled rows of bag b ([B, dim]). For max, argmax[b * dim + d] = the occurrence that
+// out + out_row(b) = pooled rows of bag b (dim floats). For max, argmax[b * dim + d] = the occurrence that
 // gave the max (-1 for an empty bag); ties go to the first.
 void pool_forward(const PoolingArgs& a, const float* pool, float* out, int64_t* argmax);
 

@@ -24,12 +24,12 @@ _SUM, _MEAN, _MAX = 0, 1, 2
 
 
 @triton.jit
-def _forward_kernel(pool_ptr, slots_ptr, unique_ptr, inverse_ptr, offsets_ptr, psw_ptr, out_ptr, argmax_ptr,
-                    dim, width, skip_id, MODE: tl.constexpr, HAS_PSW: tl.constexpr, WEIGHTS: tl.constexpr,
-                    BLOCK: tl.constexpr):
-    """Bag b = program 0, columns block = program 1: out[b] = the pooled rows of the bag, row
-    skip_id left out (EmbeddingBag's padding_idx; -1: none). Max also writes argmax[b, d] (the
-    occurrence that gave the max, -1 for an empty bag)."""
+def _forward_kernel(pool_ptr, slots_ptr, unique_ptr, inverse_ptr, offsets_ptr, psw_ptr, out_ptr, at_ptr, argmax_ptr,
+                    dim, width, skip_id, MODE: tl.constexpr, HAS_PSW: tl.constexpr, HAS_AT: tl.constexpr,
+                    WEIGHTS: tl.constexpr, BLOCK: tl.constexpr):
+    """Bag b = program 0, columns block = program 1: the pooled rows of the bag, row skip_id left
+    out (EmbeddingBag's padding_idx; -1: none), into out[b] (HAS_AT: out's floats from at[b]).
+    Max also writes argmax[b, d] (the occurrence that gave the max, -1 for an empty bag)."""
     b = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     in_row = cols < dim
@@ -53,32 +53,46 @@ def _forward_kernel(pool_ptr, slots_ptr, unique_ptr, inverse_ptr, offsets_ptr, p
             count += 1.0
     if MODE == 1:
         acc = acc * tl.math.div_rn(1.0, tl.maximum(count, 1.0))
-    tl.store(out_ptr + b * dim + cols, acc, mask=in_row)
+    tl.store(out_ptr + _out_row(at_ptr, b, dim, HAS_AT) + cols, acc, mask=in_row)
     if MODE == 2:
         tl.store(argmax_ptr + b * dim + cols, best, mask=in_row)
 
 
+@triton.jit
+def _out_row(at_ptr, b, dim, HAS_AT: tl.constexpr):
+    """Where bag b's output row (or its gradient) starts: at[b], or b * dim (int64 either way: a
+    compiled kernel's returns must agree in type, which the interpreter does not check)."""
+    if HAS_AT:
+        row = tl.load(at_ptr + b)
+    else:
+        row = b.to(tl.int64) * dim
+    return row
+
+
 def forward(pool: torch.Tensor, dim: int, slots: torch.Tensor, unique: torch.Tensor, inverse: torch.Tensor,
-            offsets: torch.Tensor, psw: torch.Tensor | None, mode: int, skip_id: int, weights: int = 0):
+            offsets: torch.Tensor, psw: torch.Tensor | None, mode: int, skip_id: int, weights: int = 0,
+            out: torch.Tensor | None = None, at: torch.Tensor | None = None):
     """The bags pooled (mode 0 sum, 1 mean, 2 max), row skip_id left out of every bag (-1: none);
     weights: the rows' weight type (optim.WEIGHT_TYPES): (out float32 [B, dim], argmax int64
-    [B, dim] for max else None)."""
+    [B, dim] for max else None). out / at: the block to write and where each bag's row starts in
+    it (int64 [B], in floats; several lookups side by side), instead of a new [B, dim]."""
     bags = offsets.numel() - 1
-    out = torch.empty(bags, dim, dtype=torch.float32, device=pool.device)
+    if out is None:
+        out = torch.empty(bags, dim, dtype=torch.float32, device=pool.device)
     argmax = torch.empty(bags, dim, dtype=torch.int64, device=pool.device) if mode == _MAX else None
     if bags == 0:
         return out, argmax
     block = min(128, triton.next_power_of_2(dim))
     _forward_kernel[(bags, triton.cdiv(dim, block))](
-        pool, slots, unique, inverse, offsets, psw if psw is not None else out, out,
+        pool, slots, unique, inverse, offsets, psw if psw is not None else out, out, at if at is not None else offsets,
         argmax if argmax is not None else offsets, dim, pool.shape[1], skip_id,
-        MODE=mode, HAS_PSW=psw is not None, WEIGHTS=weights, BLOCK=block)
+        MODE=mode, HAS_PSW=psw is not None, HAS_AT=at is not None, WEIGHTS=weights, BLOCK=block)
     return out, argmax
 
 
 @triton.jit
-def _psw_grad_kernel(pool_ptr, slots_ptr, unique_ptr, inverse_ptr, bag_ptr, grad_ptr, out_ptr, dim, width,
-                     skip_id, WEIGHTS: tl.constexpr, BLOCK: tl.constexpr):
+def _psw_grad_kernel(pool_ptr, slots_ptr, unique_ptr, inverse_ptr, bag_ptr, grad_ptr, at_ptr, out_ptr, dim, width,
+                     skip_id, HAS_AT: tl.constexpr, WEIGHTS: tl.constexpr, BLOCK: tl.constexpr):
     """Occurrence i: out[i] = <row of i, grad of its bag> (0 for row skip_id)."""
     i = tl.program_id(0)
     u = tl.load(inverse_ptr + i)
@@ -86,7 +100,7 @@ def _psw_grad_kernel(pool_ptr, slots_ptr, unique_ptr, inverse_ptr, bag_ptr, grad
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     if tl.load(unique_ptr + u) != skip_id:
         slot = tl.load(slots_ptr + u)
-        g_base = tl.load(bag_ptr + i) * dim
+        g_base = _out_row(at_ptr, tl.load(bag_ptr + i), dim, HAS_AT)
         for start in range(0, dim, BLOCK):
             c = start + cols
             acc += load_weights(pool_ptr, slot, c, c < dim, width, WEIGHTS) * tl.load(grad_ptr + g_base + c,
@@ -98,12 +112,13 @@ def _psw_grad_kernel(pool_ptr, slots_ptr, unique_ptr, inverse_ptr, bag_ptr, grad
 # Python int, which has no .to().
 @triton.jit(do_not_specialize=["sr_seed", "step"])
 def _update_kernel(pool_ptr, dirty_ptr, slots_ptr, unique_ptr, num_unique_ptr, order_ptr, start_ptr, bag_ptr,
-                   scale_ptr, grad_ptr, argmax_ptr, dim, dim_f, width, weight_words, skip_id, frozen_id, lr, eps, beta1,
-                   beta2, adam_step, acc_div, sr_seed, step, OPT: tl.constexpr, MODE: tl.constexpr, WEIGHTS: tl.constexpr,
-                   STOCHASTIC: tl.constexpr, BLOCK: tl.constexpr):
+                   scale_ptr, grad_ptr, at_ptr, argmax_ptr, dim, dim_f, width, weight_words, skip_id, frozen_id, lr, eps,
+                   beta1, beta2, adam_step, acc_div, sr_seed, step, OPT: tl.constexpr, MODE: tl.constexpr,
+                   HAS_AT: tl.constexpr, WEIGHTS: tl.constexpr, STOCHASTIC: tl.constexpr, BLOCK: tl.constexpr):
     """Unique row u = program 0: g = the sum of its occurrences' gradients, in occurrence order
     (occurrences order[start[u]] .. order[start[u+1]-1], each the gradient of its bag times its
-    scale; for max only the columns it was the argmax of), then the optimizer applied to its
+    scale; for max only the columns it was the argmax of; a bag's gradient is grad's row bag, or
+    with HAS_AT its floats from at[bag]), then the optimizer applied to its
     row in the pool, and the row marked dirty. Rows skip_id (left out of the bags) and
     frozen_id (the padding row) are left alone. 16-bit weights (WEIGHTS 1, 2) are updated in
     float32 and rounded back: to the nearest, or stochastically (STOCHASTIC)."""
@@ -116,7 +131,7 @@ def _update_kernel(pool_ptr, dirty_ptr, slots_ptr, unique_ptr, num_unique_ptr, o
         for k in range(tl.load(start_ptr + u), tl.load(start_ptr + u + 1)):
             i = tl.load(order_ptr + k)
             bag = tl.load(bag_ptr + i)
-            grad = tl.load(grad_ptr + bag * dim + cols, mask=w, other=0.0)
+            grad = tl.load(grad_ptr + _out_row(at_ptr, bag, dim, HAS_AT) + cols, mask=w, other=0.0)
             if MODE == 2:
                 g += tl.where(tl.load(argmax_ptr + bag * dim + cols, mask=w, other=-1) == i, grad, 0.0)
             else:
@@ -178,13 +193,15 @@ def backward_update(pool: torch.Tensor, dirty: torch.Tensor, dim: int, slots: to
                     num_unique: torch.Tensor, inverse: torch.Tensor, offsets: torch.Tensor, psw: torch.Tensor | None,
                     mode: int, skip_id: int, frozen_id: int, grad_out: torch.Tensor, argmax: torch.Tensor | None,
                     optimizer, step: int, need_psw_grad: bool, weights: int = 0, stochastic_rounding: bool = False,
-                    sr_seed: int = 0) -> torch.Tensor | None:
+                    sr_seed: int = 0, at: torch.Tensor | None = None) -> torch.Tensor | None:
     """Applies the optimizer to every unique row the batch used but rows skip_id and frozen_id,
     with the gradients of duplicate ids summed first, and marks those rows dirty (dirty: uint8
-    [slots]). num_unique: int64 [1] on the device (U). Returns the per-sample weights' gradient
-    when asked."""
+    [slots]). num_unique: int64 [1] on the device (U). grad_out: [B, dim], or with at (int64 [B])
+    a block holding bag b's gradient at its floats from at[b]. Returns the per-sample weights'
+    gradient when asked."""
     n, bags, dev = inverse.numel(), offsets.numel() - 1, pool.device
     grad_out = grad_out.to(dev, torch.float32).contiguous()
+    at_arg = at if at is not None else offsets
     lengths = offsets[1:] - offsets[:-1]
     bag_of = torch.repeat_interleave(torch.arange(bags, device=dev), lengths, output_size=n)
     psw_grad = None
@@ -192,8 +209,8 @@ def backward_update(pool: torch.Tensor, dirty: torch.Tensor, dim: int, slots: to
     if need_psw_grad:
         psw_grad = torch.empty(n, dtype=torch.float32, device=dev)
         if n:
-            _psw_grad_kernel[(n,)](pool, slots, unique, inverse, bag_of, grad_out, psw_grad, dim, pool.shape[1],
-                                   skip_id, WEIGHTS=weights, BLOCK=min(block, 128))
+            _psw_grad_kernel[(n,)](pool, slots, unique, inverse, bag_of, grad_out, at_arg, psw_grad, dim, pool.shape[1],
+                                   skip_id, HAS_AT=at is not None, WEIGHTS=weights, BLOCK=min(block, 128))
     if n == 0:
         return psw_grad
     if psw is not None:
@@ -209,9 +226,9 @@ def backward_update(pool: torch.Tensor, dirty: torch.Tensor, dim: int, slots: to
     per_unique = torch.zeros(n, dtype=torch.int64, device=dev).index_add_(0, inverse, torch.ones_like(inverse))
     torch.cumsum(per_unique, 0, out=start[1:])  # (bincount would wait for the device to size its output)
     a = optimizer.native_args(step)
-    _update_kernel[(n,)](pool, dirty, slots, unique, num_unique, order, start, bag_of, scale, grad_out,
+    _update_kernel[(n,)](pool, dirty, slots, unique, num_unique, order, start, bag_of, scale, grad_out, at_arg,
                          argmax if argmax is not None else order, dim, float(dim), pool.shape[1],
                          dim if weights == 0 else (dim + 1) // 2, skip_id, frozen_id, a.lr, a.eps, a.beta1, a.beta2,
-                         a.adam_step_size, a.accumulator_divisor, sr_seed, step, OPT=optimizer.kind, MODE=mode, WEIGHTS=weights,
-                         STOCHASTIC=stochastic_rounding, BLOCK=block)
+                         a.adam_step_size, a.accumulator_divisor, sr_seed, step, OPT=optimizer.kind, MODE=mode,
+                         HAS_AT=at is not None, WEIGHTS=weights, STOCHASTIC=stochastic_rounding, BLOCK=block)
     return psw_grad

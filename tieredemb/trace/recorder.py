@@ -49,7 +49,8 @@ def _tables(modules) -> list[tuple[str, torch.nn.Module]]:
 
 
 def _collection_sources(ebc, base) -> list:
-    """(module, keys of its ids) per group engine of a collection: a group's row is table t's row
+    """(engine, keys of its ids) per group of a collection (whose forward hook reads each group's
+    ids of the last lookup, ebc.looked_up): a group's row is table t's row
     (row - group offset of t), whose trace key is base[t] + that."""
     position = {t.name: k for k, t in enumerate(ebc.tables)}
     sources = []
@@ -81,8 +82,11 @@ class Recorder:
         self._in_batch: set[int] = set()
         self._hooks = []
         try:
-            for k, (m, keys) in enumerate(sources):
-                self._hooks.append(m.register_forward_hook(self._hook(k, keys), with_kwargs=True))
+            if isinstance(modules, _Collection):
+                self._hooks.append(modules.register_forward_hook(self._collection_hook(sources)))
+            else:
+                for k, (m, keys) in enumerate(sources):
+                    self._hooks.append(m.register_forward_hook(self._hook(k, keys), with_kwargs=True))
         except BaseException:
             self._remove()
             self._writer.abort()
@@ -92,6 +96,12 @@ class Recorder:
         def hook(module, args, kwargs, output):
             ids = args[0] if args else kwargs["input"]
             self._record(source, keys, ids)
+        return hook
+
+    def _collection_hook(self, sources):
+        def hook(module, args, output):  # each group's ids, as its one lookup had them
+            for k, ((_, keys), ids) in enumerate(zip(sources, module.looked_up)):
+                self._record(k, keys, ids)
         return hook
 
     def _record(self, source: int, keys, ids: torch.Tensor) -> None:
