@@ -105,10 +105,12 @@ def test_tables_of_one_kind_are_one_lookup(monkeypatch):
 
     monkeypatch.setattr(tieredemb.kernels, "forward", counted("forward", tieredemb.kernels.forward))
     monkeypatch.setattr(tieredemb.kernels, "backward_update", counted("backward", tieredemb.kernels.backward_update))
-    take = ebc.engines[0]._prefetch.take
-    monkeypatch.setattr(ebc.engines[0]._prefetch, "take", counted("take", take))
+    take, seen = ebc.engines[0]._prefetch.take, []
+    monkeypatch.setattr(ebc.engines[0]._prefetch, "take", counted("take", lambda *a: (seen.append(a[2]), take(*a))[1]))
     out = ebc({f"f{k}": (torch.tensor([k, 99]), torch.tensor([0, 1])) for k in range(4)})
     assert calls == ["take", "forward"] and out.values().shape == (2, 32)  # one residency pass, one kernel
+    starts, row_ends = seen[0]  # each table's ids a run of its own rows: deduplicated run by run
+    assert starts.tolist() == [0, 2, 4, 6, 8] and row_ends.tolist() == [100, 201, 303, 406]
     assert torch.equal(out["f3"][1], ebc.read_rows("t3", torch.tensor([99]))[0])
     out.values().sum().backward()
     assert calls == ["take", "forward", "backward"]

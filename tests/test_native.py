@@ -62,6 +62,42 @@ def test_dedup_of_a_large_batch_with_many_distinct_ids():
     assert len(unique) == len(torch.unique(ids))
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("wide", [False, True], ids=["uint32 keys", "int64 keys"])
+def test_dedup_of_segments_of_disjoint_ranges_is_the_whole_batchs(threads, wide):
+    """A collection's batch (each table's ids a run of its own row range, an empty run among
+    them) deduplicated run by run, in parallel, equals the dedup of the whole batch."""
+    g = np.random.default_rng(3)
+    scale = 10**10 if wide else 1
+    ends = np.array([1000, 1000, 50_000, 50_100, 4_000_000]) * scale
+    lengths = [3000, 0, 20_000, 700, 9000]
+    runs = [g.integers(lo, hi, n) for lo, hi, n in zip([0, *ends[:-1]], ends, lengths)]
+    ids = torch.from_numpy(np.concatenate(runs))
+    starts = torch.from_numpy(np.cumsum([0] + lengths))
+    _C.set_num_threads(threads)
+    try:
+        whole = _C.dedup(ids, int(ends[-1]))
+        runwise = _C.dedup(ids, int(ends[-1]), starts, torch.from_numpy(ends))
+    finally:
+        _C.set_num_threads(torch.get_num_threads())
+    assert np.array_equal(runwise[0], whole[0]) and np.array_equal(runwise[1], whole[1])
+
+
+def test_dedup_segments_are_checked_by_value():
+    ids, ends = torch.tensor([1, 2, 5, 7]), torch.tensor([4, 8])
+    bad = [((torch.tensor([0, 2, 4]), torch.tensor([4, 6])), IndexError,
+            r"id 7 out of range \[4, 6\) of its segment 1"),
+           ((torch.tensor([0, 3, 4]), ends), IndexError, r"id 5 out of range \[0, 4\) of its segment 0"),
+           ((torch.tensor([0, 2, 3]), ends), ValueError, r"segment starts must run from 0 to the 4 ids, got 0 .. 3"),
+           ((torch.tensor([0, 3, 2, 4]), torch.tensor([4, 4, 8])), ValueError, r"non-decreasing, got starts\[2\] = 2"),
+           ((torch.tensor([0, 2, 4]), torch.tensor([4, 9])), ValueError, r"row_ends must ascend within \[0, 8\]"),
+           ((torch.tensor([0, 4]), ends), ValueError, r"2 segments \(row_ends\) need 3 starts, got 2"),
+           ((torch.tensor([0, 2, 4]), None), ValueError, r"give starts and row_ends together")]
+    for (starts, row_ends), error, message in bad:
+        with pytest.raises(error, match=message):
+            _C.dedup(ids, 8, starts, row_ends)
+
+
 # -- overflow slots of a CacheIndex ------------------------------------------------------------
 
 

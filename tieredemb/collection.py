@@ -262,6 +262,16 @@ class _Collection(nn.Module):
             psw = _cat([w if w is not None else torch.ones(len(i), device=i.device) for w, i in zip(weights, ids)])
         return flat, offsets, psw, parts
 
+    @staticmethod
+    def _segments(group: _Group, features) -> tuple:
+        """(starts [S + 1], row_ends [S]) of a group's lookup: each table's ids, its features one
+        after another, are a run of the group's rows [offset, offset + rows): runs deduplicated
+        alone, in parallel (native/kernels/dedup.h)."""
+        per_feature = {f: int(b[-1]) for f, b, _ in features}
+        sizes = [sum(per_feature[f] for f in t.feature_names) for t in group.tables]
+        ends = [int(group.offsets[t.name]) + t.num_embeddings for t in group.tables]
+        return torch.from_numpy(np.cumsum([0] + sizes)), torch.tensor(ends, dtype=torch.int64)
+
     # -- rows, state, stats ---------------------------------------------------------------------
     def _where(self, table: str):
         for group, engine in zip(self.groups, self.engines):
@@ -358,7 +368,7 @@ class TieredEmbeddingBagCollection(_Collection):
                     at.append(np.arange(bags, dtype=np.int64) * dim + side)
                     side += bags * dim
             parts.append(lookup.Part(engine, flat, offsets, psw, _MODES[group.tables[0].pooling], True,
-                                     torch.from_numpy(np.concatenate(at))))
+                                     torch.from_numpy(np.concatenate(at)), self._segments(group, features)))
         values = lookup.pooled_block(parts, (-(-side // width), width), samples, expand)
         return keyed(keys, dims, values)
 

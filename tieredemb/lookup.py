@@ -32,6 +32,7 @@ class Part(NamedTuple):
     mode: int
     exclude_padding: bool
     out_at: Tensor | None = None
+    segments: tuple | None = None  # (starts [S + 1], row_ends [S]): runs of disjoint id ranges (CacheTier.dedup)
 
 
 class Expand(NamedTuple):
@@ -86,7 +87,7 @@ def pooled_block(parts: list, shape: tuple, samples: int, expand: tuple = ()) ->
     taken = []
     try:
         for part in parts:
-            batch = part.table._prefetch.take(part.ids, part.offsets)
+            batch = part.table._prefetch.take(part.ids, part.offsets, part.segments)
             taken.append(batch)
             batch.await_rows()
     except BaseException:

@@ -127,10 +127,10 @@ class Prefetcher:
             self.counters["registered"] += 1
             self._ensure_worker()
 
-    def take(self, ids: torch.Tensor, offsets: torch.Tensor):
+    def take(self, ids: torch.Tensor, offsets: torch.Tensor, segments=None):
         """A forward's batch, resident and pinned (a ResidentBatch). The oldest registered batch
-        (checked), waited for; else (nothing registered) made resident here. A background error
-        surfaces here."""
+        (checked), waited for; else (nothing registered) made resident here (segments: as
+        TableStore.dedup takes them). A background error surfaces here."""
         start = time.perf_counter()
         with self.cond:
             self._raise_error()
@@ -149,7 +149,7 @@ class Prefetcher:
                 self._count(p.batch.misses, "prefetched_rows" if found == _RESIDENT else "late_rows", start)
                 batch, p.batch = p.batch, None
                 return batch
-        batch = self.store.prepare(ids)
+        batch = self.store.prepare(ids, segments)
         with self.cond:
             self._count(batch.misses, "demand_misses", start)
         return batch

@@ -129,12 +129,29 @@ void check_argmax(const PoolingArgs& a, int64_t argmax_size) {
 }  // namespace
 
 void register_kernels(nb::module_& m) {
-  m.def("dedup", [](Ids ids, int64_t num_embeddings) {
+  m.def("dedup", [](Ids ids, int64_t num_embeddings, std::optional<Ids> starts, std::optional<Ids> row_ends) {
         std::vector<int64_t> unique, inverse(ids.shape(0));
-        run_without_gil([&] { return dedup(ids.data(), ids.shape(0), num_embeddings, &unique, inverse.data()); });
+        if (starts.has_value() != row_ends.has_value())
+          throw nb::value_error("dedup: give starts and row_ends together (segments of disjoint id ranges), or neither");
+        if (!starts) {
+          run_without_gil([&] { return dedup(ids.data(), ids.shape(0), num_embeddings, &unique, inverse.data()); });
+        } else {
+          const int64_t segments = static_cast<int64_t>(row_ends->shape(0));
+          if (static_cast<int64_t>(starts->shape(0)) != segments + 1)
+            throw nb::value_error(("dedup: " + std::to_string(segments) + " segments (row_ends) need " +
+                                   std::to_string(segments + 1) + " starts, got " + std::to_string(starts->shape(0)))
+                                      .c_str());
+          run_without_gil([&] {
+            return dedup_segments(ids.data(), ids.shape(0), num_embeddings, starts->data(), row_ends->data(), segments,
+                                  &unique, inverse.data());
+          });
+        }
         return nb::make_tuple(to_numpy(std::move(unique)), to_numpy(std::move(inverse)));
-      }, "ids"_a.noconvert(), "num_embeddings"_a,
-      "unique ids in order of first occurrence and the inverse map; IndexError for an id out of range");
+      }, "ids"_a.noconvert(), "num_embeddings"_a, "starts"_a.noconvert().none() = nb::none(),
+      "row_ends"_a.noconvert().none() = nb::none(),
+      "unique ids in order of first occurrence and the inverse map; IndexError for an id out of range. With "
+      "starts [S + 1] and row_ends [S]: the ids are S segments, segment k ids[starts[k]:starts[k + 1]] of ids in "
+      "[row_ends[k - 1], row_ends[k]) (from 0), each deduplicated alone, in parallel (the same result)");
 
   m.def("weight_words", [](int type, int64_t dim) { return weight_words(weight_type(type), dim); }, "type"_a, "dim"_a,
         "32-bit words of a row taken by dim weights of the type (0 float32: dim; 1 float16, 2 bfloat16: "

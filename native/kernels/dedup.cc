@@ -1,9 +1,12 @@
 #include "kernels/dedup.h"
 
+#include <algorithm>
 #include <limits>
+#include <numeric>
 #include <string>
 
 #include "common/flat_map.h"
+#include "common/thread_pool.h"
 
 namespace tieredemb {
 namespace {
@@ -79,7 +82,8 @@ class IdTable {
 
 template <class Key>
 void dedup_with(const int64_t* ids, int64_t n, std::vector<int64_t>* unique, int64_t* inverse) {
-  // One thread: splitting the batch and merging the parts' lists measured slower on 2 cores.
+  // One thread: splitting the batch and merging the parts' lists measured slower on 2 cores
+  // (dedup_segments splits where no merge is needed).
   thread_local IdTable<Key> table;
   table.begin(n);
   unique->clear();
@@ -110,6 +114,63 @@ Status dedup(const int64_t* ids, int64_t n, int64_t num_embeddings, std::vector<
   } else {
     dedup_with<int64_t>(ids, n, unique, inverse);
   }
+  return Status::Ok();
+}
+
+Status dedup_segments(const int64_t* ids, int64_t n, int64_t num_embeddings, const int64_t* starts,
+                      const int64_t* row_ends, int64_t segments, std::vector<int64_t>* unique, int64_t* inverse) {
+  if (segments < 1) return Status::ValueError("dedup: segments need at least one (starts has 2 entries or more)");
+  if (starts[0] != 0 || starts[segments] != n)
+    return Status::ValueError("dedup: segment starts must run from 0 to the " + std::to_string(n) + " ids, got " +
+                              std::to_string(starts[0]) + " .. " + std::to_string(starts[segments]));
+  for (int64_t k = 0; k < segments; ++k) {
+    const int64_t lo = k > 0 ? row_ends[k - 1] : 0;
+    if (starts[k + 1] < starts[k])
+      return Status::ValueError("dedup: segment starts must be non-decreasing, got starts[" + std::to_string(k + 1) +
+                                "] = " + std::to_string(starts[k + 1]) + " after " + std::to_string(starts[k]));
+    if (row_ends[k] < lo || row_ends[k] > num_embeddings)
+      return Status::ValueError("dedup: row_ends must ascend within [0, " + std::to_string(num_embeddings) +
+                                "], got row_ends[" + std::to_string(k) + "] = " + std::to_string(row_ends[k]));
+  }
+  for (int64_t k = 0; k < segments; ++k) {
+    const int64_t lo = k > 0 ? row_ends[k - 1] : 0;
+    for (int64_t i = starts[k]; i < starts[k + 1]; ++i) {
+      if (ids[i] < lo || ids[i] >= row_ends[k])
+        return Status::IndexError("id " + std::to_string(ids[i]) + " out of range [" + std::to_string(lo) + ", " +
+                                  std::to_string(row_ends[k]) + ") of its segment " + std::to_string(k));
+    }
+  }
+  if (n >= std::numeric_limits<int32_t>::max())
+    return Status::ValueError("batch of " + std::to_string(n) + " ids: dedup takes fewer than 2^31 - 1");
+  // Largest segments first: the threads take them in turn (thread_pool.h), so the last ones
+  // taken are the small ones.
+  std::vector<int64_t> order(segments);
+  std::iota(order.begin(), order.end(), int64_t{0});
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+    return starts[a + 1] - starts[a] > starts[b + 1] - starts[b];
+  });
+  std::vector<std::vector<int64_t>> parts(segments);
+  const bool narrow = num_embeddings < static_cast<int64_t>(std::numeric_limits<uint32_t>::max());
+  parallel_for(segments, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < end; ++j) {
+      const int64_t k = order[j], first = starts[k], count = starts[k + 1] - first;
+      if (narrow) {
+        dedup_with<uint32_t>(ids + first, count, &parts[k], inverse + first);
+      } else {
+        dedup_with<int64_t>(ids + first, count, &parts[k], inverse + first);
+      }
+    }
+  });
+  std::vector<int64_t> base(segments + 1, 0);
+  for (int64_t k = 0; k < segments; ++k) base[k + 1] = base[k] + static_cast<int64_t>(parts[k].size());
+  unique->resize(base[segments]);
+  parallel_for(segments, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t k = begin; k < end; ++k) {
+      std::copy(parts[k].begin(), parts[k].end(), unique->begin() + base[k]);
+      if (base[k] == 0) continue;
+      for (int64_t i = starts[k]; i < starts[k + 1]; ++i) inverse[i] += base[k];
+    }
+  });
   return Status::Ok();
 }
 

@@ -119,12 +119,13 @@ class DeviceTier:
         return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
 
     # -- batches ------------------------------------------------------------------------------
-    def dedup(self, ids: torch.Tensor):
+    def dedup(self, ids: torch.Tensor, segments=None):
         """ids int [N] (any device) -> (unique [N]: the distinct ids, ascending, in the first U
         entries; inverse [N]: ids[i] == unique[inverse[i]]; U as an int64 [1] tensor), computed
         on the tier's stream (after the caller's stream: ids may come from it), without waiting for
         the device. IndexError for an id out of range: checked on the host for host ids (the
-        cheap way), else with one wait for the device. Changes nothing."""
+        cheap way), else with one wait for the device. Changes nothing. segments (a collection's
+        runs of disjoint id ranges) are not needed: one sort dedups the whole batch on the device."""
         if ids.device.type == "cpu":
             _check_range(ids.numpy(), self.num_embeddings)
         elif bool((ids.min() < 0) | (ids.max() >= self.num_embeddings)):

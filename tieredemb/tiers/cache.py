@@ -51,10 +51,12 @@ class CacheTier:
         return self.lower.state
 
     # -- tier 0: batches ---------------------------------------------------------------------------
-    def dedup(self, ids: torch.Tensor):
-        """ids int [N] -> (unique [U] in order of first occurrence, inverse [N], U). IndexError
-        for an id out of range. Changes nothing."""
-        unique, inverse = _C.dedup(ids.to(device="cpu", dtype=torch.int64).contiguous(), self.num_embeddings)
+    def dedup(self, ids: torch.Tensor, segments=None):
+        """ids int [N] -> (unique [U] in order of first occurrence, inverse [N], U); segments
+        (starts, row_ends): runs of disjoint id ranges, each deduplicated alone, in parallel.
+        IndexError for an id out of range. Changes nothing."""
+        unique, inverse = _C.dedup(ids.to(device="cpu", dtype=torch.int64).contiguous(), self.num_embeddings,
+                                   *(segments or (None, None)))
         return torch.from_numpy(unique), torch.from_numpy(inverse), len(unique)
 
     def admit(self, unique: torch.Tensor, count: int, *, allow_overflow: bool = True):

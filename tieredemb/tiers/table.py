@@ -164,11 +164,13 @@ class TableStore:
         return self.bottom.state
 
     # -- batches ------------------------------------------------------------------------------
-    def dedup(self, ids: torch.Tensor):
+    def dedup(self, ids: torch.Tensor, segments=None):
         """ids: int [N] (any order, duplicates allowed) -> (unique, inverse [N], count): the
         distinct ids in unique[:count], ids[i] == unique[inverse[i]], where tier 0 is (see its
-        dedup). IndexError for an id out of range. Changes nothing."""
-        return self.tier0.dedup(ids)
+        dedup). segments: None, or (starts [S + 1], row_ends [S]) when the ids are runs of
+        disjoint id ranges (a collection's tables: native/kernels/dedup.h); the same result.
+        IndexError for an id out of range. Changes nothing."""
+        return self.tier0.dedup(ids, segments)
 
     @_locked
     def make_resident(self, unique, inverse, count, *, allow_overflow: bool = True) -> ResidentBatch | None:
@@ -181,10 +183,10 @@ class TableStore:
         slots, misses, event = got
         return ResidentBatch(self, unique, inverse, count, slots, misses, event)
 
-    def prepare(self, ids: torch.Tensor) -> ResidentBatch:
-        """ids: int [N]. Dedups them and makes them resident in tier 0, pinned. IndexError for
-        an id out of range, before any tier changes."""
-        return self.make_resident(*self.dedup(ids))
+    def prepare(self, ids: torch.Tensor, segments=None) -> ResidentBatch:
+        """ids: int [N] (segments: see dedup). Dedups them and makes them resident in tier 0,
+        pinned. IndexError for an id out of range, before any tier changes."""
+        return self.make_resident(*self.dedup(ids, segments))
 
     def release(self, batch: ResidentBatch) -> None:
         self.tier0.unpin(batch.slots, batch.stream)
