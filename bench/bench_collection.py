@@ -26,6 +26,10 @@ of (seed, table, i) alone). One step = forward, backward of a fixed upstream gra
   equal         the same budget in equal shares (plans["equal"]); only when named in --only (a run
                 costs as much as a planned one)
 
+Below a cached system's tier 0 the rows are in host memory, or with --ssd-path on SSD (a fresh
+store per run): the configuration where a tier-0 miss costs what it does on a GPU over host
+memory, a read from a slower tier (the planner then plans with no host memory for whole tables).
+
 Steady state. A cached table's tier 0 fills only once its batches have looked up as many distinct
 rows as it holds: at the default sizes, 10% of the 20M-row table (2 ids a bag) after about 1,200
 batches; until then its misses are first touches, the same under any split, and nothing is
@@ -50,17 +54,20 @@ are made once, in the parent, and handed to the workers as JSON.
     python bench/bench_collection.py --quick              # smoke test, under a minute
     python bench/bench_collection.py --only collection,loop --runs 5 --json out.json
     python bench/bench_collection.py --only proportional,planned,equal
+    python bench/bench_collection.py --only proportional,planned --ssd-path /var/tmp/t   # rows on SSD
     python bench/bench_collection.py --scale 0.5          # every table half as many rows
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import dataclasses
 import datetime
 import hashlib
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -132,8 +139,11 @@ def make_plans(a, tables, src: Batches):
               for k, (name, t) in enumerate(zip(names(tables), tables))}
     sizes = {name: (t.rows, row_bytes(t)) for name, t in zip(names(tables), tables)}
     start = time.perf_counter()
+    # Over SSD (--ssd-path), host memory holds no whole table: every table's rows are on SSD,
+    # and the planner prices its misses at SSD bandwidth too.
+    host = 1 if a.ssd_path else None
     try:
-        plans = plan(traces, sizes, cache_bytes=budget_of(a, tables), warmup=w)
+        plans = plan(traces, sizes, cache_bytes=budget_of(a, tables), host_bytes=host, warmup=w)
     except (ValueError, TypeError) as e:
         return None, f"planner refused: {type(e).__name__}: {e}"
     over = f"batches {w:,}-{n - 1:,}, after {w:,} that fill tier 0" if w else "those batches, from a cold start"
@@ -262,6 +272,10 @@ def build(name: str, a, tables: list[Table], src: Batches, grad: torch.Tensor) -
     else:
         with open(a.plans) as f:
             budget = {"plan": json.load(f)[name]}  # a Plan's to_dict()
+    if a.ssd_path and name != "collection":  # a fresh store per run, removed when the worker ends
+        path = tempfile.mkdtemp(prefix=f"{name}-", dir=a.ssd_path)
+        atexit.register(shutil.rmtree, path, ignore_errors=True)
+        budget.update(ssd_path=path, ssd={"backend": a.ssd_backend})
     try:
         ebc = tieredemb.TieredEmbeddingBagCollection(cfgs, optimizer=opt, seed=a.table_seed, device=a.device,
                                                      **budget)
@@ -354,6 +368,8 @@ def run_one(system: str, a) -> dict:
            f"--device={a.device}"]
     if a.plans:
         cmd.append(f"--plans={a.plans}")
+    if a.ssd_path:
+        cmd += [f"--ssd-path={a.ssd_path}", f"--ssd-backend={a.ssd_backend}"]
     if a.kjt:
         cmd.append("--kjt")
     return run_worker(cmd, system)
@@ -408,6 +424,12 @@ def parse_args(argv=None):
     p.add_argument("--runs", type=int, default=None, help="runs (fresh processes) per system (default 3; quick 2)")
     p.add_argument("--cache-fraction", type=float, default=0.1,
                    help="the cached systems' tier-0 budget, a fraction of every row's bytes (default 0.1)")
+    p.add_argument("--ssd-path", default=None,
+                   help="the cached systems store every table's rows on SSD, in a fresh directory under this one "
+                        "per run (removed after it), tier 0 above in memory; the planner plans with no host memory "
+                        "for whole tables (default: rows in host memory)")
+    p.add_argument("--ssd-backend", default="log", choices=["log", "slots", "rocksdb"],
+                   help="the SSD store under --ssd-path (default log)")
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads in every worker (default 2)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="where every system's tables and tier 0 live (cuda: FBGEMM's GPU TBE with the tables in "
@@ -475,7 +497,9 @@ def main(argv=None) -> int:
             skipped["fbgemm"] = f"fbgemm_gpu does not import ({type(e).__name__}: {e})"
     if any(s in CACHED for s in systems):
         print(f"tier-0 budget of the cached systems: {budget_of(a, tables) / 2**20:,.0f} MiB "
-              f"({a.cache_fraction:g} of the rows' bytes)")
+              f"({a.cache_fraction:g} of the rows' bytes)"
+              + (f"; below it every row on SSD ({a.ssd_backend} store under {a.ssd_path})" if a.ssd_path else
+                 "; below it every row in host memory"))
     plans = None
     if any(s in PLANNED for s in systems):
         if a.plan_batches == "auto":  # a trace long enough for the proportional split's steady state
