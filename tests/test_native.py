@@ -2,6 +2,8 @@
 overflow slots of a CacheIndex, and rows of 16-bit weights (through the Python bindings)."""
 
 import math
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -81,6 +83,40 @@ def test_dedup_of_segments_of_disjoint_ranges_is_the_whole_batchs(threads, wide)
     finally:
         _C.set_num_threads(torch.get_num_threads())
     assert np.array_equal(runwise[0], whole[0]) and np.array_equal(runwise[1], whole[1])
+
+
+_OUT_OF_MEMORY_CHILD = """
+import resource, numpy as np, torch
+from tieredemb import _C
+_C.set_num_threads(2)
+n = 6_000_000
+ids = torch.from_numpy(np.random.default_rng(0).permutation(2 * n)[:n])
+starts, ends = torch.tensor([0, n // 2, n]), torch.tensor([2 * n, 2 * n])
+ids[n // 2:] = ids[n // 2:] % n + n
+ids[:n // 2] %= n
+ends[0] = n
+small = (ids[:1000] % n).contiguous()
+_C.dedup(small, 2 * n, torch.tensor([0, 1000]), torch.tensor([2 * n]))  # the pool's threads up
+size = next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmSize"))
+resource.setrlimit(resource.RLIMIT_AS, (size + 60 * 2**20, resource.RLIM_INFINITY))
+try:
+    _C.dedup(ids, 2 * n, starts, ends)
+    print("no error")
+except MemoryError:
+    print("MemoryError")
+resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+whole, runs = _C.dedup(ids, 2 * n), _C.dedup(ids, 2 * n, starts, ends)
+print("equal after" if np.array_equal(whole[0], runs[0]) and np.array_equal(whole[1], runs[1]) else "differ")
+"""
+
+
+def test_running_out_of_memory_in_a_parallel_loop_raises_and_the_pool_lives_on():
+    """Real allocation failures (the address space capped with RLIMIT_AS, in a child process)
+    inside the threads of a dedup by runs: MemoryError, not a crash, and the next loops on the
+    same pool give the right result."""
+    done = subprocess.run([sys.executable, "-c", _OUT_OF_MEMORY_CHILD], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split("\n")[:2] == ["MemoryError", "equal after"], done.stdout
 
 
 def test_dedup_segments_are_checked_by_value():

@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <utility>
 
 namespace tieredemb {
 
@@ -63,7 +64,14 @@ void ThreadPool::run_chunks() {
     int64_t c = next_chunk_.fetch_add(1, std::memory_order_relaxed);
     if (c >= num_chunks_) break;
     int64_t begin = c * chunk_;
-    (*fn_)(begin, std::min(n_, begin + chunk_));
+    try {
+      (*fn_)(begin, std::min(n_, begin + chunk_));
+    } catch (...) {  // the first error ends the loop: no thread takes another chunk
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (!error_) error_ = std::current_exception();
+      next_chunk_.store(num_chunks_, std::memory_order_relaxed);
+      break;
+    }
   }
   t_in_loop = false;
 }
@@ -116,6 +124,9 @@ void ThreadPool::parallel_for(int64_t n, int64_t grain, const std::function<void
   std::unique_lock<std::mutex> lock(mutex_);
   open_ = false;
   done_cv_.wait(lock, [&] { return active_ == 0; });
+  std::exception_ptr error = std::exchange(error_, nullptr);
+  lock.unlock();
+  if (error) std::rethrow_exception(error);
 }
 
 }  // namespace tieredemb

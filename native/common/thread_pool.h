@@ -8,6 +8,8 @@
 // that is descheduled (2 vCPUs shared with I/O threads, other processes) then delays a loop by
 // one chunk, not by a fixed share of it; and the caller waits only for workers that took a
 // chunk, never for one that had not woken up before the chunks ran out.
+// An exception thrown by fn (std::bad_alloc, say) ends the loop: no thread takes another chunk,
+// and parallel_for rethrows the first one once every thread has left the loop.
 // One loop runs on the pool at a time: a call made while another thread's loop holds the pool
 // (the prefetch worker's residency next to the training thread's kernels) runs inline on its
 // own thread instead of waiting, and so does a loop started inside a loop.
@@ -16,6 +18,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
+#include <exception>
 #include <functional>
 #include <mutex>
 #include <thread>
@@ -58,6 +61,7 @@ class ThreadPool {
   const std::function<void(int64_t, int64_t)>* fn_ = nullptr;
   int64_t n_ = 0, chunk_ = 0, num_chunks_ = 0;
   std::atomic<int64_t> next_chunk_{0};
+  std::exception_ptr error_;  // the current loop's first exception (under mutex_)
   int64_t generation_ = 0;
   bool open_ = false;  // workers may still join the current loop
   int active_ = 0;     // workers inside the current loop
