@@ -244,6 +244,9 @@ def test_a_bad_feature_fails_before_any_table_is_looked_up(tiers):
         (KJT(["user_id", "item_id"], torch.arange(3), torch.tensor([1, 1, 1])), ValueError,
          r"3 lengths do not split into 2 keys' batches"),
         ([1, 2], TypeError, r"features must be a KeyedJaggedTensor or a dict"),
+        (KJT(list(good), torch.cat([good[f][0] for f in good]),
+             torch.cat([torch.diff(good[f][1], append=torch.tensor([len(good[f][0])])) for f in good]),
+             torch.ones(2)), ValueError, r"KeyedJaggedTensor: weights must be a tensor of values\(\)' shape"),
     ]
     for features, error, message in bad_inputs:
         with pytest.raises(error, match=message):
@@ -412,3 +415,56 @@ def test_unpooled_collection_refuses_an_inverse_outside_its_bags():
     with pytest.raises(ValueError, match=r"feature 'category': inverse -1 out of range \[0, 2\)"):
         ec({**good, "category": InverseKeyed(torch.arange(2), torch.tensor([0, 1]), torch.tensor([0, -1]))})
     assert ec.stats()["tables"]["user"]["lookups"] == 0 and torch.equal(ec.read_rows("cat", torch.arange(50)), before)
+
+
+def test_a_backward_that_fails_for_one_group_leaves_no_row_pinned():
+    """One table with no optimizer: the backward raises when it reaches that group, and every
+    group's batch is released all the same (no row stays pinned until the graph is collected)."""
+    tables = [EmbeddingBagConfig("u", 50, 4, ["a"], optimizer=tieredemb.SGD(lr=0.1)),
+              EmbeddingBagConfig("v", 40, 8, ["b"]), EmbeddingBagConfig("w", 30, 2, ["c"], optimizer=tieredemb.SGD(lr=0.1))]
+    ebc = TieredEmbeddingBagCollection(tables, cache_bytes=2000)
+    ids, starts = torch.tensor([1, 2, 3, 4]), torch.tensor([0, 1, 3])
+    out = ebc({f: (ids, starts) for f in "abc"})
+    assert [e._store.pinned() for e in ebc.engines] == [4, 4, 4]
+    with pytest.raises(RuntimeError, match="has no optimizer"):
+        out.values().sum().backward()
+    assert [e._store.pinned() for e in ebc.engines] == [0, 0, 0]
+
+
+@pytest.mark.parametrize("as_kjt_input", [False, True], ids=["dict", "kjt"])
+def test_weighted_features_train_and_give_their_weights_gradient_as_torch(as_kjt_input, kernels):
+    """per_sample_weights (a dict's third entry, or a KeyedJaggedTensor's weights), requiring
+    grad, on sum-pooled tables (one of them read by two features, one cached): outputs, rows
+    after SGD, and the weights' gradients equal a dict of torch.nn.EmbeddingBag's."""
+    tables = [TABLES[0], TABLES[2]]  # user (user_id, friend_id), cat: the sum-pooled ones
+    ebc = TieredEmbeddingBagCollection(tables, optimizer=tieredemb.SGD(lr=0.1), cache_bytes=3000)
+    refs = {t.name: torch.nn.EmbeddingBag(t.num_embeddings, t.embedding_dim, mode="sum",
+                                          _weight=ebc.read_rows(t.name, torch.arange(t.num_embeddings)).clone())
+            for t in tables}
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in refs.values()]
+    table_of = {f: t for t in tables for f in t.feature_names}
+    keys = list(table_of)
+    for step in range(4):
+        b = batch(10 + step)
+        g = torch.Generator().manual_seed(step)
+        weights = {f: torch.rand(len(b[f][0]), generator=g) for f in keys}
+        ours = {f: w.clone().requires_grad_(True) for f, w in weights.items()}
+        theirs = {f: w.clone().requires_grad_(True) for f, w in weights.items()}
+        if as_kjt_input:
+            out = ebc(KJT(keys, torch.cat([b[f][0] for f in keys]), torch.cat([b[f][2] for f in keys]),
+                          torch.cat([ours[f] for f in keys])))
+        else:
+            out = ebc({f: (b[f][0], b[f][1], ours[f]) for f in keys})
+        want = torch.cat([refs[table_of[f].name](b[f][0], b[f][1], per_sample_weights=theirs[f]) for f in keys], 1)
+        torch.testing.assert_close(out.values(), want, rtol=1e-5, atol=1e-6)
+        grad = torch.randn(out.values().shape, generator=g)
+        out.values().backward(grad)
+        want.backward(grad)
+        for o in opts:
+            o.step()
+            o.zero_grad()
+        for f in keys:
+            torch.testing.assert_close(ours[f].grad, theirs[f].grad, rtol=1e-5, atol=1e-6)
+    for t in tables:
+        torch.testing.assert_close(ebc.read_rows(t.name, torch.arange(t.num_embeddings)), refs[t.name].weight.detach(),
+                                   rtol=1e-5, atol=1e-6)

@@ -435,7 +435,8 @@ def _check_range(feature: str, table, lo: int, hi: int) -> None:
 
 
 def _cat(parts: list[Tensor]) -> Tensor:
-    """torch.cat, by numpy on the host (one thread: torch's intra-op threads cost more there)."""
-    if all(p.device.type == "cpu" for p in parts):
+    """torch.cat, by numpy on the host (one thread: torch's intra-op threads cost more there),
+    unless a part needs its gradient (per-sample weights that require grad)."""
+    if all(p.device.type == "cpu" and not p.requires_grad for p in parts):
         return torch.from_numpy(np.concatenate([p.numpy() for p in parts]))
     return torch.cat(parts)

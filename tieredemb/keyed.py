@@ -128,6 +128,9 @@ def _keyed_jagged(kjt) -> dict:
         raise ValueError(f"KeyedJaggedTensor: lengths must be >= 0, got {int(lengths.min())}")
     if int(bounds[-1]) != len(values):
         raise ValueError(f"KeyedJaggedTensor: lengths sum to {int(bounds[-1])}, values() has {len(values)}")
+    if weights is not None and (not isinstance(weights, Tensor) or weights.shape != values.shape):
+        raise ValueError(f"KeyedJaggedTensor: weights must be a tensor of values()' shape {tuple(values.shape)}, got "
+                         f"{getattr(weights, 'shape', type(weights).__name__)}")
     stride = len(lengths) // len(keys)
     out = {}
     for k, key in enumerate(keys):

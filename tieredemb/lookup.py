@@ -60,11 +60,16 @@ class _Pool(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad: Tensor):
-        grad = _grad_block(grad, ctx.shape, ctx.expand)
         grads = []
-        for (part, batch, bags), saved, needs in zip(ctx.resident, ctx.saved, ctx.needs_input_grad[4::2]):
-            trained = saved is not _FROZEN
-            grads += [_backward(part.table, batch, bags, saved, grad, need_psw_grad=needs) if trained else None, None]
+        try:
+            grad = _grad_block(grad, ctx.shape, ctx.expand)
+            for (part, batch, bags), saved, needs in zip(ctx.resident, ctx.saved, ctx.needs_input_grad[4::2]):
+                trained = saved is not _FROZEN
+                grads += [_backward(part.table, batch, bags, saved, grad, need_psw_grad=needs) if trained else None,
+                          None]
+        finally:  # (a part that raised leaves the later ones unpinned too)
+            for _, batch, _ in ctx.resident:
+                batch.release()
         return None, None, None, None, *grads
 
 
