@@ -62,6 +62,16 @@ def reference(opt_factory, ebc):
     return refs, [opt_factory(m.parameters()) for m in refs.values()]
 
 
+def backward_both(out, want, grad, opts):
+    """Our pooled output's backward and the reference's, with one gradient; then the
+    reference's optimizers step (ours stepped in backward)."""
+    out.values().backward(grad)
+    want.backward(grad)
+    for o in opts:
+        o.step()
+        o.zero_grad()
+
+
 def ref_forward(refs, b):
     table_of = {f: t for t in TABLES for f in t.feature_names}
     return torch.cat([refs[table_of[f].name](b[f][0], b[f][1]) for t in TABLES for f in t.feature_names], 1)
@@ -81,12 +91,7 @@ def test_trains_as_a_dict_of_embedding_bags(tiers, kind, kernels):
         out = ebc(as_kjt(b) if step % 2 else {f: v[:2] for f, v in b.items()})
         want = ref_forward(refs, b)
         torch.testing.assert_close(out.values(), want, rtol=1e-5, atol=1e-6)
-        grad = torch.randn(out.values().shape, generator=torch.Generator().manual_seed(step))
-        out.values().backward(grad)
-        want.backward(grad)
-        for o in opts:
-            o.step()
-            o.zero_grad()
+        backward_both(out, want, torch.randn(out.values().shape, generator=torch.Generator().manual_seed(step)), opts)
     for t in TABLES:
         torch.testing.assert_close(ebc.read_rows(t.name, torch.arange(t.num_embeddings)), refs[t.name].weight.detach(),
                                    rtol=1e-5, atol=1e-6)
@@ -457,12 +462,7 @@ def test_weighted_features_train_and_give_their_weights_gradient_as_torch(as_kjt
             out = ebc({f: (b[f][0], b[f][1], ours[f]) for f in keys})
         want = torch.cat([refs[table_of[f].name](b[f][0], b[f][1], per_sample_weights=theirs[f]) for f in keys], 1)
         torch.testing.assert_close(out.values(), want, rtol=1e-5, atol=1e-6)
-        grad = torch.randn(out.values().shape, generator=g)
-        out.values().backward(grad)
-        want.backward(grad)
-        for o in opts:
-            o.step()
-            o.zero_grad()
+        backward_both(out, want, torch.randn(out.values().shape, generator=g), opts)
         for f in keys:
             torch.testing.assert_close(ours[f].grad, theirs[f].grad, rtol=1e-5, atol=1e-6)
     for t in tables:
