@@ -220,6 +220,7 @@ class _Collection(nn.Module):
             raise ValueError(f"features: missing {missing}, unknown {unknown} (this collection reads "
                              f"{list(self.feature_table)})")
         self._check_batch(given)
+        self._check_ranges(given)
         batches = [self._batch(group, given) for group in self.groups]
         self.looked_up = [flat for flat, _, _, _ in batches]  # each group's ids (tieredemb.record reads them)
         for group in self.groups:
@@ -230,31 +231,35 @@ class _Collection(nn.Module):
     def _check_batch(self, given: dict) -> None:
         """Checks that hold across features (the bag collection's: one batch size)."""
 
+    def _check_ranges(self, given: dict) -> None:
+        """Each feature's ids within its own table (else they would read a neighbour's rows): by
+        numpy on the host (torch's intra-op threads cost more there), and one transfer for every
+        feature whose ids are on a device."""
+        on_device = []
+        for f, (values, _, _, _) in given.items():
+            if len(values) and values.device.type == "cpu":
+                v = values.numpy()
+                _check_range(f, self.feature_table[f], int(v.min()), int(v.max()))
+            elif len(values):
+                on_device.append((f, torch.stack(torch.aminmax(values))))
+        if on_device:
+            for (f, _), (lo, hi) in zip(on_device, torch.stack([r for _, r in on_device]).tolist()):
+                _check_range(f, self.feature_table[f], lo, hi)
+
     def _batch(self, group: _Group, given: dict) -> tuple:
-        """Every feature of the group's tables as one lookup (the features' bags one after another),
-        ids checked to lie in their tables: (ids, bag boundaries [B + 1], per_sample_weights,
-        parts: [(feature, its boundaries, its InverseKeyed inverse or None)])."""
-        ids, bounds, weights, parts, ranges = [], [np.zeros(1, dtype=np.int64)], [], [], []
+        """Every feature of the group's tables as one lookup (the features' bags one after another;
+        ids already checked): (ids, bag boundaries [B + 1], per_sample_weights, parts: [(feature,
+        its boundaries, its InverseKeyed inverse or None)])."""
+        ids, bounds, weights, parts = [], [np.zeros(1, dtype=np.int64)], [], []
         start = 0
         for t in group.tables:
             for f in t.feature_names:
                 values, b, w, inverse = given[f]
-                values = values.to(torch.int64)
-                if len(values) and values.device.type == "cpu":  # numpy (torch's intra-op threads cost more)
-                    v = values.numpy()
-                    _check_range(f, t, int(v.min()), int(v.max()))
-                elif len(values):
-                    ranges.append((f, t, torch.stack(torch.aminmax(values))))
-                ids.append(values + int(group.offsets[t.name]))
+                ids.append(values.to(torch.int64) + int(group.offsets[t.name]))
                 bounds.append(b.numpy()[1:] + start)
                 weights.append(w)
                 parts.append((f, b, inverse))
                 start += len(values)
-        # Each feature's ids within its own table (else they would read a neighbour's rows): one
-        # transfer for the group, where the ids are on a device.
-        if ranges:
-            for (f, t, _), (lo, hi) in zip(ranges, torch.stack([r for _, _, r in ranges]).tolist()):
-                _check_range(f, t, lo, hi)
         flat = _cat(ids)
         offsets = torch.from_numpy(np.concatenate(bounds))
         psw = None
