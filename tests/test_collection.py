@@ -468,3 +468,16 @@ def test_weighted_features_train_and_give_their_weights_gradient_as_torch(as_kjt
     for t in tables:
         torch.testing.assert_close(ebc.read_rows(t.name, torch.arange(t.num_embeddings)), refs[t.name].weight.detach(),
                                    rtol=1e-5, atol=1e-6)
+
+
+def test_keyed_jagged_weights_of_the_wrong_length_change_nothing():
+    """Sum-pooled tables (weights allowed), a KeyedJaggedTensor whose weights() are shorter than
+    its values(): refused before any group looks its rows up (before, the native kernel caught
+    it after every group had made its rows resident and counted its lookups)."""
+    tables = [EmbeddingBagConfig("u", 50, 4, ["a"]), EmbeddingBagConfig("v", 40, 8, ["b"])]
+    ebc = TieredEmbeddingBagCollection(tables, optimizer=tieredemb.SGD(lr=0.1), cache_bytes=2000)
+    kjt = KJT(["a", "b"], torch.tensor([1, 2, 3, 4, 5, 6]), torch.tensor([1, 2, 2, 1]), torch.ones(2))
+    stats = ebc.stats()
+    with pytest.raises(ValueError, match=r"KeyedJaggedTensor: weights must be a tensor of values\(\)' shape \(6,\)"):
+        ebc(kjt)
+    assert ebc.stats() == stats
