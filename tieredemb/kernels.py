@@ -32,7 +32,7 @@ class Bags:
     """How the batch's ids form bags. offsets: int64 [B + 1] bag boundaries; psw: per-sample
     weights [N] or None; mode: 0 sum, 1 mean, 2 max; skip_id: the row left out of every bag
     (EmbeddingBag's padding_idx) or -1; frozen_id: the row never updated (the padding row) or -1.
-    out_at: int64 [B] on the host, where bag b's pooled row starts in the output block (and its
+    out_at: int64 [B] on tier 0's device, where bag b's pooled row starts in the output block (and its
     gradient in the gradient's), in floats: several lookups write one [B, sum of dims] block side
     by side; None: the output is [B, dim] of its own."""
 
@@ -84,7 +84,7 @@ def forward(tier0, config, batch, bags: Bags, out: torch.Tensor | None = None):
         with tier0.pool_lock:
             return pooling.forward(pool.rows, dim, batch.slots, batch.unique, batch.inverse,
                                    bags.offsets.to(dev, non_blocking=True), psw, bags.mode, bags.skip_id, layout.code,
-                                   out, _out_at(bags, dev))
+                                   out, bags.out_at)
     count = int(batch.count)
     dev = pool.device
     leaf = layout.weights(pool.gather(batch.slots[:count])).contiguous().requires_grad_(True)
@@ -103,13 +103,9 @@ def forward(tier0, config, batch, bags: Bags, out: torch.Tensor | None = None):
     return out, (pooled, leaf, psw)
 
 
-def _out_at(bags: Bags, device) -> torch.Tensor | None:
-    return None if bags.out_at is None else bags.out_at.to(device, non_blocking=True)
-
-
 def _row_floats(bags: Bags, dim: int, device) -> torch.Tensor:
     """[B, dim]: the positions of each bag's output row in the flat block (bags.out_at's)."""
-    return _out_at(bags, device)[:, None] + torch.arange(dim, device=device)
+    return bags.out_at.to(device)[:, None] + torch.arange(dim, device=device)
 
 
 def backward_update(tier0, config, batch, bags: Bags, saved, grad_out: torch.Tensor, step: int,
@@ -130,7 +126,7 @@ def backward_update(tier0, config, batch, bags: Bags, saved, grad_out: torch.Ten
                                                batch.inverse, bags.offsets.to(dev, non_blocking=True), psw, bags.mode,
                                                bags.skip_id, bags.frozen_id, grad_out, saved, optimizer, step,
                                                need_psw_grad, layout.code, config.stochastic_rounding, config.seed,
-                                               _out_at(bags, dev))
+                                               bags.out_at)
         return None if psw_grad is None else psw_grad.to(bags.psw.device, bags.psw.dtype)
     skip_u, frozen_u = _unique_index(batch, bags.skip_id), _unique_index(batch, bags.frozen_id)
     count = int(batch.count)

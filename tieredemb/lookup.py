@@ -102,8 +102,9 @@ def pooled_block(parts: list, shape: tuple, samples: int, expand: tuple = ()) ->
     resident = []
     for part, batch in zip(parts, taken):
         pad = -1 if part.table.padding_idx is None else part.table.padding_idx
+        out_at = None if part.out_at is None else part.out_at.to(part.table._store.tier0.pool.device, non_blocking=True)
         resident.append((part, batch, Bags(part.offsets, part.psw, part.mode, pad if part.exclude_padding else -1,
-                                           pad, part.out_at)))
+                                           pad, out_at)))
     try:
         if torch.is_grad_enabled() and any(p.table._grad_anchor.requires_grad for p in parts):
             inputs = [t for p in parts for t in (p.psw, p.table._grad_anchor)]
@@ -162,15 +163,13 @@ def _grad_block(grad: Tensor, shape: tuple, expand: list) -> Tensor:
 
 
 def _backward(table, batch, bags: Bags, saved, grad_out: Tensor, need_psw_grad: bool) -> Tensor | None:
+    """One part's update (its batch is released by the caller, _Pool.backward, whatever happens)."""
     if batch.released:
         raise RuntimeError("this batch's rows were released before backward (was the forward run under "
                            "no_grad, or backward called twice?)")
-    try:
-        if table.optimizer is None:
-            raise RuntimeError(f"{type(table).__name__} has no optimizer: pass optimizer=tieredemb.SGD(lr=...) "
-                               "(or Adagrad, RowWiseAdagrad, Adam); its update is fused into backward")
-        table.step += 1
-        return kernels.backward_update(table._store.tier0, table.config, batch, bags, saved, grad_out, table.step,
-                                       need_psw_grad)
-    finally:
-        batch.release()
+    if table.optimizer is None:
+        raise RuntimeError(f"{type(table).__name__} has no optimizer: pass optimizer=tieredemb.SGD(lr=...) "
+                           "(or Adagrad, RowWiseAdagrad, Adam); its update is fused into backward")
+    table.step += 1
+    return kernels.backward_update(table._store.tier0, table.config, batch, bags, saved, grad_out, table.step,
+                                   need_psw_grad)
