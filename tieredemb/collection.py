@@ -381,10 +381,8 @@ class TieredEmbeddingBagCollection(_Collection):
         sizes = {f: len(b) - 1 if inverse is None else len(inverse) for f, (_, b, _, inverse) in given.items()}
         if len(set(sizes.values())) > 1:
             raise ValueError(f"features have different batch sizes (bags per feature): {sizes}")
-        for f, (_, _, w, _) in given.items():
+        for f, (_, _, w, _) in given.items():  # (features_of checked their shape and type)
             pooling = self.feature_table[f].pooling
-            if w is not None and not w.dtype.is_floating_point:
-                raise TypeError(f"feature {f!r}: per_sample_weights must be a floating point tensor, got {w.dtype}")
             if w is not None and pooling != "sum":
                 raise ValueError(f"feature {f!r}: per_sample_weights need pooling 'sum', its table pools by "
                                  f"{pooling!r}")

@@ -102,10 +102,8 @@ def features_of(features) -> dict:
             out[key] = (ids, bounds, None, _inverse(key, item.inverse, len(bounds) - 1))
         elif isinstance(item, (tuple, list)) and len(item) in (2, 3):
             ids = _ids(f"feature {key!r}", item[0])
-            weights = item[2] if len(item) > 2 else None
-            if weights is not None and (not isinstance(weights, Tensor) or weights.shape != ids.shape):
-                raise ValueError(f"feature {key!r}: per_sample_weights must be a tensor of its ids' shape "
-                                 f"{tuple(ids.shape)}, got {getattr(weights, 'shape', type(weights).__name__)}")
+            weights = _weights(f"feature {key!r}: per_sample_weights", item[2] if len(item) > 2 else None, ids,
+                               "its ids'")
             out[key] = (ids, _bounds(key, item[1], len(ids)), weights, None)
         else:
             raise TypeError(f"feature {key!r}: give (ids, offsets[, per_sample_weights]) or an InverseKeyed, "
@@ -128,9 +126,7 @@ def _keyed_jagged(kjt) -> dict:
         raise ValueError(f"KeyedJaggedTensor: lengths must be >= 0, got {int(lengths.min())}")
     if int(bounds[-1]) != len(values):
         raise ValueError(f"KeyedJaggedTensor: lengths sum to {int(bounds[-1])}, values() has {len(values)}")
-    if weights is not None and (not isinstance(weights, Tensor) or weights.shape != values.shape):
-        raise ValueError(f"KeyedJaggedTensor: weights must be a tensor of values()' shape {tuple(values.shape)}, got "
-                         f"{getattr(weights, 'shape', type(weights).__name__)}")
+    weights = _weights("KeyedJaggedTensor: weights", weights, values, "values()'")
     stride = len(lengths) // len(keys)
     out = {}
     for k, key in enumerate(keys):
@@ -146,6 +142,18 @@ def _ids(what: str, ids) -> Tensor:
     if ids.dim() != 1:
         raise ValueError(f"{what}: ids must be 1-D, got shape {tuple(ids.shape)}")
     return ids
+
+
+def _weights(what: str, weights, ids: Tensor, of: str):
+    """Per-sample weights (None, or a floating point tensor of the ids' shape), checked."""
+    if weights is None:
+        return None
+    if not isinstance(weights, Tensor) or weights.shape != ids.shape:
+        raise ValueError(f"{what} must be a tensor of {of} shape {tuple(ids.shape)}, got "
+                         f"{getattr(weights, 'shape', type(weights).__name__)}")
+    if not weights.dtype.is_floating_point:
+        raise TypeError(f"{what} must be a floating point tensor, got {weights.dtype}")
+    return weights
 
 
 def _bounds(key, offsets, n: int) -> Tensor:
