@@ -55,7 +55,7 @@ def _forward_kernel(pool_ptr, slots_ptr, unique_ptr, inverse_ptr, offsets_ptr, p
         acc = acc * tl.math.div_rn(1.0, tl.maximum(count, 1.0))
     tl.store(out_ptr + _out_row(at_ptr, b, dim, HAS_AT) + cols, acc, mask=in_row)
     if MODE == 2:
-        tl.store(argmax_ptr + _out_row(argmax_ptr, b, dim, False) + cols, best, mask=in_row)  # (int64)
+        tl.store(argmax_ptr + b.to(tl.int64) * dim + cols, best, mask=in_row)
 
 
 @triton.jit

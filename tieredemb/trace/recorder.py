@@ -48,17 +48,17 @@ def _tables(modules) -> list[tuple[str, torch.nn.Module]]:
     return named
 
 
-def _collection_sources(ebc, base) -> list:
-    """(engine, keys of its ids) per group of a collection (whose forward hook reads each group's
-    ids of the last lookup, ebc.looked_up): a group's row is table t's row
+def _collection_keys(ebc, base) -> list:
+    """Per group of a collection, the keys of its ids (the collection's forward hook reads each
+    group's ids of the last lookup, ebc.looked_up): a group's row is table t's row
     (row - group offset of t), whose trace key is base[t] + that."""
     position = {t.name: k for k, t in enumerate(ebc.tables)}
-    sources = []
-    for group, engine in zip(ebc.groups, ebc.engines):
+    keys = []
+    for group in ebc.groups:
         ends = np.cumsum([t.num_embeddings for t in group.tables])
         shift = np.array([base[position[t.name]] - group.offsets[t.name] for t in group.tables], dtype=np.int64)
-        sources.append((engine, lambda ids, ends=ends, shift=shift: ids + shift[np.searchsorted(ends, ids, "right")]))
-    return sources
+        keys.append(lambda ids, ends=ends, shift=shift: ids + shift[np.searchsorted(ends, ids, "right")])
+    return keys
 
 
 class Recorder:
@@ -74,19 +74,16 @@ class Recorder:
             tables = [TableInfo(n, int(m.num_embeddings)) for n, m in named]
         self._writer = TraceWriter(path, tables, chunk_lookups=chunk_lookups, meta={"generator": "record"})
         base = self._writer.header.table_base
-        if isinstance(modules, _Collection):
-            sources = _collection_sources(modules, base)
-        else:
-            sources = [(m, lambda ids, b=base[t]: ids + b) for t, (_, m) in enumerate(named)]
         self._current: list[np.ndarray] = []
         self._in_batch: set[int] = set()
         self._hooks = []
         try:
             if isinstance(modules, _Collection):
-                self._hooks.append(modules.register_forward_hook(self._collection_hook(sources)))
+                self._hooks.append(modules.register_forward_hook(self._collection_hook(_collection_keys(modules, base))))
             else:
-                for k, (m, keys) in enumerate(sources):
-                    self._hooks.append(m.register_forward_hook(self._hook(k, keys), with_kwargs=True))
+                for k, (_, m) in enumerate(named):
+                    self._hooks.append(m.register_forward_hook(self._hook(k, lambda ids, b=base[k]: ids + b),
+                                                               with_kwargs=True))
         except BaseException:
             self._remove()
             self._writer.abort()
@@ -98,9 +95,9 @@ class Recorder:
             self._record(source, keys, ids)
         return hook
 
-    def _collection_hook(self, sources):
+    def _collection_hook(self, group_keys):
         def hook(module, args, output):  # each group's ids, as its one lookup had them
-            for k, ((_, keys), ids) in enumerate(zip(sources, module.looked_up)):
+            for k, (keys, ids) in enumerate(zip(group_keys, module.looked_up)):
                 self._record(k, keys, ids)
         return hook
 
