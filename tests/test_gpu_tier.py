@@ -174,6 +174,23 @@ def test_bad_ids_are_refused_before_anything_changes():
     assert torch.equal(rows_and_state(dev), before) and dev._store.tier0.index.pinned == 0
 
 
+@pytest.mark.parametrize("kind", ["set", "direct"])
+def test_an_index_plan_refuses_bad_ids_itself_and_changes_nothing(kind):
+    """Device ids are range-checked by the plan, in the transfer it makes anyway (no wait of
+    their own): a bad id among a batch's distinct ids is named, whatever its place, and the
+    index is as it was."""
+    from tieredemb.gpu.index import DirectIndex
+
+    index = SetIndex(8, "lru", torch.device("cpu"), overflow=2) if kind == "set" else DirectIndex(50, torch.device("cpu"))
+    index.commit(index.plan(torch.tensor([1, 2, 3, -1]), torch.tensor([3]), 50), pin=False)
+    state = [t.clone() for t in vars(index).values() if isinstance(t, torch.Tensor)]
+    for bad, ids in ((50, [1, 4, 50, -1]), (-3, [-3, 2, 7, 9]), (10**12, [0, 10**12, 0, 0])):
+        with pytest.raises(IndexError, match=rf"id {bad} out of range \[0, 50\)"):
+            index.plan(torch.tensor(ids), torch.tensor([3 if ids[-1] == -1 else 2 if bad == 10**12 else 4]), 50)
+    after = [t for t in vars(index).values() if isinstance(t, torch.Tensor)]
+    assert all(torch.equal(a, b) for a, b in zip(state, after)) and index.version == 1
+
+
 def test_pooling_kernels_match_the_native_ones():
     g = torch.Generator().manual_seed(0)
     for opt in OPTIMIZERS.values():
@@ -250,6 +267,55 @@ def test_kernels_write_and_read_each_bag_where_out_at_places_it():
             torch.testing.assert_close(tri, plain, rtol=1e-5, atol=1e-5)
             if psw is not None:
                 torch.testing.assert_close(psw_grad_t, psw_grad, rtol=1e-5, atol=1e-5)
+
+
+def test_hot_rows_are_summed_tile_by_tile_as_the_native_kernels_sum_them():
+    """A row with more occurrences than a kernel's tile (a Zipf batch's hottest row has thousands)
+    is summed a tile per program, its tiles' partial sums then added a tile at a time; the padding
+    row, hot too, is left alone. Dim 300: tiles of 8 occurrences, so a row of 300 occurrences has
+    38 partial sums, added over five tiles. Every mode, with per-sample weights, 16-bit weights and
+    placed output: the native kernels' update within float tolerance, the same bits run to run."""
+    dim, n, bags = 300, 500, 37
+    g = torch.Generator().manual_seed(11)
+    ids = torch.where(torch.rand(n, generator=g) < 0.6, 7, torch.randint(0, 40, (n,), generator=g))
+    ids[torch.rand(n, generator=g) < 0.2] = 3  # the padding row
+    offsets = torch.cat([torch.tensor([0]), torch.sort(torch.randint(0, n + 1, (bags - 1,), generator=g)).values,
+                         torch.tensor([n])])
+    unique, inverse = (torch.from_numpy(a) for a in _C.dedup(ids, 100))
+    assert int(torch.bincount(inverse).max()) > 8 * 32  # more partial sums than one tile of them
+    pad = int((unique == 3).nonzero())
+    slots = unique * 2 + 1
+    out_at = torch.randperm(bags, generator=g) * (dim + 5) + 2
+    grad = torch.randn(bags, dim, generator=g)
+    block_grad = torch.full((bags * (dim + 5) + 2,), float("nan"))
+    block_grad[out_at[:, None] + torch.arange(dim)] = grad
+    for opt, weights in ((tieredemb.RowWiseAdagrad(lr=0.1), 0), (tieredemb.Adagrad(lr=0.1), 2)):
+        width = (dim if weights == 0 else (dim + 1) // 2) + opt.state_width(dim)
+        pool = torch.randn(100, width, generator=g).abs()  # (the optimizer state: no negative sums)
+        if weights:  # bfloat16 weights, two to a word
+            pool[:, :dim // 2] = torch.randn(100, dim, generator=g).to(torch.bfloat16).view(torch.float32)
+        for mode in (0, 1, 2):
+            psw = torch.rand(n, generator=g) if mode == 0 else None
+            native = pool.clone()
+            out_n = torch.empty(bags, dim)
+            argmax = torch.empty(bags * dim, dtype=torch.int64) if mode == 2 else None
+            _C.pool_forward(native, dim, slots, inverse, offsets, psw, mode, pad, out_n, argmax, weights=weights)
+            _C.pool_backward_update(native, dim, slots, inverse, offsets, psw, mode, pad, grad, argmax,
+                                    opt.native_args(3), pad, None, weights=weights)
+            runs = []
+            for _ in range(2):
+                tri, block = pool.clone(), torch.full((bags * (dim + 5) + 2,), float("nan"))
+                _, argmax_t = pooling.forward(tri, dim, slots, unique, inverse, offsets, psw, mode, 3, weights, block,
+                                              out_at)
+                pooling.backward_update(tri, torch.zeros(100, dtype=torch.uint8), dim, slots, unique,
+                                        torch.tensor([len(unique)]), inverse, offsets, psw, mode, 3, 3, block_grad,
+                                        argmax_t, opt, 3, False, weights, at=out_at)
+                runs.append((tri, block))
+            out_t = runs[0][1][out_at[:, None] + torch.arange(dim)]
+            torch.testing.assert_close(out_t, out_n, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(runs[0][0], native, rtol=1e-4, atol=1e-5)
+            assert torch.equal(runs[0][0].view(torch.int32), runs[1][0].view(torch.int32)), (opt, mode)
+            assert torch.equal(runs[0][1].view(torch.int32), runs[1][1].view(torch.int32)), (opt, mode)
 
 
 def test_a_collection_on_the_device_path_trains_as_on_the_cpu():

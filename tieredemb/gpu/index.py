@@ -10,9 +10,9 @@ a row again reads it back after its write-back). DirectIndex: a tier that holds 
 id); it only tracks which rows it holds.
 
 The contract is native/index/cache_index.h's: plan() chooses slots and victims and changes
-nothing; the caller moves rows (dirty victims down, then misses up); commit() applies the plan,
-evict() only its evictions (after a failed move). Victims are never pinned rows, nor rows of the
-batch. The lookahead window (window_push / window_pop) ranks victims as the native one does:
+nothing; the caller moves rows (dirty victims down, misses up); commit() applies the plan (a
+plan never committed, after a failed move, leaves the index as it was). Victims are never pinned
+rows, nor rows of the batch. The lookahead window (window_push / window_pop) ranks victims as the native one does:
 rows no window batch uses first, in the policy's order, then the farthest next use first.
 
 Batches are given as id buffers of length N whose first U entries are the batch's distinct ids;
@@ -262,13 +262,6 @@ class SetIndex:
                  "clean_drops": c[3] - c[4], "overflow_rows": c[2], "capacity": cap, "resident": r}
                 for c, cap, r in zip(counts, self.part_capacity, resident)]
 
-    def evict(self, plan: DevicePlan) -> None:
-        """Applies only the plan's evictions (after a failed move): its victims leave."""
-        self._check(plan)
-        self.version += 1
-        self._evict_rows(plan)
-        self._directory()
-
     def _evict_rows(self, plan: DevicePlan) -> None:
         self.slot_id[plan.victim_slots] = -1
         self.dirty[plan.victim_slots] = 0
@@ -389,17 +382,21 @@ class DirectIndex:
              to_host: bool = True) -> DevicePlan:
         """The misses of ids[:U] (rows not held yet); their ids cross to the host only if to_host
         (the caller reads them from below; else it initializes them on the device, and nothing
-        waits). Changes nothing."""
+        waits). IndexError for an id out of range when to_host (else the caller checks). Changes
+        nothing."""
         n, dev = ids.numel(), self.device
         valid = torch.arange(n, device=dev) < num_unique
         slots = torch.where(valid, ids, -1)
-        fresh = valid & ~self.held[torch.where(valid, ids, self.slots_total)]
+        bad = valid & ((ids < 0) | (ids >= num_embeddings))
+        fresh = valid & ~bad & ~self.held[torch.where(valid & ~bad, ids, self.slots_total)]
         miss_slots = _compact(fresh, ids, n)
         none = torch.empty(0, dtype=torch.int64, device=dev)
-        if to_host:
-            host = _to_host(torch.cat([torch.stack([fresh.sum(), valid.sum()]), miss_slots]))
-            n_miss, n_valid = host[:2].tolist()
-            miss_ids, miss_slots = host[2:2 + n_miss], miss_slots[:n_miss]  # (slot = id)
+        if to_host:  # (ids checked here; without the transfer, the caller checked them)
+            host = _to_host(torch.cat([torch.stack([fresh.sum(), valid.sum(), bad.sum()]), miss_slots]))
+            n_miss, n_valid, n_bad = host[:3].tolist()
+            if n_bad:
+                raise IndexError(f"id {int(ids[bad][0])} out of range [0, {num_embeddings})")
+            miss_ids, miss_slots = host[3:3 + n_miss], miss_slots[:n_miss]  # (slot = id)
         else:
             n_valid = n_miss = -1  # unknown on the host: counted on the device
             miss_ids = none
@@ -419,9 +416,6 @@ class DirectIndex:
         else:  # counted on the device, read when stats are asked for
             fresh, valid = self.device_counts
             self.pending = (self.pending[0] + fresh, self.pending[1] + valid)
-
-    def evict(self, plan: DevicePlan) -> None:
-        self.version += 1
 
     def unpin(self, slots: torch.Tensor) -> None:
         pass

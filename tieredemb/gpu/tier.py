@@ -119,18 +119,23 @@ class DeviceTier:
         return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
 
     # -- batches ------------------------------------------------------------------------------
-    def dedup(self, ids: torch.Tensor, segments=None):
+    def dedup(self, ids: torch.Tensor, segments=None, *, in_plan: bool = False):
         """ids int [N] (any device) -> (unique [N]: the distinct ids, ascending, in the first U
         entries; inverse [N]: ids[i] == unique[inverse[i]]; U as an int64 [1] tensor), computed
-        on the tier's stream (after the caller's stream: ids may come from it), without waiting for
-        the device. IndexError for an id out of range: checked on the host for host ids (the
-        cheap way), else with one wait for the device. Changes nothing. segments (a collection's
-        runs of disjoint id ranges) are not needed: one sort dedups the whole batch on the device."""
-        if ids.device.type == "cpu":
+        on the tier's stream, without waiting for the device. IndexError for an id out of range:
+        checked on the host for host ids (the cheap way); for device ids with one wait for the
+        device, or, with in_plan (the batch's plan follows at once), by that plan in its one
+        transfer, where the tier has one. Changes nothing. Device ids may come from the caller's
+        stream: the tier's stream waits for it then (only then: host ids let residency run
+        beside the compute queued before). segments (a collection's runs of disjoint id ranges)
+        are not needed: one sort dedups the whole batch on the device."""
+        on_device = ids.device.type != "cpu"
+        if not on_device:
             _check_range(ids.numpy(), self.num_embeddings)
-        elif bool((ids.min() < 0) | (ids.max() >= self.num_embeddings)):
-            _check_range(ids.cpu().numpy(), self.num_embeddings)
-        if self.stream is not None:
+        elif not in_plan or self.init_misses_here:  # (a whole-table tier drawing its misses has no transfer)
+            if bool((ids.min() < 0) | (ids.max() >= self.num_embeddings)):
+                _check_range(ids.cpu().numpy(), self.num_embeddings)
+        if self.stream is not None and on_device:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with self._on_stream():
             ids = ids.to(self.device, torch.int64, non_blocking=True)
@@ -152,8 +157,9 @@ class DeviceTier:
         """Makes the distinct ids unique[:U] resident, on the tier's stream. Returns (slots [N] on
         the device, misses (an int; -1 when only the device counted them), the event after which the
         rows are in place), or None (nothing changed) if the batch needs overflow slots and
-        allow_overflow is False. A failed read below leaves the plan's victims evicted (written
-        down already) and the batch not resident."""
+        allow_overflow is False. The dirty victims are written down, then the misses read from
+        below, and only then does tier 0 change: a failed write or read leaves it as it was (the
+        victims written down already stay dirty in it)."""
         with self._on_stream():
             with self.index_lock:
                 local = self.init_misses_here
@@ -161,22 +167,19 @@ class DeviceTier:
                         else self._plan(unique, num_unique))
             if plan.num_overflow and not allow_overflow:
                 return None
-            if plan.dirty_ids.numel():
+            if plan.dirty_ids.numel():  # (first: a lingering overflow row may leave and come back)
                 self.lower.write_from(plan.dirty_ids, self.pool.to_host(plan.dirty_slots),
                                       torch.arange(plan.dirty_ids.numel()))
                 self.bytes_out += plan.dirty_ids.numel() * self.row_bytes
+            block = None
+            if not local and plan.miss_ids.numel():
+                block = self.pool.staging(plan.miss_ids.numel())
+                with self.init.deferred() if self.draws_misses else contextlib.nullcontext():
+                    self.lower.read_to(plan.miss_ids, block, torch.arange(plan.miss_ids.numel()))
             if local:
                 rowinit.init_rows(plan.ids, self.pool.rows, torch.where(plan.fresh, plan.slots, -1), *self.init.args,
                                   weights=self.init.weights)
-            elif plan.miss_ids.numel():
-                block = self.pool.staging(plan.miss_ids.numel())
-                try:
-                    with self.init.deferred() if self.draws_misses else contextlib.nullcontext():
-                        self.lower.read_to(plan.miss_ids, block, torch.arange(plan.miss_ids.numel()))
-                except BaseException:
-                    with self.index_lock:
-                        self.index.evict(plan)
-                    raise
+            elif block is not None:
                 self.pool.from_host(plan.miss_slots, block)
                 if self.draws_misses:  # rows never stored: drawn here, bit for bit as the host would
                     marked = self.pool.rows[plan.miss_slots, 0].view(torch.int32) == DEFERRED_MARK

@@ -51,10 +51,11 @@ class CacheTier:
         return self.lower.state
 
     # -- tier 0: batches ---------------------------------------------------------------------------
-    def dedup(self, ids: torch.Tensor, segments=None):
+    def dedup(self, ids: torch.Tensor, segments=None, *, in_plan: bool = False):
         """ids int [N] -> (unique [U] in order of first occurrence, inverse [N], U); segments
         (starts, row_ends): runs of disjoint id ranges, each deduplicated alone, in parallel.
-        IndexError for an id out of range. Changes nothing."""
+        IndexError for an id out of range (here, whatever in_plan: see DeviceTier.dedup). Changes
+        nothing."""
         unique, inverse = _C.dedup(ids.to(device="cpu", dtype=torch.int64).contiguous(), self.num_embeddings,
                                    *(segments or (None, None)))
         return torch.from_numpy(unique), torch.from_numpy(inverse), len(unique)

@@ -185,8 +185,9 @@ class TableStore:
 
     def prepare(self, ids: torch.Tensor, segments=None) -> ResidentBatch:
         """ids: int [N] (segments: see dedup). Dedups them and makes them resident in tier 0,
-        pinned. IndexError for an id out of range, before any tier changes."""
-        return self.make_resident(*self.dedup(ids, segments))
+        pinned. IndexError for an id out of range, before any tier changes (a device tier 0's plan
+        may check device ids, in the transfer it makes anyway)."""
+        return self.make_resident(*self.tier0.dedup(ids, segments, in_plan=True))
 
     def release(self, batch: ResidentBatch) -> None:
         self.tier0.unpin(batch.slots, batch.stream)
