@@ -56,25 +56,27 @@ def main() -> None:
     opts = [tieredemb.SGD(lr=0.1), tieredemb.Adagrad(lr=0.1), tieredemb.RowWiseAdagrad(lr=0.1),
             tieredemb.MomentumScaledRowWiseAdagrad(lr=0.1, scale=4), tieredemb.Adam(lr=0.1)]
     g = torch.Generator().manual_seed(0)
-    for dim in (1, 8, 200):  # a dim Triton compiles in as a constant, one column block, several
+    # a dim Triton compiles in as a constant, one column block, the benchmarks' 128, several
+    # blocks; 40 occurrences: more than a tile at every dim but 1, so hot rows' partial sums too
+    for dim in (1, 8, 128, 200):
         unique = torch.arange(10)
-        inverse = torch.randint(0, 10, (30,), generator=g)
-        offsets = torch.tensor([0, 3, 10, 30])
+        inverse = torch.randint(0, 10, (40,), generator=g)
+        offsets = torch.tensor([0, 3, 10, 40])
         grad = torch.zeros(3, dim)
         for weights, width in ((0, dim + 2 * dim), (1, dim // 2 + 2 * dim), (2, dim // 2 + 2 * dim)):
             pool = torch.zeros(40, width)
             dirty = torch.zeros(40, dtype=torch.uint8)
             for mode in (0, 1, 2):
                 pooling.forward(pool, dim, unique, unique, inverse, offsets, None, mode, -1, weights)
-            pooling.forward(pool, dim, unique, unique, inverse, offsets, torch.ones(30), 0, -1, weights)
+            pooling.forward(pool, dim, unique, unique, inverse, offsets, torch.ones(40), 0, -1, weights)
             # bags placed in a wider block (a collection's [B, sum of dims]), each way
             block, at = torch.zeros(3, 2 * dim), torch.tensor([0, 2 * dim, dim])
             for mode in (0, 1, 2):
                 pooling.forward(pool, dim, unique, unique, inverse, offsets, None, mode, -1, weights, block, at)
-            pooling.forward(pool, dim, unique, unique, inverse, offsets, torch.ones(30), 0, -1, weights, block, at)
+            pooling.forward(pool, dim, unique, unique, inverse, offsets, torch.ones(40), 0, -1, weights, block, at)
             for mode in (0, 1, 2):
                 pooling.backward_update(pool, dirty, dim, unique, unique, torch.tensor([10]), inverse, offsets,
-                                        torch.ones(30) if mode == 0 else None, mode, -1, 1, block,
+                                        torch.ones(40) if mode == 0 else None, mode, -1, 1, block,
                                         torch.zeros(3, dim, dtype=torch.int64) if mode == 2 else None,
                                         opts[2], 2, mode == 0, weights, False, 7, at)
             argmax = torch.zeros(3, dim, dtype=torch.int64)

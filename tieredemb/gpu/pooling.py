@@ -26,36 +26,46 @@ _SUM, _MEAN, _MAX = 0, 1, 2
 @triton.jit
 def _forward_kernel(pool_ptr, slots_ptr, unique_ptr, inverse_ptr, offsets_ptr, psw_ptr, out_ptr, at_ptr, argmax_ptr,
                     dim, width, skip_id, MODE: tl.constexpr, HAS_PSW: tl.constexpr, HAS_AT: tl.constexpr,
-                    WEIGHTS: tl.constexpr, BLOCK: tl.constexpr):
+                    WEIGHTS: tl.constexpr, TILE: tl.constexpr, BLOCK: tl.constexpr):
     """Bag b = program 0, columns block = program 1: the pooled rows of the bag, row skip_id left
     out (EmbeddingBag's padding_idx; -1: none), into out[b] (HAS_AT: out's floats from at[b]).
-    Max also writes argmax[b, d] (the occurrence that gave the max, -1 for an empty bag)."""
+    Sum and mean read TILE occurrences at a time (one [TILE, BLOCK] load, summed down: a chain of
+    dependent loads per tile, not per occurrence). Max takes one occurrence at a time (the first
+    of equal maxima wins, as on the CPU) and also writes argmax[b, d] (the occurrence that gave
+    the max, -1 for an empty bag)."""
     b = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     in_row = cols < dim
     begin = tl.load(offsets_ptr + b)
     end = tl.load(offsets_ptr + b + 1)
     acc = tl.zeros([BLOCK], dtype=tl.float32)
-    best = tl.full([BLOCK], -1, dtype=tl.int64)
-    count = 0.0
-    for i in range(begin, end):
-        u = tl.load(inverse_ptr + i)
-        if tl.load(unique_ptr + u) != skip_id:
-            row = load_weights(pool_ptr, tl.load(slots_ptr + u), cols, in_row, width, WEIGHTS)
-            if MODE == 2:
+    if MODE == 2:
+        best = tl.full([BLOCK], -1, dtype=tl.int64)
+        for i in range(begin, end):
+            u = tl.load(inverse_ptr + i)
+            if tl.load(unique_ptr + u) != skip_id:
+                row = load_weights(pool_ptr, tl.load(slots_ptr + u), cols, in_row, width, WEIGHTS)
                 take = (best < 0) | (row > acc)
                 acc = tl.where(take, row, acc)
                 best = tl.where(take, i, best)
-            elif HAS_PSW:
-                acc += tl.load(psw_ptr + i) * row
-            else:
-                acc += row
-            count += 1.0
-    if MODE == 1:
-        acc = acc * tl.math.div_rn(1.0, tl.maximum(count, 1.0))
-    tl.store(out_ptr + _out_row(at_ptr, b, dim, HAS_AT) + cols, acc, mask=in_row)
-    if MODE == 2:
         tl.store(argmax_ptr + b.to(tl.int64) * dim + cols, best, mask=in_row)
+    else:
+        count = 0.0
+        for first in range(begin, end, TILE):
+            k = first + tl.arange(0, TILE)
+            live = k < end
+            u = tl.load(inverse_ptr + k, mask=live, other=0)
+            keep = live & (tl.load(unique_ptr + u, mask=live, other=0) != skip_id)
+            slot = tl.load(slots_ptr + u, mask=keep, other=0)
+            rows = load_weights(pool_ptr, slot[:, None], cols[None, :], keep[:, None] & in_row[None, :], width,
+                                WEIGHTS)
+            if HAS_PSW:
+                rows = rows * tl.load(psw_ptr + k, mask=keep, other=0.0)[:, None]
+            acc += tl.sum(rows, axis=0)
+            count += tl.sum(keep.to(tl.float32), axis=0)
+        if MODE == 1:
+            acc = acc * tl.math.div_rn(1.0, tl.maximum(count, 1.0))
+    tl.store(out_ptr + _out_row(at_ptr, b, dim, HAS_AT) + cols, acc, mask=in_row)
 
 
 @triton.jit
@@ -86,7 +96,7 @@ def forward(pool: torch.Tensor, dim: int, slots: torch.Tensor, unique: torch.Ten
     _forward_kernel[(bags, triton.cdiv(dim, block))](
         pool, slots, unique, inverse, offsets, psw if psw is not None else out, out, at if at is not None else offsets,
         argmax if argmax is not None else offsets, dim, pool.shape[1], skip_id,
-        MODE=mode, HAS_PSW=psw is not None, HAS_AT=at is not None, WEIGHTS=weights, BLOCK=block)
+        MODE=mode, HAS_PSW=psw is not None, HAS_AT=at is not None, WEIGHTS=weights, TILE=_tile(block), BLOCK=block)
     return out, argmax
 
 
@@ -108,34 +118,89 @@ def _psw_grad_kernel(pool_ptr, slots_ptr, unique_ptr, inverse_ptr, bag_ptr, grad
     tl.store(out_ptr + i, tl.sum(acc, axis=0))
 
 
+def _tile(block: int) -> int:
+    """Occurrences a kernel reads at once for rows of `block` columns: a [TILE, BLOCK] load of at
+    most 4096 floats (32 registers a thread at 4 warps)."""
+    return max(1, min(32, 4096 // block))
+
+
+@triton.jit
+def _tile_grad(order_ptr, first, end, bag_ptr, scale_ptr, grad_ptr, at_ptr, argmax_ptr, dim, cols, w,
+               MODE: tl.constexpr, HAS_AT: tl.constexpr, TILE: tl.constexpr):
+    """The sum of the gradients of the occurrences at sorted positions first .. min(first + TILE,
+    end) - 1 (occurrence order[k]: its bag's gradient times its scale; for max only the columns it
+    was the argmax of), read as one [TILE, BLOCK] tile and summed down (a fixed order)."""
+    k = first + tl.arange(0, TILE)
+    live = k < end
+    i = tl.load(order_ptr + k, mask=live, other=0)
+    bag = tl.load(bag_ptr + i, mask=live, other=0)
+    m = live[:, None] & w[None, :]
+    grad = tl.load(grad_ptr + _out_row(at_ptr, bag, dim, HAS_AT)[:, None] + cols[None, :], mask=m, other=0.0)
+    if MODE == 2:
+        won = tl.load(argmax_ptr + bag[:, None] * dim + cols[None, :], mask=m, other=-1) == i[:, None]
+        grad = tl.where(won, grad, 0.0)
+    else:
+        grad = grad * tl.load(scale_ptr + i, mask=live, other=0.0)[:, None]
+    return tl.sum(grad, axis=0)
+
+
+@triton.jit
+def _chunk_kernel(sorted_ptr, order_ptr, start_ptr, chunk_ptr, unique_ptr, bag_ptr, scale_ptr, grad_ptr, at_ptr,
+                  argmax_ptr, partial_ptr, dim, skip_id, frozen_id, MODE: tl.constexpr, HAS_AT: tl.constexpr,
+                  TILE: tl.constexpr, BLOCK: tl.constexpr):
+    """Sorted position p = program 0 (occurrences sorted by unique row, sorted[p] its row u): if p
+    starts a tile of a row with more than TILE occurrences, that tile's gradient sum goes to
+    partial[chunk[u] + (p - start[u]) / TILE]. So a hot row's occurrences (thousands in a Zipf
+    batch) are summed by many programs side by side, and _update_kernel adds their partial sums."""
+    p = tl.program_id(0)
+    u = tl.load(sorted_ptr + p)
+    first = tl.load(start_ptr + u)
+    end = tl.load(start_ptr + u + 1)
+    if ((p - first) % TILE == 0) & (end - first > TILE):
+        uid = tl.load(unique_ptr + u)
+        if (uid != skip_id) & (uid != frozen_id):
+            cols = tl.arange(0, BLOCK)
+            w = cols < dim
+            g = _tile_grad(order_ptr, p, end, bag_ptr, scale_ptr, grad_ptr, at_ptr, argmax_ptr, dim, cols, w, MODE,
+                           HAS_AT, TILE)
+            c = tl.load(chunk_ptr + u) + (p - first) // TILE
+            tl.store(partial_ptr + c * dim + cols, g, mask=w)
+
+
 # sr_seed and step are 64-bit keys, never constants: Triton would compile a value of 1 in as a
 # Python int, which has no .to().
 @triton.jit(do_not_specialize=["sr_seed", "step"])
-def _update_kernel(pool_ptr, dirty_ptr, slots_ptr, unique_ptr, num_unique_ptr, order_ptr, start_ptr, bag_ptr,
-                   scale_ptr, grad_ptr, at_ptr, argmax_ptr, dim, dim_f, width, weight_words, skip_id, frozen_id, lr, eps,
-                   beta1, beta2, adam_step, acc_div, sr_seed, step, OPT: tl.constexpr, MODE: tl.constexpr,
-                   HAS_AT: tl.constexpr, WEIGHTS: tl.constexpr, STOCHASTIC: tl.constexpr, BLOCK: tl.constexpr):
-    """Unique row u = program 0: g = the sum of its occurrences' gradients, in occurrence order
-    (occurrences order[start[u]] .. order[start[u+1]-1], each the gradient of its bag times its
-    scale; for max only the columns it was the argmax of; a bag's gradient is grad's row bag, or
-    with HAS_AT its floats from at[bag]), then the optimizer applied to its
-    row in the pool, and the row marked dirty. Rows skip_id (left out of the bags) and
-    frozen_id (the padding row) are left alone. 16-bit weights (WEIGHTS 1, 2) are updated in
-    float32 and rounded back: to the nearest, or stochastically (STOCHASTIC)."""
+def _update_kernel(pool_ptr, dirty_ptr, slots_ptr, unique_ptr, num_unique_ptr, order_ptr, start_ptr, chunk_ptr,
+                   partial_ptr, bag_ptr, scale_ptr, grad_ptr, at_ptr, argmax_ptr, dim, dim_f, width, weight_words,
+                   skip_id, frozen_id, lr, eps, beta1, beta2, adam_step, acc_div, sr_seed, step, OPT: tl.constexpr,
+                   MODE: tl.constexpr, HAS_AT: tl.constexpr, WEIGHTS: tl.constexpr, STOCHASTIC: tl.constexpr,
+                   TILE: tl.constexpr, BLOCK: tl.constexpr):
+    """Unique row u = program 0: g = the sum of its occurrences' gradients (occurrences
+    order[start[u]] .. order[start[u+1]-1], each the gradient of its bag times its scale; for max
+    only the columns it was the argmax of; a bag's gradient is grad's row bag, or with HAS_AT its
+    floats from at[bag]): one tile's sum for a row of at most TILE occurrences, else the sum of
+    its tiles' partial sums (partial rows chunk[u] .. chunk[u+1]-1, _chunk_kernel's), TILE at a
+    time, in order. Then the optimizer applied to its row in the pool, and the row marked dirty.
+    Rows skip_id (left out of the bags) and frozen_id (the padding row) are left alone. 16-bit
+    weights (WEIGHTS 1, 2) are updated in float32 and rounded back: to the nearest, or
+    stochastically (STOCHASTIC). Every sum has a fixed order: the same bits from run to run."""
     u = tl.program_id(0)
     uid = tl.load(unique_ptr + u, mask=u < tl.load(num_unique_ptr), other=skip_id)  # (past U: nothing to do)
     if (uid != skip_id) & (uid != frozen_id):
         cols = tl.arange(0, BLOCK)
         w = cols < dim
-        g = tl.zeros([BLOCK], dtype=tl.float32)
-        for k in range(tl.load(start_ptr + u), tl.load(start_ptr + u + 1)):
-            i = tl.load(order_ptr + k)
-            bag = tl.load(bag_ptr + i)
-            grad = tl.load(grad_ptr + _out_row(at_ptr, bag, dim, HAS_AT) + cols, mask=w, other=0.0)
-            if MODE == 2:
-                g += tl.where(tl.load(argmax_ptr + bag * dim + cols, mask=w, other=-1) == i, grad, 0.0)
-            else:
-                g += tl.load(scale_ptr + i) * grad
+        first = tl.load(start_ptr + u)
+        end = tl.load(start_ptr + u + 1)
+        if end - first > TILE:
+            g = tl.zeros([BLOCK], dtype=tl.float32)
+            c_end = tl.load(chunk_ptr + u + 1)
+            for c0 in range(tl.load(chunk_ptr + u), c_end, TILE):
+                c = c0 + tl.arange(0, TILE)
+                g += tl.sum(tl.load(partial_ptr + c[:, None] * dim + cols[None, :],
+                                    mask=(c < c_end)[:, None] & w[None, :], other=0.0), axis=0)
+        else:
+            g = _tile_grad(order_ptr, first, end, bag_ptr, scale_ptr, grad_ptr, at_ptr, argmax_ptr, dim, cols, w,
+                           MODE, HAS_AT, TILE)
         slot = tl.load(slots_ptr + u)
         row = pool_ptr + slot * width + weight_words - dim  # the state: at row + dim + ...
         x = load_weights(pool_ptr, slot, cols, w, width, WEIGHTS)
@@ -221,14 +286,28 @@ def backward_update(pool: torch.Tensor, dirty: torch.Tensor, dim: int, slots: to
         scale = (1.0 / per_bag.clamp_min(1.0))[bag_of]
     else:
         scale = torch.ones(n, dtype=torch.float32, device=dev)
-    order = torch.sort(inverse, stable=True).indices  # occurrences grouped by unique row, in occurrence order
+    sorted_u, order = torch.sort(inverse, stable=True)  # occurrences grouped by unique row, in occurrence order
     start = torch.zeros(n + 1, dtype=torch.int64, device=dev)
     per_unique = torch.zeros(n, dtype=torch.int64, device=dev).index_add_(0, inverse, torch.ones_like(inverse))
     torch.cumsum(per_unique, 0, out=start[1:])  # (bincount would wait for the device to size its output)
+    # Rows of more than `tile` occurrences are summed a tile per program first (_chunk_kernel):
+    # their tiles' partial sums take rows chunk[u] .. chunk[u + 1] - 1 of partial. Such rows number
+    # fewer than n / tile, and each has at most its occurrences / tile + 1 tiles.
+    tile = _tile(block)
+    chunk = torch.zeros(n + 1, dtype=torch.int64, device=dev)
+    argmax_arg = argmax if argmax is not None else order
+    partial = scale  # (not read when no row has more than a tile of occurrences)
+    if n > tile:  # (no row has more occurrences than the batch)
+        tiles = torch.where(per_unique > tile, (per_unique + tile - 1) // tile, 0)
+        torch.cumsum(tiles, 0, out=chunk[1:])
+        partial = torch.empty(2 * triton.cdiv(n, tile) + 1, dim, dtype=torch.float32, device=dev)
+        _chunk_kernel[(n,)](sorted_u, order, start, chunk, unique, bag_of, scale, grad_out, at_arg, argmax_arg, partial,
+                            dim, skip_id, frozen_id, MODE=mode, HAS_AT=at is not None, TILE=tile, BLOCK=block)
     a = optimizer.native_args(step)
-    _update_kernel[(n,)](pool, dirty, slots, unique, num_unique, order, start, bag_of, scale, grad_out, at_arg,
-                         argmax if argmax is not None else order, dim, float(dim), pool.shape[1],
+    _update_kernel[(n,)](pool, dirty, slots, unique, num_unique, order, start, chunk, partial, bag_of, scale, grad_out,
+                         at_arg, argmax_arg, dim, float(dim), pool.shape[1],
                          dim if weights == 0 else (dim + 1) // 2, skip_id, frozen_id, a.lr, a.eps, a.beta1, a.beta2,
                          a.adam_step_size, a.accumulator_divisor, sr_seed, step, OPT=optimizer.kind, MODE=mode,
-                         HAS_AT=at is not None, WEIGHTS=weights, STOCHASTIC=stochastic_rounding, BLOCK=block)
+                         HAS_AT=at is not None, WEIGHTS=weights, STOCHASTIC=stochastic_rounding, TILE=tile,
+                         BLOCK=block)
     return psw_grad
