@@ -273,11 +273,13 @@ def test_hot_rows_are_summed_tile_by_tile_as_the_native_kernels_sum_them():
     """A row with more occurrences than a kernel's tile (a Zipf batch's hottest row has thousands)
     is summed a tile per program, its tiles' partial sums then added a tile at a time; the padding
     row, hot too, is left alone. Dim 300: tiles of 8 occurrences, so a row of 300 occurrences has
-    38 partial sums, added over five tiles. Every mode, with per-sample weights, 16-bit weights and
-    placed output: the native kernels' update within float tolerance, the same bits run to run."""
+    38 partial sums, added over five tiles; warm rows of 10-30 occurrences side by side put two
+    tile starts in one window of the chunk kernel. Every mode, with per-sample weights, 16-bit
+    weights and placed output: the native kernels' update within float tolerance, the same bits
+    run to run."""
     dim, n, bags = 300, 500, 37
     g = torch.Generator().manual_seed(11)
-    ids = torch.where(torch.rand(n, generator=g) < 0.6, 7, torch.randint(0, 40, (n,), generator=g))
+    ids = torch.where(torch.rand(n, generator=g) < 0.6, 7, torch.randint(0, 12, (n,), generator=g))  # and 11 warm ones
     ids[torch.rand(n, generator=g) < 0.2] = 3  # the padding row
     offsets = torch.cat([torch.tensor([0]), torch.sort(torch.randint(0, n + 1, (bags - 1,), generator=g)).values,
                          torch.tensor([n])])

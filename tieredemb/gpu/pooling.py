@@ -146,25 +146,36 @@ def _tile_grad(order_ptr, first, end, bag_ptr, scale_ptr, grad_ptr, at_ptr, argm
 
 @triton.jit
 def _chunk_kernel(sorted_ptr, order_ptr, start_ptr, chunk_ptr, unique_ptr, bag_ptr, scale_ptr, grad_ptr, at_ptr,
-                  argmax_ptr, partial_ptr, dim, skip_id, frozen_id, MODE: tl.constexpr, HAS_AT: tl.constexpr,
+                  argmax_ptr, partial_ptr, n, dim, skip_id, frozen_id, MODE: tl.constexpr, HAS_AT: tl.constexpr,
                   TILE: tl.constexpr, BLOCK: tl.constexpr):
-    """Sorted position p = program 0 (occurrences sorted by unique row, sorted[p] its row u): if p
-    starts a tile of a row with more than TILE occurrences, that tile's gradient sum goes to
-    partial[chunk[u] + (p - start[u]) / TILE]. So a hot row's occurrences (thousands in a Zipf
-    batch) are summed by many programs side by side, and _update_kernel adds their partial sums."""
-    p = tl.program_id(0)
-    u = tl.load(sorted_ptr + p)
-    first = tl.load(start_ptr + u)
-    end = tl.load(start_ptr + u + 1)
-    if ((p - first) % TILE == 0) & (end - first > TILE):
-        uid = tl.load(unique_ptr + u)
-        if (uid != skip_id) & (uid != frozen_id):
-            cols = tl.arange(0, BLOCK)
-            w = cols < dim
-            g = _tile_grad(order_ptr, p, end, bag_ptr, scale_ptr, grad_ptr, at_ptr, argmax_ptr, dim, cols, w, MODE,
-                           HAS_AT, TILE)
-            c = tl.load(chunk_ptr + u) + (p - first) // TILE
-            tl.store(partial_ptr + c * dim + cols, g, mask=w)
+    """The sorted positions of window program 0 (TILE of them; occurrences sorted by unique row,
+    sorted[p] the row of position p): each tile of a row with more than TILE occurrences that
+    starts here (at start[u] + k * TILE) has its gradient sum stored in partial[chunk[u] + k]. So a
+    hot row's occurrences (thousands in a Zipf batch) are summed by many programs side by side,
+    and _update_kernel adds their partial sums. A window holds at most two such tile starts: a
+    second row's can only be that row's first position (else the row would cover the window's
+    start), and such a row runs past the window's end."""
+    k = tl.program_id(0) * TILE + tl.arange(0, TILE)
+    live = k < n
+    u = tl.load(sorted_ptr + k, mask=live, other=0)
+    first = tl.load(start_ptr + u, mask=live, other=0)
+    end = tl.load(start_ptr + u + 1, mask=live, other=0)
+    starts = live & ((k - first) % TILE == 0) & (end - first > TILE)
+    p1 = tl.min(tl.where(starts, k, n), axis=0)
+    p2 = tl.min(tl.where(starts & (k > p1), k, n), axis=0)
+    cols = tl.arange(0, BLOCK)
+    w = cols < dim
+    for j in tl.static_range(2):
+        p = p1 if j == 0 else p2
+        if p < n:
+            row = tl.load(sorted_ptr + p)
+            uid = tl.load(unique_ptr + row)
+            if (uid != skip_id) & (uid != frozen_id):
+                row_start = tl.load(start_ptr + row)
+                g = _tile_grad(order_ptr, p, tl.load(start_ptr + row + 1), bag_ptr, scale_ptr, grad_ptr, at_ptr,
+                               argmax_ptr, dim, cols, w, MODE, HAS_AT, TILE)
+                c = tl.load(chunk_ptr + row) + (p - row_start) // TILE
+                tl.store(partial_ptr + c * dim + cols, g, mask=w)
 
 
 # sr_seed and step are 64-bit keys, never constants: Triton would compile a value of 1 in as a
@@ -301,8 +312,9 @@ def backward_update(pool: torch.Tensor, dirty: torch.Tensor, dim: int, slots: to
         tiles = torch.where(per_unique > tile, (per_unique + tile - 1) // tile, 0)
         torch.cumsum(tiles, 0, out=chunk[1:])
         partial = torch.empty(2 * triton.cdiv(n, tile) + 1, dim, dtype=torch.float32, device=dev)
-        _chunk_kernel[(n,)](sorted_u, order, start, chunk, unique, bag_of, scale, grad_out, at_arg, argmax_arg, partial,
-                            dim, skip_id, frozen_id, MODE=mode, HAS_AT=at is not None, TILE=tile, BLOCK=block)
+        _chunk_kernel[(triton.cdiv(n, tile),)](sorted_u, order, start, chunk, unique, bag_of, scale, grad_out, at_arg,
+                                               argmax_arg, partial, n, dim, skip_id, frozen_id, MODE=mode,
+                                               HAS_AT=at is not None, TILE=tile, BLOCK=block)
     a = optimizer.native_args(step)
     _update_kernel[(n,)](pool, dirty, slots, unique, num_unique, order, start, chunk, partial, bag_of, scale, grad_out,
                          at_arg, argmax_arg, dim, float(dim), pool.shape[1],
