@@ -51,7 +51,23 @@ def main() -> None:
     JITFunction.run = compile_only
 
     import tieredemb
-    from tieredemb.gpu import pooling, rowinit
+    from tieredemb.gpu import plan_kernels, pooling, rowinit
+    from tieredemb.gpu.index import SetIndex
+
+    # the set-associative plan's kernels: each policy, with and without partitions, overflow rows
+    # in use and a window; 32 ways (the default) and 4
+    for parts in (None, ((100, 40), (60, 24))):
+        for ways in (32, 4):
+            for policy in ("lru", "lfu"):
+                index = SetIndex(64, policy, torch.device("cpu"), ways=ways, overflow=8, partitions=parts)
+                ids = torch.arange(20)
+                out = [torch.empty(20, dtype=torch.int64) for _ in range(2)]
+                for in_use in (0, 1):
+                    index.overflow_in_use = in_use
+                    plan_kernels.find(ids, torch.tensor([20]), index, *out)
+                used = torch.zeros(index.capacity, dtype=torch.uint8)
+                for window in (None, (ids, ids)):
+                    plan_kernels.assign(ids, ids, index, used, window, out[0])
 
     opts = [tieredemb.SGD(lr=0.1), tieredemb.Adagrad(lr=0.1), tieredemb.RowWiseAdagrad(lr=0.1),
             tieredemb.MomentumScaledRowWiseAdagrad(lr=0.1, scale=4), tieredemb.Adam(lr=0.1)]

@@ -181,7 +181,8 @@ def test_an_index_plan_refuses_bad_ids_itself_and_changes_nothing(kind):
     index is as it was."""
     from tieredemb.gpu.index import DirectIndex
 
-    index = SetIndex(8, "lru", torch.device("cpu"), overflow=2) if kind == "set" else DirectIndex(50, torch.device("cpu"))
+    cpu = torch.device("cpu")
+    index = SetIndex(8, "lru", cpu, overflow=2) if kind == "set" else DirectIndex(50, cpu)
     index.commit(index.plan(torch.tensor([1, 2, 3, -1]), torch.tensor([3]), 50), pin=False)
     state = [t.clone() for t in vars(index).values() if isinstance(t, torch.Tensor)]
     for bad, ids in ((50, [1, 4, 50, -1]), (-3, [-3, 2, 7, 9]), (10**12, [0, 10**12, 0, 0])):

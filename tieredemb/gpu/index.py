@@ -25,8 +25,8 @@ import dataclasses
 
 import torch
 
-_HASH = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64: Fibonacci hashing
-_NEVER = 1 << 62  # a policy key larger than any stamp: not a candidate
+from . import plan_kernels
+from .plan_kernels import HASH as _HASH, NEVER as _NEVER
 
 
 @dataclasses.dataclass
@@ -53,11 +53,15 @@ class DevicePlan:
 
 class SetIndex:
     """A bounded tier-0 index on `device`. capacity is rounded up to whole sets of `ways` slots;
-    overflow: overflow slots to start with (more are added when a plan needs them).
+    overflow: overflow slots to start with (more are added when a plan needs them). A plan's
+    find and assign steps run as Triton kernels (plan_kernels.py), or with kernels = "torch" as
+    their torch-ops twin (the tests compare the two).
 
     partitions ((rows, capacity), ...) in id order (PartitionedIndex's, native/index): each part
     has sets of its own (its capacity rounded up to whole sets), so one part's misses never evict
     another's rows; capacity is then the sum. Each part's counters are kept too."""
+
+    kernels = "triton"
 
     def __init__(self, capacity: int, policy: str, device: torch.device, *, ways: int = 32, overflow: int = 1024,
                  partitions: tuple | None = None):
@@ -156,28 +160,12 @@ class SetIndex:
         n, dev, cap = ids.numel(), self.device, self.capacity
         total = self.slots_total
         valid = torch.arange(n, device=dev) < num_unique
-        slots = torch.where(valid, self.lookup(ids.clamp(min=0)), -1)
-        # An overflow row the batch uses again but nobody pins any more leaves and comes back
-        # (written down first if dirty): overflow rows stay rows in flight.
-        pinned = self.pins[slots.clamp(min=0)] > 0
-        slots = torch.where((slots >= cap) & ~pinned, -1, slots)
+        slots, sets = self._find(ids, num_unique, valid)
         fresh = valid & (slots < 0)
         used = _mask(torch.where(slots >= 0, slots, total), total + 1)[:cap]
-        key = self._victim_key(used)
         # The misses of each set, in batch order, take the set's candidates, best first.
-        sets = torch.where(fresh, self._set_of(ids), self.sets)
-        order = torch.sort(sets, stable=True).indices
-        in_set = sets[order]
-        first = torch.ones(n, dtype=torch.bool, device=dev)
-        first[1:] = in_set[1:] != in_set[:-1]
-        pos = torch.arange(n, device=dev)
-        rank = pos - torch.cummax(torch.where(first, pos, 0), 0).values
-        home = in_set.clamp(max=self.sets - 1)
-        cand_key, cand_way = torch.sort(key.view(self.sets, self.ways)[home], dim=1, stable=True)
-        rank_c = rank.clamp(max=self.ways - 1)[:, None]
-        placed = fresh[order] & (rank < self.ways) & (cand_key.gather(1, rank_c)[:, 0] < _NEVER)
-        chosen = torch.full((n,), -1, dtype=torch.int64, device=dev)
-        chosen[order] = torch.where(placed, home * self.ways + cand_way.gather(1, rank_c)[:, 0], -1)
+        in_set, order = torch.sort(sets, stable=True)
+        chosen = self._assign(in_set, order, used)
         # The rest take overflow slots: free ones, and those of lingering (unpinned) rows, lowest first.
         need = fresh & (chosen < 0)
         ovf_ids = self.slot_id[cap:total]
@@ -214,6 +202,40 @@ class SetIndex:
                           num_overflow=n_need, num_victims=n_victims, num_unique=n_valid, version=self.version,
                           lingering=c[7])
         return plan, n_need, n_free
+
+    def _find(self, ids, num_unique, valid):
+        """(slots, sets): each id's slot (-1: a miss, or past U) and each miss's set (else
+        self.sets). An overflow row the batch uses again but nobody pins any more leaves and comes
+        back (written down first if dirty): overflow rows stay rows in flight."""
+        if self.kernels == "triton":
+            slots, sets = torch.empty_like(ids), torch.empty_like(ids)
+            plan_kernels.find(ids, num_unique, self, slots, sets)
+            return slots, sets
+        slots = torch.where(valid, self.lookup(ids.clamp(min=0)), -1)
+        pinned = self.pins[slots.clamp(min=0)] > 0
+        slots = torch.where((slots >= self.capacity) & ~pinned, -1, slots)
+        return slots, torch.where(valid & (slots < 0), self._set_of(ids.clamp(min=0)), self.sets)
+
+    def _assign(self, in_set, order, used):
+        """The slot each miss takes in its set (-1: none left): the misses sorted by set (in_set,
+        order: in batch order within a set), the r-th of a set taking its r-th best candidate
+        (_victim_key's order; ties: the lower way)."""
+        n, dev = in_set.numel(), self.device
+        chosen = torch.full((n,), -1, dtype=torch.int64, device=dev)
+        if self.kernels == "triton":
+            plan_kernels.assign(in_set, order, self, used.view(torch.uint8), self._window_sorted(), chosen)
+            return chosen
+        first = torch.ones(n, dtype=torch.bool, device=dev)
+        first[1:] = in_set[1:] != in_set[:-1]
+        pos = torch.arange(n, device=dev)
+        rank = pos - torch.cummax(torch.where(first, pos, 0), 0).values
+        home = in_set.clamp(max=self.sets - 1)
+        key = self._victim_key(used)
+        cand_key, cand_way = torch.sort(key.view(self.sets, self.ways)[home], dim=1, stable=True)
+        rank_c = rank.clamp(max=self.ways - 1)[:, None]
+        placed = (in_set < self.sets) & (rank < self.ways) & (cand_key.gather(1, rank_c)[:, 0] < _NEVER)
+        chosen[order] = torch.where(placed, home * self.ways + cand_way.gather(1, rank_c)[:, 0], -1)
+        return chosen
 
     def commit(self, plan: DevicePlan, pin: bool) -> None:
         """Applies a plan made by the last plan() (the rows moved already). pin: pin the batch's rows."""
@@ -295,6 +317,16 @@ class SetIndex:
     def window_clear(self) -> None:
         self.window.clear()
 
+    def _window_sorted(self):
+        """The window's ids (-1 past each batch's U) sorted, each with the first window batch that
+        uses it (its position in the window), or None for an empty window."""
+        if not self.window:
+            return None
+        wid = torch.cat([torch.where(v, i, -1) for i, v in self.window])
+        batch = torch.cat([torch.full_like(i, j) for j, (i, _) in enumerate(self.window)])
+        order = torch.sort(wid, stable=True).indices  # by id, batches in order
+        return wid[order], batch[order]
+
     def _victim_key(self, used: torch.Tensor) -> torch.Tensor:
         """Per regular slot, the order victims are taken in (smallest first): empty slots, then rows
         no window batch uses in the policy's order, then window rows, farthest next use first;
@@ -303,11 +335,9 @@ class SetIndex:
         sid = self.slot_id[:cap]
         key = self.stamp[:cap] if self.policy == "lru" else self.uses[:cap].clamp(max=(1 << 28) - 1) * (1 << 32) + \
             self.stamp[:cap]
-        if self.window:
-            wid = torch.cat([torch.where(v, i, -1) for i, v in self.window])
-            batch = torch.cat([torch.full_like(i, j) for j, (i, _) in enumerate(self.window)])
-            order = torch.sort(wid, stable=True).indices  # by id, batches in order
-            wid, batch = wid[order], batch[order]
+        window = self._window_sorted()
+        if window is not None:
+            wid, batch = window
             pos = torch.searchsorted(wid, sid).clamp(max=wid.numel() - 1)
             in_window = (wid[pos] == sid) & (sid >= 0)
             key = torch.where(in_window, (1 << 61) + (1 << 20) - batch[pos], key)

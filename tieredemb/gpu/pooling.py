@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import launch_turn
 from .rowinit import _mix64, _row_key, bf16_bits, load_weights, store_weights
 
 _SUM, _MEAN, _MAX = 0, 1, 2
@@ -93,10 +94,11 @@ def forward(pool: torch.Tensor, dim: int, slots: torch.Tensor, unique: torch.Ten
     if bags == 0:
         return out, argmax
     block = min(128, triton.next_power_of_2(dim))
-    _forward_kernel[(bags, triton.cdiv(dim, block))](
-        pool, slots, unique, inverse, offsets, psw if psw is not None else out, out, at if at is not None else offsets,
-        argmax if argmax is not None else offsets, dim, pool.shape[1], skip_id,
-        MODE=mode, HAS_PSW=psw is not None, HAS_AT=at is not None, WEIGHTS=weights, TILE=_tile(block), BLOCK=block)
+    with launch_turn():
+        _forward_kernel[(bags, triton.cdiv(dim, block))](
+            pool, slots, unique, inverse, offsets, psw if psw is not None else out, out,
+            at if at is not None else offsets, argmax if argmax is not None else offsets, dim, pool.shape[1], skip_id,
+            MODE=mode, HAS_PSW=psw is not None, HAS_AT=at is not None, WEIGHTS=weights, TILE=_tile(block), BLOCK=block)
     return out, argmax
 
 
@@ -285,8 +287,10 @@ def backward_update(pool: torch.Tensor, dirty: torch.Tensor, dim: int, slots: to
     if need_psw_grad:
         psw_grad = torch.empty(n, dtype=torch.float32, device=dev)
         if n:
-            _psw_grad_kernel[(n,)](pool, slots, unique, inverse, bag_of, grad_out, at_arg, psw_grad, dim, pool.shape[1],
-                                   skip_id, HAS_AT=at is not None, WEIGHTS=weights, BLOCK=min(block, 128))
+            with launch_turn():
+                _psw_grad_kernel[(n,)](pool, slots, unique, inverse, bag_of, grad_out, at_arg, psw_grad, dim,
+                                       pool.shape[1], skip_id, HAS_AT=at is not None, WEIGHTS=weights,
+                                       BLOCK=min(block, 128))
     if n == 0:
         return psw_grad
     if psw is not None:
@@ -312,14 +316,16 @@ def backward_update(pool: torch.Tensor, dirty: torch.Tensor, dim: int, slots: to
         tiles = torch.where(per_unique > tile, (per_unique + tile - 1) // tile, 0)
         torch.cumsum(tiles, 0, out=chunk[1:])
         partial = torch.empty(2 * triton.cdiv(n, tile) + 1, dim, dtype=torch.float32, device=dev)
-        _chunk_kernel[(triton.cdiv(n, tile),)](sorted_u, order, start, chunk, unique, bag_of, scale, grad_out, at_arg,
-                                               argmax_arg, partial, n, dim, skip_id, frozen_id, MODE=mode,
-                                               HAS_AT=at is not None, TILE=tile, BLOCK=block)
+        with launch_turn():
+            _chunk_kernel[(triton.cdiv(n, tile),)](sorted_u, order, start, chunk, unique, bag_of, scale, grad_out,
+                                                   at_arg, argmax_arg, partial, n, dim, skip_id, frozen_id,
+                                                   MODE=mode, HAS_AT=at is not None, TILE=tile, BLOCK=block)
     a = optimizer.native_args(step)
-    _update_kernel[(n,)](pool, dirty, slots, unique, num_unique, order, start, chunk, partial, bag_of, scale, grad_out,
-                         at_arg, argmax_arg, dim, float(dim), pool.shape[1],
-                         dim if weights == 0 else (dim + 1) // 2, skip_id, frozen_id, a.lr, a.eps, a.beta1, a.beta2,
-                         a.adam_step_size, a.accumulator_divisor, sr_seed, step, OPT=optimizer.kind, MODE=mode,
-                         HAS_AT=at is not None, WEIGHTS=weights, STOCHASTIC=stochastic_rounding, TILE=tile,
-                         BLOCK=block)
+    with launch_turn():
+        _update_kernel[(n,)](pool, dirty, slots, unique, num_unique, order, start, chunk, partial, bag_of, scale,
+                             grad_out, at_arg, argmax_arg, dim, float(dim), pool.shape[1],
+                             dim if weights == 0 else (dim + 1) // 2, skip_id, frozen_id, a.lr, a.eps, a.beta1, a.beta2,
+                             a.adam_step_size, a.accumulator_divisor, sr_seed, step, OPT=optimizer.kind, MODE=mode,
+                             HAS_AT=at is not None, WEIGHTS=weights, STOCHASTIC=stochastic_rounding, TILE=tile,
+                             BLOCK=block)
     return psw_grad

@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import launch_turn
+
 _GAMMA = 0x9E3779B97F4A7C15
 
 
@@ -156,7 +158,8 @@ def init_rows(ids: torch.Tensor, out: torch.Tensor, rows: torch.Tensor | None, d
     weight_words = dim if weights == 0 else (dim + 1) // 2
     a32, b32 = np.float32(a), np.float32(b)
     below_high = float(np.nextafter(b32, a32)) if kind == 1 else 0.0
-    _init_rows_kernel[(n,)](ids, out, rows if rows is not None else ids, n, dim, width, weight_words, seed, kind,
-                            float(a32), float(b32), below_high, zero_id, HAS_ROWS=rows is not None, WEIGHTS=weights,
-                            BLOCK=min(256, triton.next_power_of_2(max(dim, width - weight_words, 1))),
-                            enable_fp_fusion=False)
+    with launch_turn():
+        _init_rows_kernel[(n,)](ids, out, rows if rows is not None else ids, n, dim, width, weight_words, seed, kind,
+                                float(a32), float(b32), below_high, zero_id, HAS_ROWS=rows is not None, WEIGHTS=weights,
+                                BLOCK=min(256, triton.next_power_of_2(max(dim, width - weight_words, 1))),
+                                enable_fp_fusion=False)

@@ -1,0 +1,78 @@
+"""The GPU tier 0's plan (gpu/index.py SetIndex, its find and assign steps as Triton kernels in
+gpu/plan_kernels.py, here under Triton's interpreter) equals its torch-ops twin plan for plan,
+state for state, on random batches: LRU and LFU, a lookahead window, pinned rows and overflow
+slots, partitions, dirty rows, and sets crowded with misses."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+from tieredemb.gpu.index import SetIndex  # noqa: E402
+
+CPU = torch.device("cpu")
+FIELDS = ("slots", "fresh", "victim_slots", "miss_ids", "miss_slots", "dirty_ids", "dirty_slots", "valid")
+
+
+def _pair(kernels_first, **kw):
+    a, b = SetIndex(**kw), SetIndex(**kw)
+    a.kernels, b.kernels = kernels_first, "torch"
+    return a, b
+
+
+def _same_state(a: SetIndex, b: SetIndex) -> None:
+    for name in ("slot_id", "pins", "dirty", "stamp", "uses"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+    assert (a.overflow_slots, a.overflow_in_use, a.counts) == (b.overflow_slots, b.overflow_in_use, b.counts)
+
+
+def _admit(index: SetIndex, ids: torch.Tensor, count: int, rows: int):
+    while isinstance(plan := index.plan(ids, torch.tensor([count]), rows), int):
+        index.grow(plan)
+    return plan
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+@pytest.mark.parametrize("shape", ["plain", "parts", "crowded"])
+def test_the_triton_plan_equals_the_torch_twin(policy, shape):
+    rows = 400
+    kw = dict(capacity=48, policy=policy, device=CPU, ways=8, overflow=4)
+    if shape == "parts":
+        kw.update(partitions=((150, 16), (50, 8), (200, 24)))
+    if shape == "crowded":  # few sets: most misses share a set with others, many find no way
+        kw.update(capacity=6, ways=4)
+    tri, twin = _pair("triton", **kw)
+    g = torch.Generator().manual_seed(3)
+    pinned = []
+    for step in range(60):
+        n = int(torch.randint(1, 40, (1,), generator=g))
+        ids = torch.unique((torch.rand(n, generator=g) ** 2 * rows).long())
+        ids = ids[torch.randperm(len(ids), generator=g)]
+        count = len(ids)
+        ids = torch.cat([ids, torch.full((int(torch.randint(0, 4, (1,), generator=g)),), -1)])  # past U
+        if step % 7 == 3:  # a window of the batches ahead
+            for index in (tri, twin):
+                index.window_clear()
+            for _ in range(int(torch.randint(1, 3, (1,), generator=g))):
+                ahead = torch.randint(0, rows, (12,), generator=g)
+                for index in (tri, twin):
+                    index.window_push(ahead, torch.tensor([10]))
+        plans = [_admit(index, ids, count, rows) for index in (tri, twin)]
+        for name in FIELDS:
+            assert torch.equal(getattr(plans[0], name), getattr(plans[1], name)), (step, name)
+        assert (plans[0].num_overflow, plans[0].num_victims, plans[0].lingering) == \
+            (plans[1].num_overflow, plans[1].num_victims, plans[1].lingering)
+        dirty = torch.rand(len(ids), generator=g) < 0.5
+        for index, plan in zip((tri, twin), plans):
+            index.commit(plan, pin=True)
+            index.dirty[torch.where(dirty & plan.valid, plan.slots, index.slots_total)] = 1
+        pinned.append(plans[0].slots)
+        while pinned and (len(pinned) > 2 or torch.rand(1, generator=g) < 0.4):  # backwards release
+            done = pinned.pop(0)
+            for index in (tri, twin):
+                index.unpin(done)
+        _same_state(tri, twin)
+    assert tri.counts["misses"] > 0 and tri.counts["evictions"] > 0
+    if shape != "parts":
+        assert tri.counts["overflow_rows"] > 0  # the overflow path ran too
