@@ -430,10 +430,11 @@ def test_a_backward_that_fails_for_one_group_leaves_no_row_pinned():
     ebc = TieredEmbeddingBagCollection(tables, cache_bytes=2000)
     ids, starts = torch.tensor([1, 2, 3, 4]), torch.tensor([0, 1, 3])
     out = ebc({f: (ids, starts) for f in "abc"})
-    assert [e._store.pinned() for e in ebc.engines] == [4, 4, 4]
+    assert [e._store.tier0.index.pinned for e in ebc.engines] == [4, 4, 4]
     with pytest.raises(RuntimeError, match="has no optimizer"):
         out.values().sum().backward()
-    assert [e._store.pinned() for e in ebc.engines] == [0, 0, 0]
+    assert [e._store.tier0.index.pinned for e in ebc.engines] == [0, 0, 0]
+    assert [e._store.batches_held() for e in ebc.engines] == [0, 0, 0]
 
 
 @pytest.mark.parametrize("as_kjt_input", [False, True], ids=["dict", "kjt"])

@@ -114,6 +114,30 @@ def test_whole_table_in_hbm_waits_for_the_device_at_most_once_per_batch(monkeypa
     assert len(waits) == 0
 
 
+def test_prefetch_keeps_the_training_thread_from_waiting_for_the_device(monkeypatch):
+    """Host ids through a PrefetchLoader of depth 2 over a tier 0 of a third of the rows: the
+    worker waits for the device (its plan's one transfer, and the dirty victims' rows), on the
+    tier's stream; the training thread never waits."""
+    import threading
+
+    waits = []
+    for owner in (torch.cuda.Stream, torch.cuda.Event):
+        original = owner.synchronize
+        monkeypatch.setattr(owner, "synchronize",
+                            lambda self, _o=original: (waits.append(threading.get_ident()), _o(self))[1])
+    emb = tieredemb.TieredEmbeddingBag(NUM, DIM, "sum", optimizer=tieredemb.SGD(lr=0.1), cache_rows=100,
+                                       device="cuda")
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randint(0, NUM, (64,), generator=g), torch.arange(0, 64, 4)) for _ in range(12)]
+    with tieredemb.PrefetchLoader(data, [emb], depth=2) as loader:
+        for ids, offsets in loader:
+            emb(ids, offsets).sum().backward()
+    torch.cuda.synchronize()
+    assert threading.get_ident() not in waits
+    assert 0 < len(waits) <= 2 * len(data)
+    assert emb.stats()["prefetch"]["prefetched_rows"] > 0
+
+
 def test_clock_is_refused_on_cuda():
     with pytest.raises(ValueError, match="policy 'clock' is not one a GPU tier 0 has"):
         tieredemb.TieredEmbeddingBag(NUM, DIM, cache_rows=50, policy="clock", device="cuda")

@@ -236,7 +236,7 @@ class Prefetcher:
             with room:
                 releases = self.store.releases
             batch = self.store.make_resident(p.unique, p.inverse, p.count,
-                                             allow_overflow=p.forced or self.store.pinned() == 0)
+                                             allow_overflow=p.forced or self.store.batches_held() == 0)
             if batch is not None:
                 p.batch = batch
                 return

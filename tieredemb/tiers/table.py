@@ -119,9 +119,10 @@ class TableStore:
         self.tiers.insert(0, self.tier0)
         self.lock = threading.RLock()
         # Notified whenever pinned rows are released (releases counts them): a residency
-        # waiting for room retries.
+        # waiting for room retries. held: the batches made resident and not yet released.
         self.room = threading.Condition(threading.Lock())
         self.releases = 0
+        self.held = 0
 
     def _host_tier0(self, num_embeddings: int, width: int, cache_rows: int | None, policy: str, lower,
                     partitions: tuple | None) -> CacheTier:
@@ -181,6 +182,8 @@ class TableStore:
         if got is None:
             return None
         slots, misses, event = got
+        with self.room:
+            self.held += 1
         return ResidentBatch(self, unique, inverse, count, slots, misses, event)
 
     def prepare(self, ids: torch.Tensor, segments=None) -> ResidentBatch:
@@ -193,11 +196,14 @@ class TableStore:
         self.tier0.unpin(batch.slots, batch.stream)
         with self.room:
             self.releases += 1
+            self.held -= 1
             self.room.notify_all()
 
-    def pinned(self) -> int:
-        with self.tier0.index_lock:
-            return self.tier0.index.pinned
+    def batches_held(self) -> int:
+        """Batches made resident and not yet released (only they pin rows): counted on the host,
+        so asking waits for no device."""
+        with self.room:
+            return self.held
 
     # The lookahead window of every cache tier (see native/index/cache_index.h): the batches
     # expected after the one made resident next.
