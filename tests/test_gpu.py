@@ -114,6 +114,22 @@ def test_whole_table_in_hbm_waits_for_the_device_at_most_once_per_batch(monkeypa
     assert len(waits) == 0
 
 
+def test_a_cached_table_waits_for_the_device_once_per_batch(monkeypatch):
+    """Host ids, tier 0 of a third of the rows, no prefetch: the plan's one transfer (which also
+    carries the dirty victims' rows) is the only wait of a training step."""
+    waits = []
+    for owner in (torch.cuda.Stream, torch.cuda.Event):
+        original = owner.synchronize
+        monkeypatch.setattr(owner, "synchronize", lambda self, _o=original: (waits.append(1), _o(self))[1])
+    emb = tieredemb.TieredEmbeddingBag(NUM, DIM, "sum", optimizer=tieredemb.SGD(lr=0.1), cache_rows=100,
+                                       device="cuda")
+    g = torch.Generator().manual_seed(2)
+    for _ in range(10):
+        emb(torch.randint(0, NUM, (64,), generator=g), torch.arange(0, 64, 4)).sum().backward()
+    torch.cuda.synchronize()
+    assert len(waits) == 10 and emb._store.tier0.bytes_out > 0
+
+
 def test_prefetch_keeps_the_training_thread_from_waiting_for_the_device(monkeypatch):
     """Host ids through a PrefetchLoader of depth 2 over a tier 0 of a third of the rows: the
     worker waits for the device (its plan's one transfer, and the dirty victims' rows), on the

@@ -192,6 +192,32 @@ def test_an_index_plan_refuses_bad_ids_itself_and_changes_nothing(kind):
     assert all(torch.equal(a, b) for a, b in zip(state, after)) and index.version == 1
 
 
+@pytest.mark.parametrize("carried", [False, True], ids=["rows-fetched-after", "rows-in-the-plans-transfer"])
+def test_dirty_victims_ride_the_plans_transfer_when_the_guess_covers_them(carried, monkeypatch):
+    """A plan's one transfer carries the rows of as many dirty victims as the last batch had, and
+    a slack: when they are all, writing them down waits for nothing more; when the plan carries
+    too few (here: none), they are fetched after. Either way training equals the CPU engine's."""
+    import tieredemb.gpu.tier as gpu_tier
+
+    monkeypatch.setattr(gpu_tier, "_DIRTY_SLACK", 10**6)  # (capped at the most a plan can have)
+    ref = tieredemb.TieredEmbeddingBag(NUM, D, "sum", optimizer=tieredemb.Adagrad(lr=0.1), _weight=weights())
+    dev = device_tier(tieredemb.TieredEmbeddingBag(NUM, D, "sum", optimizer=tieredemb.Adagrad(lr=0.1),
+                                                   _weight=weights(), cache_rows=16), 16)
+    tier = dev._store.tier0
+    if not carried:
+        plan = tier.index.plan
+        monkeypatch.setattr(tier.index, "plan", lambda ids, count, num_embeddings, *_: plan(ids, count, num_embeddings))
+    fetched = []
+    to_host = tier.pool.to_host
+    monkeypatch.setattr(tier.pool, "to_host", lambda slots: (fetched.append(len(slots)), to_host(slots))[1])
+    data = batches()
+    for got, want in zip(train(dev, data), train(ref, data)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    written = tier.bytes_out // tier.row_bytes
+    assert written > 0 and sum(fetched) == (0 if carried else written)
+    torch.testing.assert_close(rows_and_state(dev), rows_and_state(ref), rtol=1e-5, atol=1e-5)
+
+
 def test_pooling_kernels_match_the_native_ones():
     g = torch.Generator().manual_seed(0)
     for opt in OPTIMIZERS.values():

@@ -49,6 +49,7 @@ class DevicePlan:
     num_unique: int
     version: int
     lingering: int = 0           # overflow rows left unpinned, evicted by this plan
+    dirty_rows: torch.Tensor | None = None  # the dirty victims' rows on the host, if the transfer held them
 
 
 class SetIndex:
@@ -143,20 +144,23 @@ class SetIndex:
         return slots
 
     # -- residency ----------------------------------------------------------------------------
-    def plan(self, ids: torch.Tensor, num_unique: torch.Tensor, num_embeddings: int) -> DevicePlan | int:
+    def plan(self, ids: torch.Tensor, num_unique: torch.Tensor, num_embeddings: int, rows: torch.Tensor | None = None,
+             guess: int = 0) -> DevicePlan | int:
         """Slots for the distinct ids[:U] (U = num_unique, int64 [1] on the device) and the victims
         that make room; overflow slots for the misses that find none. Changes nothing. Returns the
         plan, or the number of overflow slots to add (grow(), then plan again) when there are too
         few. IndexError for an id out of [0, num_embeddings). Ends with its one device-to-host
-        transfer."""
-        plan, need, free = self._plan(ids, num_unique, num_embeddings)
+        transfer. rows (the tier's pool) and guess: that transfer also carries the rows of the
+        first `guess` dirty victims; plan.dirty_rows holds them when they are all of them (so
+        writing them down waits for nothing more), else None."""
+        plan, need, free = self._plan(ids, num_unique, num_embeddings, rows, guess)
         return plan if need <= free else max(self.overflow_slots, need - free)
 
     def grow(self, slots: int) -> None:
         """Adds overflow slots (the caller makes sure no queued kernel uses the state tensors)."""
         self._alloc(self.overflow_slots + slots)
 
-    def _plan(self, ids, num_unique, num_embeddings):
+    def _plan(self, ids, num_unique, num_embeddings, rows=None, guess=0):
         n, dev, cap = ids.numel(), self.device, self.capacity
         total = self.slots_total
         valid = torch.arange(n, device=dev) < num_unique
@@ -189,7 +193,9 @@ class SetIndex:
         most = n + self.overflow_slots  # victims: at most a slot per miss, and the overflow rows
         dirty_ids = _compact(dirty_victim, self.slot_id[:total], most)
         dirty_slots, victim_slots = _compact(dirty_victim, every, most), _compact(victim, every, most)
-        host = _to_host(torch.cat([counts, miss_ids, dirty_ids]))
+        guess = min(guess, most) if rows is not None else 0
+        host, *guessed = _to_host(torch.cat([counts, miss_ids, dirty_ids]),
+                                  *([rows.index_select(0, dirty_slots[:guess])] if guess else []))
         head = 8
         c = host[:8].tolist()
         if c[6]:
@@ -200,7 +206,7 @@ class SetIndex:
                           miss_slots=miss_slots[:n_miss],
                           dirty_ids=host[head + n:head + n + n_dirty], dirty_slots=dirty_slots[:n_dirty],
                           num_overflow=n_need, num_victims=n_victims, num_unique=n_valid, version=self.version,
-                          lingering=c[7])
+                          lingering=c[7], dirty_rows=guessed[0][:n_dirty] if guess and n_dirty <= guess else None)
         return plan, n_need, n_free
 
     def _find(self, ids, num_unique, valid):
@@ -379,14 +385,16 @@ def _compact(mask: torch.Tensor, values: torch.Tensor, size: int) -> torch.Tenso
     return out[:size]
 
 
-def _to_host(t: torch.Tensor) -> torch.Tensor:
-    """t on the host; from a GPU through pinned memory, the one wait of a plan."""
-    if t.device.type == "cpu":
-        return t
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    host.copy_(t, non_blocking=True)
-    torch.cuda.current_stream(t.device).synchronize()
-    return host
+def _to_host(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors on the host; from a GPU through pinned memory, with one wait (a plan's)."""
+    if tensors[0].device.type == "cpu":
+        return list(tensors)
+    hosts = []
+    for t in tensors:
+        hosts.append(torch.empty(t.shape, dtype=t.dtype, pin_memory=True))
+        hosts[-1].copy_(t, non_blocking=True)
+    torch.cuda.current_stream(tensors[0].device).synchronize()
+    return hosts
 
 
 class DirectIndex:
@@ -408,12 +416,12 @@ class DirectIndex:
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         return torch.where(self.held[ids], ids, -1)
 
-    def plan(self, ids: torch.Tensor, num_unique: torch.Tensor, num_embeddings: int, *,
+    def plan(self, ids: torch.Tensor, num_unique: torch.Tensor, num_embeddings: int, rows=None, guess: int = 0, *,
              to_host: bool = True) -> DevicePlan:
         """The misses of ids[:U] (rows not held yet); their ids cross to the host only if to_host
         (the caller reads them from below; else it initializes them on the device, and nothing
         waits). IndexError for an id out of range when to_host (else the caller checks). Changes
-        nothing."""
+        nothing. (rows, guess: SetIndex.plan's; this tier evicts nothing.)"""
         n, dev = ids.numel(), self.device
         valid = torch.arange(n, device=dev) < num_unique
         slots = torch.where(valid, ids, -1)
@@ -422,7 +430,7 @@ class DirectIndex:
         miss_slots = _compact(fresh, ids, n)
         none = torch.empty(0, dtype=torch.int64, device=dev)
         if to_host:  # (ids checked here; without the transfer, the caller checked them)
-            host = _to_host(torch.cat([torch.stack([fresh.sum(), valid.sum(), bad.sum()]), miss_slots]))
+            (host,) = _to_host(torch.cat([torch.stack([fresh.sum(), valid.sum(), bad.sum()]), miss_slots]))
             n_miss, n_valid, n_bad = host[:3].tolist()
             if n_bad:
                 raise IndexError(f"id {int(ids[bad][0])} out of range [0, {num_embeddings})")

@@ -28,6 +28,7 @@ from . import rowinit
 from .index import DirectIndex, SetIndex
 
 _ROWS_PER_MOVE = 1 << 16  # write-backs at flush: staging blocks of at most this many rows
+_DIRTY_SLACK = 64  # dirty rows a plan's transfer carries beyond the last batch's count
 
 
 class DeviceRows:
@@ -98,6 +99,7 @@ class DeviceTier:
         self.pool = DeviceRows(torch.zeros(self.index.slots_total, width, device=device))
         self.row_bytes = width * 4
         self.bytes_in = self.bytes_out = 0
+        self.dirty_guess = _DIRTY_SLACK
         # Misses of a whole-table tier are rows it never held: when nothing was ever stored below
         # (a new table), they are drawn on the device; set False once rows reach the layer below
         # from elsewhere (TableStore.write).
@@ -167,10 +169,13 @@ class DeviceTier:
                         else self._plan(unique, num_unique))
             if plan.num_overflow and not allow_overflow:
                 return None
-            if plan.dirty_ids.numel():  # (first: a lingering overflow row may leave and come back)
-                self.lower.write_from(plan.dirty_ids, self.pool.to_host(plan.dirty_slots),
-                                      torch.arange(plan.dirty_ids.numel()))
-                self.bytes_out += plan.dirty_ids.numel() * self.row_bytes
+            dirty = plan.dirty_ids.numel()
+            if dirty:  # (first: a lingering overflow row may leave and come back)
+                rows = plan.dirty_rows if plan.dirty_rows is not None else self.pool.to_host(plan.dirty_slots)
+                self.lower.write_from(plan.dirty_ids, rows, torch.arange(dirty))
+                self.bytes_out += dirty * self.row_bytes
+            # the next plan's transfer carries this many dirty rows: a quarter more than these
+            self.dirty_guess = dirty + dirty // 4 + _DIRTY_SLACK
             block = None
             if not local and plan.miss_ids.numel():
                 block = self.pool.staging(plan.miss_ids.numel())
@@ -201,7 +206,7 @@ class DeviceTier:
         pool_lock, which every kernel launch on them takes, and after the device is idle, so no
         kernel queued before writes to the old ones."""
         while True:
-            plan = self.index.plan(unique, num_unique, self.num_embeddings)
+            plan = self.index.plan(unique, num_unique, self.num_embeddings, self.pool.rows, self.dirty_guess)
             if not isinstance(plan, int):
                 return plan
             with self.pool_lock:
