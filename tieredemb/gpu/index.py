@@ -1,5 +1,6 @@
-"""Tier 0's index in device memory, its operations torch ops over whole batches (no loop over ids,
-no Python per id, and one device-to-host transfer per plan).
+"""Tier 0's index in device memory, its operations over whole batches (no loop over ids, no Python
+per id, and one device-to-host transfer per plan): a plan's two hot steps (each id's slot; each
+set's misses given its victims) are Triton kernels (plan_kernels.py), the rest torch ops.
 
 SetIndex, a bounded cache: ids -> slots through sets of `ways` slots (FBGEMM's cache layout: a
 row's set is a hash of its id; a batch's misses in one set take that set's victims), per-slot pins,
