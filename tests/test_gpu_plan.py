@@ -76,3 +76,33 @@ def test_the_triton_plan_equals_the_torch_twin(policy, shape):
     assert tri.counts["misses"] > 0 and tri.counts["evictions"] > 0
     if shape != "parts":
         assert tri.counts["overflow_rows"] > 0  # the overflow path ran too
+
+
+@pytest.mark.parametrize("kernels", ["triton", "torch"])
+def test_a_release_landing_mid_plan_leaves_the_batchs_overflow_row_its_own(kernels, monkeypatch):
+    """On a GPU a release on the compute stream may unpin a row between the plan's reads of the
+    pins (nothing orders the two streams). Simulated here, as it cannot happen on CPU tensors: the
+    release runs right after the plan's find step. The overflow row the batch found stays its own,
+    neither a victim nor a free slot."""
+    index = SetIndex(4, "lru", CPU, ways=4, overflow=2)
+    index.kernels = kernels
+    index.commit(_admit(index, torch.tensor([1, 2, 3, 4]), 4, 100), pin=True)  # the one set full, pinned
+    b = _admit(index, torch.tensor([5]), 1, 100)
+    index.commit(b, pin=True)
+    assert b.slots.tolist() == [4]  # an overflow slot, pinned
+    find = index._find
+    monkeypatch.setattr(index, "_find", lambda *a: (find(*a), index.unpin(b.slots))[0])
+    c = _admit(index, torch.tensor([5]), 1, 100)
+    assert c.slots.tolist() == [4] and c.num_victims == 0 and not c.fresh.any()
+    index.commit(c, pin=True)
+    assert int(index.slot_id[4]) == 5 and int(index.pins[4]) == 1 and index.overflow_in_use == 1
+
+
+@pytest.mark.parametrize("kernels", ["triton", "torch"])
+def test_a_window_of_empty_batches_is_no_window(kernels):
+    index = SetIndex(8, "lru", CPU, ways=4, overflow=2)
+    index.kernels = kernels
+    index.commit(_admit(index, torch.tensor([1, 2, 3, 4, 5]), 5, 100), pin=False)
+    index.window_push(torch.empty(0, dtype=torch.int64), torch.tensor([0]))
+    plan = _admit(index, torch.tensor([11, 12, 13]), 3, 100)
+    assert plan.fresh.all() and (plan.slots >= 0).all()

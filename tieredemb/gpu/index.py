@@ -167,14 +167,16 @@ class SetIndex:
         valid = torch.arange(n, device=dev) < num_unique
         slots, sets = self._find(ids, num_unique, valid)
         fresh = valid & (slots < 0)
-        used = _mask(torch.where(slots >= 0, slots, total), total + 1)[:cap]
+        used = _mask(torch.where(slots >= 0, slots, total), total + 1)
         # The misses of each set, in batch order, take the set's candidates, best first.
         in_set, order = torch.sort(sets, stable=True)
-        chosen = self._assign(in_set, order, used)
+        chosen = self._assign(in_set, order, used[:cap])
         # The rest take overflow slots: free ones, and those of lingering (unpinned) rows, lowest first.
+        # (Not the batch's own: on a GPU a release on the compute stream may unpin a row between
+        # _find's read of the pins and this one; a row _find found stays the batch's.)
         need = fresh & (chosen < 0)
         ovf_ids = self.slot_id[cap:total]
-        lingering = (ovf_ids >= 0) & (self.pins[cap:total] == 0)
+        lingering = (ovf_ids >= 0) & (self.pins[cap:total] == 0) & ~used[cap:total]
         free = (ovf_ids < 0) | lingering
         if self.overflow_slots:
             free_slots = torch.sort((~free).to(torch.int8), stable=True).indices + cap
@@ -326,8 +328,8 @@ class SetIndex:
 
     def _window_sorted(self):
         """The window's ids (-1 past each batch's U) sorted, each with the first window batch that
-        uses it (its position in the window), or None for an empty window."""
-        if not self.window:
+        uses it (its position in the window), or None for a window without ids."""
+        if not self.window or not sum(i.numel() for i, _ in self.window):
             return None
         wid = torch.cat([torch.where(v, i, -1) for i, v in self.window])
         batch = torch.cat([torch.full_like(i, j) for j, (i, _) in enumerate(self.window)])

@@ -259,6 +259,13 @@ class DeviceTier:
         self.pool.scatter(slots, rows)
         with self.index_lock:
             self.index.dirty[slots.to(self.device)] = 1
+        self._before_residencies()
+
+    def _before_residencies(self) -> None:
+        """Orders the tier's stream after what the current stream queued on the pool or the index
+        (a residency must see those rows and dirty bits: it may evict them)."""
+        if self.stream is not None:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
 
     def write_back(self) -> None:
         """Writes every dirty row down (they stay resident, now clean)."""
@@ -271,6 +278,7 @@ class DeviceTier:
             with self.index_lock:
                 self.index.mark_clean(part_slots)
             self.bytes_out += part_ids.numel() * self.row_bytes
+        self._before_residencies()
 
     def host_ids(self, unique: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
         """A batch's distinct ids (as dedup gave them) on the host: waits for the tier's stream."""

@@ -193,11 +193,13 @@ class TableStore:
         return self.make_resident(*self.tier0.dedup(ids, segments, in_plan=True))
 
     def release(self, batch: ResidentBatch) -> None:
-        self.tier0.unpin(batch.slots, batch.stream)
-        with self.room:
-            self.releases += 1
-            self.held -= 1
-            self.room.notify_all()
+        try:
+            self.tier0.unpin(batch.slots, batch.stream)
+        finally:
+            with self.room:
+                self.releases += 1
+                self.held -= 1
+                self.room.notify_all()
 
     def batches_held(self) -> int:
         """Batches made resident and not yet released (only they pin rows): counted on the host,
