@@ -122,7 +122,8 @@ def _psw_grad_kernel(pool_ptr, slots_ptr, unique_ptr, inverse_ptr, bag_ptr, grad
 
 def _tile(block: int) -> int:
     """Occurrences a kernel reads at once for rows of `block` columns: a [TILE, BLOCK] load of at
-    most 4096 floats (32 registers a thread at 4 warps)."""
+    most 4096 floats (32 values a thread at 4 warps; with their addresses the sm_90 kernels take
+    up to 144 registers a thread, bench/RESULTS.md)."""
     return max(1, min(32, 4096 // block))
 
 
