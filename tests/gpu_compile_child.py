@@ -52,7 +52,8 @@ def main() -> None:
 
     import tieredemb
     from tieredemb.gpu import plan_kernels, pooling, rowinit
-    from tieredemb.gpu.index import SetIndex
+    from tieredemb.gpu.index import DirectIndex, SetIndex
+    from tieredemb.tiers.rowstore import RowInit
 
     # the set-associative plan's kernels: each policy, with and without partitions, overflow rows
     # in use and a window; 32 ways (the default) and 4
@@ -113,6 +114,11 @@ def main() -> None:
             for rows in (None, torch.arange(10)):
                 for kind, seed in ((0, 1), (1, 5), (2, 0)):
                     rowinit.init_rows(unique, pool, rows, dim, kind, 0.0, 1.0, seed, 1, weights)
+            # a whole-table tier's residency, rows drawn as they are first missed
+            direct = DirectIndex(40, torch.device("cpu"))
+            for kind, seed in ((0, 1), (1, 5)):
+                init = RowInit(dim, kind, 0.0, 1.0, seed, 1, weights)
+                plan_kernels.draw(unique, torch.tensor([10]), direct, pool, init, torch.empty(10, dtype=torch.int64))
 
 
 if __name__ == "__main__":

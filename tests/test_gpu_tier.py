@@ -125,6 +125,45 @@ def test_rows_never_written_are_drawn_on_the_device_as_on_the_host():
     assert torch.equal(got, tieredemb.TieredEmbeddingBag(NUM, D, "sum", seed=9).read_rows(torch.arange(NUM)))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_new_whole_table_draws_its_rows_in_one_launch_and_trains_as_the_cpu_engine(dtype):
+    """A whole-table tier 0 over a new table makes a batch resident in one kernel launch (rows
+    drawn in place, no torch op, nothing waits): training, stats and rows equal the CPU engine's;
+    a bad id is refused before anything changes; once rows are stored below, misses are read."""
+    kw = dict(optimizer=tieredemb.RowWiseAdagrad(lr=0.1), seed=5, padding_idx=3, dtype=dtype)
+    ref = tieredemb.TieredEmbeddingBag(NUM, D, "sum", **kw)
+    dev = device_tier(tieredemb.TieredEmbeddingBag(NUM, D, "sum", **kw), None)
+    tier = dev._store.tier0
+    assert tier.init_misses_here
+    launches = []
+    index_draw = tier.index.draw
+    tier.index.draw = lambda *a: launches.append(1) or index_draw(*a)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    data = batches(seed=7)
+    for got, want in zip(train(dev, data[:4]), train(ref, data[:4])):
+        torch.testing.assert_close(got, want, **tol)
+    assert len(launches) == 4
+    stat = lambda emb: {k: emb.stats()["tier0"][k] for k in ("hits", "misses")}  # noqa: E731
+    assert stat(dev) == stat(ref) and stat(dev)["misses"] > 0
+    dev.reset_stats()
+    ref.reset_stats()
+    before = rows_and_state(dev)
+    with pytest.raises(IndexError, match=rf"id {NUM} out of range \[0, {NUM}\)"):
+        dev(torch.tensor([299, NUM]), torch.tensor([0]))
+    assert torch.equal(rows_and_state(dev), before) and stat(dev) == {"hits": 0, "misses": 0}
+    for got, want in zip(train(dev, data[4:6]), train(ref, data[4:6])):
+        torch.testing.assert_close(got, want, **tol)
+    assert stat(dev) == stat(ref)
+    untouched = int(tier.index.held.logical_not().nonzero()[0])  # a row no batch read yet
+    for emb in (dev, ref):  # a row stored below: from now on misses are read from below
+        emb.write_rows(torch.tensor([untouched]), torch.ones(1, D))
+    assert not tier.init_misses_here
+    for got, want in zip(train(dev, data[6:]), train(ref, data[6:])):
+        torch.testing.assert_close(got, want, **tol)
+    assert len(launches) == 6
+    torch.testing.assert_close(rows_and_state(dev), rows_and_state(ref), **tol)
+
+
 @pytest.mark.parametrize("below", ["host", "log", "host-cache"])
 def test_misses_never_stored_are_drawn_by_the_device_tier(tmp_path, below):
     """A cache tier 0 reading its misses from a store: the store only marks the rows it never

@@ -414,16 +414,16 @@ class DirectIndex:
         self.version = 0
         self.held = torch.zeros(num_rows + 1, dtype=torch.bool, device=device)  # (+1: a dummy slot)
         self.dirty = torch.zeros(num_rows + 1, dtype=torch.uint8, device=device)
+        self.drawn = torch.zeros(2, dtype=torch.int64, device=device)  # rows draw() drew, ids it saw
         self.reset_stats()
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         return torch.where(self.held[ids], ids, -1)
 
-    def plan(self, ids: torch.Tensor, num_unique: torch.Tensor, num_embeddings: int, rows=None, guess: int = 0, *,
-             to_host: bool = True) -> DevicePlan:
-        """The misses of ids[:U] (rows not held yet); their ids cross to the host only if to_host
-        (the caller reads them from below; else it initializes them on the device, and nothing
-        waits). IndexError for an id out of range when to_host (else the caller checks). Changes
+    def plan(self, ids: torch.Tensor, num_unique: torch.Tensor, num_embeddings: int, rows=None,
+             guess: int = 0) -> DevicePlan:
+        """The misses of ids[:U] (rows not held yet), their ids on the host (the caller reads them
+        from below), with one wait for the device. IndexError for an id out of range. Changes
         nothing. (rows, guess: SetIndex.plan's; this tier evicts nothing.)"""
         n, dev = ids.numel(), self.device
         valid = torch.arange(n, device=dev) < num_unique
@@ -432,31 +432,33 @@ class DirectIndex:
         fresh = valid & ~bad & ~self.held[torch.where(valid & ~bad, ids, self.slots_total)]
         miss_slots = _compact(fresh, ids, n)
         none = torch.empty(0, dtype=torch.int64, device=dev)
-        if to_host:  # (ids checked here; without the transfer, the caller checked them)
-            (host,) = _to_host(torch.cat([torch.stack([fresh.sum(), valid.sum(), bad.sum()]), miss_slots]))
-            n_miss, n_valid, n_bad = host[:3].tolist()
-            if n_bad:
-                raise IndexError(f"id {int(ids[bad][0])} out of range [0, {num_embeddings})")
-            miss_ids, miss_slots = host[3:3 + n_miss], miss_slots[:n_miss]  # (slot = id)
-        else:
-            n_valid = n_miss = -1  # unknown on the host: counted on the device
-            miss_ids = none
-            self.device_counts = (fresh.sum(), valid.sum())
+        (host,) = _to_host(torch.cat([torch.stack([fresh.sum(), valid.sum(), bad.sum()]), miss_slots]))
+        n_miss, n_valid, n_bad = host[:3].tolist()
+        if n_bad:
+            raise IndexError(f"id {int(ids[bad][0])} out of range [0, {num_embeddings})")
+        miss_ids, miss_slots = host[3:3 + n_miss], miss_slots[:n_miss]  # (slot = id)
         return DevicePlan(ids=ids, valid=valid, slots=slots, fresh=fresh, victim_slots=none, miss_ids=miss_ids,
-                          miss_ids_device=miss_slots, miss_slots=miss_slots, dirty_ids=none.cpu(), dirty_slots=none, num_overflow=0,
-                          num_victims=0, num_unique=n_valid, version=self.version)
+                          miss_ids_device=miss_slots, miss_slots=miss_slots, dirty_ids=none.cpu(), dirty_slots=none,
+                          num_overflow=0, num_victims=0, num_unique=n_valid, version=self.version)
 
     def commit(self, plan: DevicePlan, pin: bool) -> None:
         self.version += 1
         at = torch.where(plan.fresh, plan.slots, self.slots_total)
         self.held[at] = True
         self.dirty[at] = 0
-        if plan.num_unique >= 0:
-            self.counts["misses"] += plan.miss_ids.numel()
-            self.counts["hits"] += plan.num_unique - plan.miss_ids.numel()
-        else:  # counted on the device, read when stats are asked for
-            fresh, valid = self.device_counts
-            self.pending = (self.pending[0] + fresh, self.pending[1] + valid)
+        self.counts["misses"] += plan.miss_ids.numel()
+        self.counts["hits"] += plan.num_unique - plan.miss_ids.numel()
+
+    def draw(self, ids: torch.Tensor, num_unique: torch.Tensor, rows: torch.Tensor, init) -> torch.Tensor:
+        """A batch's residency when no row was ever stored below (a new table), in one kernel
+        launch that waits for nothing: the rows of ids[:U] not held yet are drawn into `rows` (the
+        pool) by RowInit init, bit for bit as the host draws them, and held from now on (their
+        count is read when stats are asked for). Returns slots int64 [N] (the ids; -1 past U).
+        The ids must be in range (the caller checked them)."""
+        self.version += 1
+        slots = torch.empty(ids.numel(), dtype=torch.int64, device=self.device)
+        plan_kernels.draw(ids, num_unique, self, rows, init, slots)
+        return slots
 
     def unpin(self, slots: torch.Tensor) -> None:
         pass
@@ -478,16 +480,17 @@ class DirectIndex:
         pass
 
     def stats(self) -> dict:
-        fresh, valid = (int(t) for t in self.pending)
-        self.counts["misses"] += fresh
-        self.counts["hits"] += valid - fresh
-        self.pending = (0, 0)
-        return dict(self.counts)
+        """The counters, with the draws' (counted on the device since the last reset)."""
+        fresh, seen = (now - then for now, then in zip(self.drawn.tolist(), self.drawn_base))
+        s = dict(self.counts)
+        s["misses"] += fresh
+        s["hits"] += seen - fresh
+        return s
 
     def reset_stats(self) -> None:
         self.counts = dict.fromkeys(("hits", "misses", "writes", "evictions", "dirty_writebacks", "clean_drops",
                                      "overflow_rows"), 0)
-        self.pending = (0, 0)
+        self.drawn_base = self.drawn.tolist()
 
     pinned = 0
 

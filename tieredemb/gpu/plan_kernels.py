@@ -1,12 +1,15 @@
-"""The set-associative plan's two hot steps as Triton kernels (SetIndex, gpu/index.py), so that
-a plan is a handful of launches rather than a hundred torch ops: on a GPU each op costs the host
-a launch, and the host, not the device, bounds a step of small ops.
+"""The device index's hot steps as Triton kernels (gpu/index.py), so that a plan is a handful of
+launches rather than a hundred torch ops: on a GPU each op costs the host a launch, and the host,
+not the device, bounds a step of small ops.
 
 - find: each id's set and slot (a match among its set's ways, else in the overflow directory);
   an overflow row nobody pins counts as a miss (it leaves and comes back).
 - assign: the misses of each set, in batch order, take the set's victim candidates, best first
   (empty slots, then rows no window batch uses in the policy's order, then window rows, farthest
   next use first; never pinned rows or rows of the batch).
+- draw (DirectIndex, a tier holding the whole table whose rows were never stored below): a
+  batch's whole residency, one launch: the rows it does not hold yet are drawn in place (as
+  rowinit draws them), marked held, and counted.
 
 Each has a torch-ops twin in index.py (SetIndex's "torch" kernels) that computes the same
 integers; the tests run both on random batches and compare every plan. Only integer arithmetic:
@@ -15,14 +18,20 @@ the results are the same bits on any device.
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
 from . import launch_turn
+from .rowinit import init_row, kernel_args
 
 HASH = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64: Fibonacci hashing
 NEVER = 1 << 62  # a victim key larger than any stamp: not a candidate
 _LAST = (1 << 63) - 1  # past every key (lanes beyond the set's ways)
+# the same, as the kernels read them
+_HASH_K: tl.constexpr = tl.constexpr(HASH)
+_NEVER_K: tl.constexpr = tl.constexpr(NEVER)
+_LAST_K: tl.constexpr = tl.constexpr(_LAST)
 
 
 @triton.jit
@@ -36,7 +45,7 @@ def _floor_mod(x, m):
 def _set_of(ids, sets, part_ends_ptr, part_sets_ptr, part_base_ptr, n_parts, PARTS: tl.constexpr):
     """Each id's set: a hash of the id over the sets (of its part: the parts hold id ranges, each
     with sets of its own)."""
-    h = (ids * -7046029254386353131) >> 29
+    h = (ids * _HASH_K) >> 29
     if PARTS:
         part = tl.zeros_like(ids)
         for k in range(n_parts - 1):  # the parts whose range ends at or before the id
@@ -117,14 +126,52 @@ def _assign_kernel(in_set_ptr, order_ptr, n, sets, ways, slot_id_ptr, pins_ptr, 
         key = tl.where(sid < 0, -1, key)
         taken = (tl.load(pins_ptr + slot, mask=in_set, other=0) > 0) | (tl.load(used_ptr + slot, mask=in_set,
                                                                                other=0) != 0)
-        key = tl.where(taken, 1 << 62, key)
-        key = tl.where(in_set, key, 9223372036854775807)
+        key = tl.where(taken, _NEVER_K, key)
+        key = tl.where(in_set, key, _LAST_K)
         # each way's rank among the candidates: the ways with a smaller key, or an equal one before it
         before = (key[None, :] < key[:, None]) | ((key[None, :] == key[:, None]) & (way[None, :] < way[:, None]))
         rank = tl.sum(before.to(tl.int32), axis=1)
-        place = in_set & (rank < misses) & (key < (1 << 62))
+        place = in_set & (rank < misses) & (key < _NEVER_K)
         miss = tl.load(order_ptr + p + rank, mask=place, other=0)
         tl.store(chosen_ptr + miss, slot.to(tl.int64), mask=place)
+
+
+# seed is a 64-bit key, never a constant (see rowinit).
+@triton.jit(do_not_specialize=["seed"])
+def _draw_kernel(ids_ptr, num_unique_ptr, num_rows, held_ptr, slots_ptr, counts_ptr, out_ptr, dim,
+                 width, weight_words, seed, kind, a, b, below_high, zero_id, WEIGHTS: tl.constexpr,
+                 BLOCK: tl.constexpr):
+    """Distinct id i = program 0 of a tier holding every row (slot = id): slots[i] = the id (-1
+    for i >= U, or an id out of range: left alone); a row not held yet is drawn into out[id],
+    marked held, and counted in counts[0]; program 0 adds U to counts[1]."""
+    i = tl.program_id(0)
+    num_unique = tl.load(num_unique_ptr)
+    row_id = tl.load(ids_ptr + i)
+    ok = (i < num_unique) & (row_id >= 0) & (row_id < num_rows)
+    tl.store(slots_ptr + i, tl.where(ok, row_id, -1))
+    if i == 0:
+        tl.store(counts_ptr + 1, tl.load(counts_ptr + 1) + num_unique)
+    if ok:
+        if tl.load(held_ptr + row_id) == 0:
+            init_row(out_ptr, row_id, row_id, dim, width, weight_words, seed.to(tl.uint64), kind, a, b, below_high,
+                     zero_id, WEIGHTS, BLOCK)
+            tl.store(held_ptr + row_id, 1)  # (clean: a row never held was never marked dirty)
+            tl.atomic_add(counts_ptr, 1)  # (an integer sum: the same whatever the order)
+
+
+def draw(ids, num_unique, index, rows, init, slots) -> None:
+    """_draw_kernel over ids [n] (distinct in their first U = num_unique entries) for DirectIndex
+    `index`, drawing rows into `rows` (the pool) with RowInit `init`; slots: int64 [n] out."""
+    n = ids.numel()
+    if n == 0:
+        return
+    dim, kind, a, b, seed, zero_id = init.args
+    width = rows.shape[1]
+    with launch_turn():
+        # (one warp a program: most ids are held, or past U, and only store their slot)
+        _draw_kernel[(n,)](ids, num_unique, index.slots_total, index.held.view(torch.uint8), slots, index.drawn,
+                           rows, dim, width, seed=seed, kind=kind, zero_id=zero_id, WEIGHTS=init.weights,
+                           enable_fp_fusion=False, num_warps=1, **kernel_args(dim, width, kind, a, b, init.weights))
 
 
 def find(ids, num_unique, index, slots, set_out) -> None:

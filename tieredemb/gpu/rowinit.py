@@ -107,20 +107,13 @@ def bf16_bits(x):
     return tl.where(x != x, (bits >> 16) | 0x40, rounded).to(tl.uint16)
 
 
-# seed is a 64-bit key, never a constant: Triton would compile a seed of 1 in as a Python int,
-# which has no .to().
-@triton.jit(do_not_specialize=["seed"])
-def _init_rows_kernel(ids_ptr, out_ptr, rows_ptr, n, dim, width, weight_words, seed, kind, a, b, below_high,
-                      zero_id, HAS_ROWS: tl.constexpr, WEIGHTS: tl.constexpr, BLOCK: tl.constexpr):
-    """Row i of the batch: the initial row of ids[i] into out[rows[i]] (out[i] without rows):
-    the dim weights drawn (kind 0 normal(a, b), 1 uniform [a, b), 2 zeros) in float32 and stored as
-    WEIGHTS (0 float32, 1 float16, 2 bfloat16, rounded to the nearest), the rest of the row zero."""
-    i = tl.program_id(0)
-    row_id = tl.load(ids_ptr + i)
-    dst = tl.load(rows_ptr + i) if HAS_ROWS else i.to(tl.int64)
-    if dst < 0:  # no row of the batch to initialize here
-        return
-    key = _row_key(seed.to(tl.uint64), row_id)
+@triton.jit
+def init_row(out_ptr, dst, row_id, dim, width, weight_words, seed, kind, a, b, below_high, zero_id,
+             WEIGHTS: tl.constexpr, BLOCK: tl.constexpr):
+    """The initial row of row_id into out[dst]: the dim weights drawn (kind 0 normal(a, b), 1
+    uniform [a, b), 2 zeros; row zero_id zeros) in float32 and stored as WEIGHTS (0 float32, 1
+    float16, 2 bfloat16, rounded to the nearest), the rest of the row zero. seed: uint64."""
+    key = _row_key(seed, row_id)
     zero = (kind == 2) | (row_id == zero_id)
     for start in range(0, dim, BLOCK):
         cols = start + tl.arange(0, BLOCK)
@@ -146,6 +139,32 @@ def _init_rows_kernel(ids_ptr, out_ptr, rows_ptr, n, dim, width, weight_words, s
         tl.store(out_ptr + dst * width + cols, tl.zeros([BLOCK], dtype=tl.float32), mask=cols < width)
 
 
+# seed is a 64-bit key, never a constant: Triton would compile a seed of 1 in as a Python int,
+# which has no .to().
+@triton.jit(do_not_specialize=["seed"])
+def _init_rows_kernel(ids_ptr, out_ptr, rows_ptr, n, dim, width, weight_words, seed, kind, a, b, below_high,
+                      zero_id, HAS_ROWS: tl.constexpr, WEIGHTS: tl.constexpr, BLOCK: tl.constexpr):
+    """Row i of the batch: the initial row of ids[i] into out[rows[i]] (out[i] without rows;
+    rows[i] < 0: none)."""
+    i = tl.program_id(0)
+    row_id = tl.load(ids_ptr + i)
+    dst = tl.load(rows_ptr + i) if HAS_ROWS else i.to(tl.int64)
+    if dst >= 0:
+        init_row(out_ptr, dst, row_id, dim, width, weight_words, seed.to(tl.uint64), kind, a, b, below_high,
+                 zero_id, WEIGHTS, BLOCK)
+
+
+def kernel_args(dim: int, width: int, kind: int, a: float, b: float, weights: int) -> dict:
+    """init_row's arguments that depend on the table alone (besides dim, width, kind, and seed and
+    zero_id): a and b as float32, the largest float32 below b (uniform draws stay below it), the
+    weights' words, and the block of columns."""
+    a32, b32 = np.float32(a), np.float32(b)
+    words = dim if weights == 0 else (dim + 1) // 2
+    return dict(weight_words=words, a=float(a32), b=float(b32),
+                below_high=float(np.nextafter(b32, a32)) if kind == 1 else 0.0,
+                BLOCK=min(256, triton.next_power_of_2(max(dim, width - words, 1))))
+
+
 def init_rows(ids: torch.Tensor, out: torch.Tensor, rows: torch.Tensor | None, dim: int, kind: int, a: float,
               b: float, seed: int, zero_id: int, weights: int = 0) -> None:
     """The initial rows of ids (int64 [n], on out's device) into out (float32 [*, width] words) at
@@ -155,11 +174,7 @@ def init_rows(ids: torch.Tensor, out: torch.Tensor, rows: torch.Tensor | None, d
     if n == 0:
         return
     width = out.shape[1]
-    weight_words = dim if weights == 0 else (dim + 1) // 2
-    a32, b32 = np.float32(a), np.float32(b)
-    below_high = float(np.nextafter(b32, a32)) if kind == 1 else 0.0
     with launch_turn():
-        _init_rows_kernel[(n,)](ids, out, rows if rows is not None else ids, n, dim, width, weight_words, seed, kind,
-                                float(a32), float(b32), below_high, zero_id, HAS_ROWS=rows is not None, WEIGHTS=weights,
-                                BLOCK=min(256, triton.next_power_of_2(max(dim, width - weight_words, 1))),
-                                enable_fp_fusion=False)
+        _init_rows_kernel[(n,)](ids, out, rows if rows is not None else ids, n, dim, width, seed=seed, kind=kind,
+                                zero_id=zero_id, HAS_ROWS=rows is not None, WEIGHTS=weights, enable_fp_fusion=False,
+                                **kernel_args(dim, width, kind, a, b, weights))

@@ -157,16 +157,19 @@ class DeviceTier:
 
     def resident(self, unique: torch.Tensor, num_unique: torch.Tensor, *, pin: bool, allow_overflow: bool = True):
         """Makes the distinct ids unique[:U] resident, on the tier's stream. Returns (slots [N] on
-        the device, misses (an int; -1 when only the device counted them), the event after which the
+        the device, misses (an int; 0 when only the device counted them), the event after which the
         rows are in place), or None (nothing changed) if the batch needs overflow slots and
         allow_overflow is False. The dirty victims are written down, then the misses read from
         below, and only then does tier 0 change: a failed write or read leaves it as it was (the
         victims written down already stay dirty in it)."""
         with self._on_stream():
+            if self.init_misses_here:  # every miss drawn here: the whole residency is one launch
+                with self.index_lock:
+                    slots = self.index.draw(unique, num_unique, self.pool.rows, self.init)
+                # (it counts its misses on the device: see stats())
+                return slots, 0, self._record()
             with self.index_lock:
-                local = self.init_misses_here
-                plan = (self.index.plan(unique, num_unique, self.num_embeddings, to_host=not local) if local
-                        else self._plan(unique, num_unique))
+                plan = self._plan(unique, num_unique)
             if plan.num_overflow and not allow_overflow:
                 return None
             dirty = plan.dirty_ids.numel()
@@ -176,15 +179,10 @@ class DeviceTier:
                 self.bytes_out += dirty * self.row_bytes
             # the next plan's transfer carries this many dirty rows: a quarter more than these
             self.dirty_guess = dirty + dirty // 4 + _DIRTY_SLACK
-            block = None
-            if not local and plan.miss_ids.numel():
+            if plan.miss_ids.numel():
                 block = self.pool.staging(plan.miss_ids.numel())
                 with self.init.deferred() if self.draws_misses else contextlib.nullcontext():
                     self.lower.read_to(plan.miss_ids, block, torch.arange(plan.miss_ids.numel()))
-            if local:
-                rowinit.init_rows(plan.ids, self.pool.rows, torch.where(plan.fresh, plan.slots, -1), *self.init.args,
-                                  weights=self.init.weights)
-            elif block is not None:
                 self.pool.from_host(plan.miss_slots, block)
                 if self.draws_misses:  # rows never stored: drawn here, bit for bit as the host would
                     marked = self.pool.rows[plan.miss_slots, 0].view(torch.int32) == DEFERRED_MARK
@@ -193,12 +191,15 @@ class DeviceTier:
                 self.bytes_in += plan.miss_ids.numel() * self.row_bytes
             with self.index_lock:
                 self.index.commit(plan, pin)
-            event = None
-            if self.stream is not None:
-                event = torch.cuda.Event()
-                event.record(self.stream)
-        # (a whole-table tier counts the misses it initializes on the device: see stats())
-        return plan.slots, 0 if local else plan.miss_ids.numel(), event
+            return plan.slots, plan.miss_ids.numel(), self._record()
+
+    def _record(self):
+        """An event after the work queued on the tier's stream so far (None on the CPU)."""
+        if self.stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        return event
 
     def _plan(self, unique: torch.Tensor, num_unique: torch.Tensor):
         """The index's plan, after adding the overflow slots it asks for (rare: the first batches
