@@ -51,7 +51,7 @@ def main() -> None:
     JITFunction.run = compile_only
 
     import tieredemb
-    from tieredemb.gpu import plan_kernels, pooling, rowinit
+    from tieredemb.gpu import dedup, plan_kernels, pooling, rowinit
     from tieredemb.gpu.index import DirectIndex, SetIndex
     from tieredemb.tiers.rowstore import RowInit
 
@@ -69,6 +69,9 @@ def main() -> None:
                 used = torch.zeros(index.capacity, dtype=torch.uint8)
                 for window in (None, (ids, ids)):
                     plan_kernels.assign(ids, ids, index, used, window, out[0])
+
+    for n in (1, 3000):  # a batch's dedup (n = 1: no scan to read)
+        dedup.dedup(torch.zeros(n, dtype=torch.int64))
 
     opts = [tieredemb.SGD(lr=0.1), tieredemb.Adagrad(lr=0.1), tieredemb.RowWiseAdagrad(lr=0.1),
             tieredemb.MomentumScaledRowWiseAdagrad(lr=0.1, scale=4), tieredemb.Adam(lr=0.1)]

@@ -126,7 +126,7 @@ def backward_update(tier0, config, batch, bags: Bags, saved, grad_out: torch.Ten
                                                batch.inverse, bags.offsets.to(dev, non_blocking=True), psw, bags.mode,
                                                bags.skip_id, bags.frozen_id, grad_out, saved, optimizer, step,
                                                need_psw_grad, layout.code, config.stochastic_rounding, config.seed,
-                                               bags.out_at)
+                                               bags.out_at, batch.groups)
         return None if psw_grad is None else psw_grad.to(bags.psw.device, bags.psw.dtype)
     skip_u, frozen_u = _unique_index(batch, bags.skip_id), _unique_index(batch, bags.frozen_id)
     count = int(batch.count)

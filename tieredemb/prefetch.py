@@ -58,13 +58,12 @@ class PrefetchOrderError(ValueError):
 class _Registered:
     """A batch registered by prefetch(): its ids, dedup, and (once resident) its ResidentBatch."""
 
-    __slots__ = ("seq", "ids", "offsets", "source", "version", "unique", "inverse", "count", "batch", "state",
-                 "forced")
+    __slots__ = ("seq", "ids", "offsets", "source", "version", "deduped", "batch", "state", "forced")
 
     def __init__(self, seq: int, ids: torch.Tensor, offsets: torch.Tensor, source: torch.Tensor, deduped):
         self.seq, self.ids, self.offsets = seq, ids, offsets
         self.source, self.version = source, source._version  # the caller's tensor, as it was
-        self.unique, self.inverse, self.count = deduped
+        self.deduped = deduped  # (the store's Deduped)
         self.batch = None
         self.state = _REGISTERED
         self.forced = False  # its forward is waiting: made resident whatever the window and the room
@@ -203,7 +202,7 @@ class Prefetcher:
                 p.state = _PLANNING
                 # Its window: p.seq+1 .. upto; the tiers already hold it up to _windowed_upto().
                 upto = min(p.seq + self.lookahead, self.next_seq - 1)
-                window = [(q.unique, q.count) for q in self.queue
+                window = [(q.deduped.unique, q.deduped.count) for q in self.queue
                           if max(p.seq, self._windowed_upto()) < q.seq <= upto]
             try:
                 self._make_resident(p, window)
@@ -235,8 +234,7 @@ class Prefetcher:
         while not self.stopping:
             with room:
                 releases = self.store.releases
-            batch = self.store.make_resident(p.unique, p.inverse, p.count,
-                                             allow_overflow=p.forced or self.store.batches_held() == 0)
+            batch = self.store.make_resident(p.deduped, allow_overflow=p.forced or self.store.batches_held() == 0)
             if batch is not None:
                 p.batch = batch
                 return

@@ -272,11 +272,13 @@ def backward_update(pool: torch.Tensor, dirty: torch.Tensor, dim: int, slots: to
                     num_unique: torch.Tensor, inverse: torch.Tensor, offsets: torch.Tensor, psw: torch.Tensor | None,
                     mode: int, skip_id: int, frozen_id: int, grad_out: torch.Tensor, argmax: torch.Tensor | None,
                     optimizer, step: int, need_psw_grad: bool, weights: int = 0, stochastic_rounding: bool = False,
-                    sr_seed: int = 0, at: torch.Tensor | None = None) -> torch.Tensor | None:
+                    sr_seed: int = 0, at: torch.Tensor | None = None, groups: tuple | None = None
+                    ) -> torch.Tensor | None:
     """Applies the optimizer to every unique row the batch used but rows skip_id and frozen_id,
     with the gradients of duplicate ids summed first, and marks those rows dirty (dirty: uint8
     [slots]). num_unique: int64 [1] on the device (U). grad_out: [B, dim], or with at (int64 [B])
-    a block holding bag b's gradient at its floats from at[b]. Returns the per-sample weights'
+    a block holding bag b's gradient at its floats from at[b]. groups: the dedup's grouping of the
+    occurrences (gpu/dedup.py), or None to sort for it here. Returns the per-sample weights'
     gradient when asked."""
     n, bags, dev = inverse.numel(), offsets.numel() - 1, pool.device
     grad_out = grad_out.to(dev, torch.float32).contiguous()
@@ -302,10 +304,14 @@ def backward_update(pool: torch.Tensor, dirty: torch.Tensor, dim: int, slots: to
         scale = (1.0 / per_bag.clamp_min(1.0))[bag_of]
     else:
         scale = torch.ones(n, dtype=torch.float32, device=dev)
-    sorted_u, order = torch.sort(inverse, stable=True)  # occurrences grouped by unique row, in occurrence order
-    start = torch.zeros(n + 1, dtype=torch.int64, device=dev)
-    per_unique = torch.zeros(n, dtype=torch.int64, device=dev).index_add_(0, inverse, torch.ones_like(inverse))
-    torch.cumsum(per_unique, 0, out=start[1:])  # (bincount would wait for the device to size its output)
+    if groups is not None:  # the dedup's
+        order, sorted_u, start = groups
+        per_unique = start[1:] - start[:-1]
+    else:
+        sorted_u, order = torch.sort(inverse, stable=True)  # occurrences grouped by unique row, in occurrence order
+        start = torch.zeros(n + 1, dtype=torch.int64, device=dev)
+        per_unique = torch.zeros(n, dtype=torch.int64, device=dev).index_add_(0, inverse, torch.ones_like(inverse))
+        torch.cumsum(per_unique, 0, out=start[1:])  # (bincount would wait for the device to size its output)
     # Rows of more than `tile` occurrences are summed a tile per program first (_chunk_kernel):
     # their tiles' partial sums take rows chunk[u] .. chunk[u + 1] - 1 of partial. Such rows number
     # fewer than n / tile, and each has at most its occurrences / tile + 1 tiles.

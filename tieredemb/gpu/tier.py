@@ -23,8 +23,10 @@ import numpy as np
 import torch
 
 from .. import _C
+from ..tiers.cache import Deduped
 from ..tiers.rowstore import DEFERRED_MARK
 from . import rowinit
+from .dedup import dedup as device_dedup
 from .index import DirectIndex, SetIndex
 
 _ROWS_PER_MOVE = 1 << 16  # write-backs at flush: staging blocks of at most this many rows
@@ -122,15 +124,16 @@ class DeviceTier:
 
     # -- batches ------------------------------------------------------------------------------
     def dedup(self, ids: torch.Tensor, segments=None, *, in_plan: bool = False):
-        """ids int [N] (any device) -> (unique [N]: the distinct ids, ascending, in the first U
-        entries; inverse [N]: ids[i] == unique[inverse[i]]; U as an int64 [1] tensor), computed
-        on the tier's stream, without waiting for the device. IndexError for an id out of range:
-        checked on the host for host ids (the cheap way); for device ids with one wait for the
-        device, or, with in_plan (the batch's plan follows at once), by that plan in its one
-        transfer, where the tier has one. Changes nothing. Device ids may come from the caller's
-        stream: the tier's stream waits for it then (only then: host ids let residency run
-        beside the compute queued before). segments (a collection's runs of disjoint id ranges)
-        are not needed: one sort dedups the whole batch on the device."""
+        """ids int [N] (any device) -> Deduped (gpu/dedup.py: unique [N], the distinct ids
+        ascending in the first U entries; inverse [N]; U as an int64 [1] tensor; the grouping the
+        backward reuses), computed on the tier's stream, without waiting for the device.
+        IndexError for an id out of range: checked on the host for host ids (the cheap way); for
+        device ids with one wait for the device, or, with in_plan (the batch's plan follows at
+        once), by that plan in its one transfer, where the tier has one. Changes nothing. Device
+        ids may come from the caller's stream: the tier's stream waits for it then (only then:
+        host ids let residency run beside the compute queued before). segments (a collection's
+        runs of disjoint id ranges) are not needed: one sort dedups the whole batch on the
+        device."""
         on_device = ids.device.type != "cpu"
         if not on_device:
             _check_range(ids.numpy(), self.num_embeddings)
@@ -141,19 +144,10 @@ class DeviceTier:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with self._on_stream():
             ids = ids.to(self.device, torch.int64, non_blocking=True)
-            n = ids.numel()
-            if n == 0:
+            if ids.numel() == 0:
                 empty = torch.empty(0, dtype=torch.int64, device=self.device)
-                return empty, empty, torch.zeros(1, dtype=torch.int64, device=self.device)
-            sorted_ids, perm = torch.sort(ids)
-            new = torch.ones(n, dtype=torch.bool, device=self.device)
-            new[1:] = sorted_ids[1:] != sorted_ids[:-1]
-            seg = torch.cumsum(new, 0) - 1
-            inverse = torch.empty(n, dtype=torch.int64, device=self.device)
-            inverse[perm] = seg
-            unique = torch.full((n,), -1, dtype=torch.int64, device=self.device)
-            unique[seg] = sorted_ids
-            return unique, inverse, seg[-1:] + 1
+                return Deduped(empty, empty, torch.zeros(1, dtype=torch.int64, device=self.device))
+            return device_dedup(ids)
 
     def resident(self, unique: torch.Tensor, num_unique: torch.Tensor, *, pin: bool, allow_overflow: bool = True):
         """Makes the distinct ids unique[:U] resident, on the tier's stream. Returns (slots [N] on

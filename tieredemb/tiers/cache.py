@@ -20,6 +20,7 @@ tier 0's misses and takes its write-backs, in chunks of at most its capacity.
 from __future__ import annotations
 
 import threading
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -27,6 +28,18 @@ import torch
 from .. import _C
 from .pools import arange
 from .rowstore import RowStore
+
+
+class Deduped(NamedTuple):
+    """A batch's ids deduplicated by its tier 0: the distinct ids in unique[:count], inverse [N]
+    (ids[i] == unique[inverse[i]]), count (an int, or an int64 [1] tensor on the device), and
+    groups: None, or (order, row, start) on the device, which the backward would otherwise sort
+    for (gpu/dedup.py)."""
+
+    unique: torch.Tensor
+    inverse: torch.Tensor
+    count: object
+    groups: tuple | None = None
 
 
 class CacheTier:
@@ -52,13 +65,13 @@ class CacheTier:
 
     # -- tier 0: batches ---------------------------------------------------------------------------
     def dedup(self, ids: torch.Tensor, segments=None, *, in_plan: bool = False):
-        """ids int [N] -> (unique [U] in order of first occurrence, inverse [N], U); segments
+        """ids int [N] -> Deduped (unique [U] in order of first occurrence, inverse [N], U); segments
         (starts, row_ends): runs of disjoint id ranges, each deduplicated alone, in parallel.
         IndexError for an id out of range (here, whatever in_plan: see DeviceTier.dedup). Changes
         nothing."""
         unique, inverse = _C.dedup(ids.to(device="cpu", dtype=torch.int64).contiguous(), self.num_embeddings,
                                    *(segments or (None, None)))
-        return torch.from_numpy(unique), torch.from_numpy(inverse), len(unique)
+        return Deduped(torch.from_numpy(unique), torch.from_numpy(inverse), len(unique))
 
     def admit(self, unique: torch.Tensor, count: int, *, allow_overflow: bool = True):
         """A batch's distinct ids made resident and pinned: (slots, misses, None), or None (nothing

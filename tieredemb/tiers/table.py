@@ -58,13 +58,15 @@ def _locked(method):
 
 class ResidentBatch:
     """A batch's distinct ids resident in tier 0 and pinned there until release(): unique (its
-    distinct ids in the first `count` entries), inverse [N] (ids[i] == unique[inverse[i]]), slots
-    (the slot of each distinct id), all where tier 0 is (on a GPU, count is a device scalar)."""
+    distinct ids in the first `count` entries), inverse [N] (ids[i] == unique[inverse[i]]), groups
+    (the dedup's grouping of the occurrences by distinct id, or None: see Deduped), slots (the slot
+    of each distinct id), all where tier 0 is (on a GPU, count is a device scalar)."""
 
-    __slots__ = ("store", "unique", "inverse", "count", "slots", "misses", "event", "stream", "released")
+    __slots__ = ("store", "unique", "inverse", "count", "groups", "slots", "misses", "event", "stream", "released")
 
-    def __init__(self, store: "TableStore", unique, inverse, count, slots, misses: int, event):
-        self.store, self.unique, self.inverse, self.count = store, unique, inverse, count
+    def __init__(self, store: "TableStore", deduped, slots, misses: int, event):
+        self.store = store
+        self.unique, self.inverse, self.count, self.groups = deduped
         self.slots, self.misses, self.event = slots, misses, event
         self.stream = None
         self.released = False
@@ -75,8 +77,8 @@ class ResidentBatch:
         if self.event is not None:
             self.stream = torch.cuda.current_stream()
             self.stream.wait_event(self.event)
-            for t in (self.unique, self.inverse, self.count, self.slots):  # made on tier 0's stream
-                t.record_stream(self.stream)
+            for t in (self.unique, self.inverse, self.count, self.slots, *(self.groups or ())):
+                t.record_stream(self.stream)  # (made on tier 0's stream)
 
     def release(self) -> None:
         """Unpins the batch's rows (once; later calls do nothing)."""
@@ -166,31 +168,31 @@ class TableStore:
 
     # -- batches ------------------------------------------------------------------------------
     def dedup(self, ids: torch.Tensor, segments=None):
-        """ids: int [N] (any order, duplicates allowed) -> (unique, inverse [N], count): the
-        distinct ids in unique[:count], ids[i] == unique[inverse[i]], where tier 0 is (see its
-        dedup). segments: None, or (starts [S + 1], row_ends [S]) when the ids are runs of
-        disjoint id ranges (a collection's tables: native/kernels/dedup.h); the same result.
-        IndexError for an id out of range. Changes nothing."""
+        """ids: int [N] (any order, duplicates allowed) -> Deduped (tiers/cache.py): the distinct
+        ids in unique[:count], ids[i] == unique[inverse[i]], where tier 0 is (see its dedup).
+        segments: None, or (starts [S + 1], row_ends [S]) when the ids are runs of disjoint id
+        ranges (a collection's tables: native/kernels/dedup.h); the same result. IndexError for an
+        id out of range. Changes nothing."""
         return self.tier0.dedup(ids, segments)
 
     @_locked
-    def make_resident(self, unique, inverse, count, *, allow_overflow: bool = True) -> ResidentBatch | None:
-        """Makes a deduplicated batch resident in tier 0, pinned. allow_overflow False: returns
-        None, changing nothing, if rows pinned by other batches leave too little room. A failure
-        changes no value; at most some rows leave tier 0."""
-        got = self.tier0.admit(unique, count, allow_overflow=allow_overflow)
+    def make_resident(self, deduped, *, allow_overflow: bool = True) -> ResidentBatch | None:
+        """Makes a deduplicated batch (dedup's Deduped) resident in tier 0, pinned. allow_overflow
+        False: returns None, changing nothing, if rows pinned by other batches leave too little
+        room. A failure changes no value; at most some rows leave tier 0."""
+        got = self.tier0.admit(deduped.unique, deduped.count, allow_overflow=allow_overflow)
         if got is None:
             return None
         slots, misses, event = got
         with self.room:
             self.held += 1
-        return ResidentBatch(self, unique, inverse, count, slots, misses, event)
+        return ResidentBatch(self, deduped, slots, misses, event)
 
     def prepare(self, ids: torch.Tensor, segments=None) -> ResidentBatch:
         """ids: int [N] (segments: see dedup). Dedups them and makes them resident in tier 0,
         pinned. IndexError for an id out of range, before any tier changes (a device tier 0's plan
         may check device ids, in the transfer it makes anyway)."""
-        return self.make_resident(*self.tier0.dedup(ids, segments, in_plan=True))
+        return self.make_resident(self.tier0.dedup(ids, segments, in_plan=True))
 
     def release(self, batch: ResidentBatch) -> None:
         try:
