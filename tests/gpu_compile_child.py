@@ -94,12 +94,11 @@ def main() -> None:
             for mode in (0, 1, 2):
                 pooling.forward(pool, dim, unique, unique, inverse, offsets, None, mode, -1, weights, block, at)
             pooling.forward(pool, dim, unique, unique, inverse, offsets, torch.ones(40), 0, -1, weights, block, at)
+            saved = (None, torch.ones(3), torch.zeros(3, dim, dtype=torch.int64))  # (the forward's, by mode)
             for mode in (0, 1, 2):
                 pooling.backward_update(pool, dirty, dim, unique, unique, torch.tensor([10]), inverse, offsets,
-                                        torch.ones(40) if mode == 0 else None, mode, -1, 1, block,
-                                        torch.zeros(3, dim, dtype=torch.int64) if mode == 2 else None,
+                                        torch.ones(40) if mode == 0 else None, mode, -1, 1, block, saved[mode],
                                         opts[2], 2, mode == 0, weights, False, 7, at)
-            argmax = torch.zeros(3, dim, dtype=torch.int64)
             for mode in (0, 1, 2):
                 for opt in opts:
                     for stochastic in ((False, True) if weights else (False,)):
@@ -112,7 +111,7 @@ def main() -> None:
                         for step, sr_seed in ((1, 1), (2, 7)):  # (Triton compiles 1s in as constants)
                             pooling.backward_update(pool, dirty, dim, unique, unique, torch.tensor([10]), inverse,
                                                     offsets, None, mode, -1, 1, grad,
-                                                    argmax if mode == 2 else None, opt, step, mode == 0, weights,
+                                                    saved[mode], opt, step, mode == 0, weights,
                                                     stochastic, sr_seed)
             for rows in (None, torch.arange(10)):
                 for kind, seed in ((0, 1), (1, 5), (2, 0)):

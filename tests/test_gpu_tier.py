@@ -477,3 +477,23 @@ def test_partitioned_tier_keeps_each_parts_rows_and_counts_each_part():
     after = dev.stats()["tier0"]["partitions"]
     assert after[0]["evictions"] == before and after[1]["evictions"] > p[1]["evictions"]
     assert after[0]["resident"] == p[0]["resident"] and index.pinned == 0
+
+
+def test_the_backward_finds_each_occurrences_bag_and_each_hot_rows_tiles():
+    """_prep_kernel: each occurrence's bag by a binary search of the offsets (empty bags
+    anywhere, one bag, a bag count not a power of two), and each row's tiles of TILE occurrences
+    (0 for a row of at most TILE), as torch's repeat_interleave and arithmetic give them."""
+    g = torch.Generator().manual_seed(0)
+    for bags in (1, 2, 3, 7, 300, 1000):
+        lengths = torch.randint(0, 4, (bags,), generator=g)
+        lengths[torch.rand(bags, generator=g) < 0.3] = 0
+        lengths[-1] += 1
+        offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+        n = int(offsets[-1])
+        count = torch.bincount(torch.randint(0, max(1, n // 3), (n,), generator=g), minlength=n)
+        start = torch.cat([torch.zeros(1, dtype=torch.int64), count.cumsum(0)])
+        bag, tiles, chunk = torch.empty(n, dtype=torch.int64), torch.empty(n, dtype=torch.int64), torch.full((n + 1,), 7)
+        pooling._prep_kernel[(-(-n // 256),)](offsets, bags, start, n, bag, tiles, chunk, bags.bit_length() + 1,
+                                               TILE=2, BLOCK=256)
+        assert torch.equal(bag, torch.repeat_interleave(torch.arange(bags), lengths)), bags
+        assert torch.equal(tiles, torch.where(count > 2, (count + 1) // 2, 0)) and chunk[0] == 0

@@ -25,15 +25,16 @@ _SUM, _MEAN, _MAX = 0, 1, 2
 
 
 @triton.jit
-def _forward_kernel(pool_ptr, slots_ptr, unique_ptr, inverse_ptr, offsets_ptr, psw_ptr, out_ptr, at_ptr, argmax_ptr,
+def _forward_kernel(pool_ptr, slots_ptr, unique_ptr, inverse_ptr, offsets_ptr, psw_ptr, out_ptr, at_ptr, saved_ptr,
                     dim, width, skip_id, MODE: tl.constexpr, HAS_PSW: tl.constexpr, HAS_AT: tl.constexpr,
                     WEIGHTS: tl.constexpr, TILE: tl.constexpr, BLOCK: tl.constexpr):
     """Bag b = program 0, columns block = program 1: the pooled rows of the bag, row skip_id left
     out (EmbeddingBag's padding_idx; -1: none), into out[b] (HAS_AT: out's floats from at[b]).
     Sum and mean read TILE occurrences at a time (one [TILE, BLOCK] load, summed down: a chain of
     dependent loads per tile, not per occurrence). Max takes one occurrence at a time (the first
-    of equal maxima wins, as on the CPU) and also writes argmax[b, d] (the occurrence that gave
-    the max, -1 for an empty bag)."""
+    of equal maxima wins, as on the CPU) and also writes saved[b, d], the argmax (the occurrence
+    that gave the max, -1 for an empty bag); mean writes saved[b] = 1 / its rows (1 if none),
+    the backward's scale."""
     b = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     in_row = cols < dim
@@ -49,7 +50,7 @@ def _forward_kernel(pool_ptr, slots_ptr, unique_ptr, inverse_ptr, offsets_ptr, p
                 take = (best < 0) | (row > acc)
                 acc = tl.where(take, row, acc)
                 best = tl.where(take, i, best)
-        tl.store(argmax_ptr + b.to(tl.int64) * dim + cols, best, mask=in_row)
+        tl.store(saved_ptr + b.to(tl.int64) * dim + cols, best, mask=in_row)
     else:
         count = 0.0
         for first in range(begin, end, TILE):
@@ -65,7 +66,10 @@ def _forward_kernel(pool_ptr, slots_ptr, unique_ptr, inverse_ptr, offsets_ptr, p
             acc += tl.sum(rows, axis=0)
             count += tl.sum(keep.to(tl.float32), axis=0)
         if MODE == 1:
-            acc = acc * tl.math.div_rn(1.0, tl.maximum(count, 1.0))
+            inv = tl.math.div_rn(1.0, tl.maximum(count, 1.0))
+            acc = acc * inv
+            if tl.program_id(1) == 0:
+                tl.store(saved_ptr + b, inv)
     tl.store(out_ptr + _out_row(at_ptr, b, dim, HAS_AT) + cols, acc, mask=in_row)
 
 
@@ -84,22 +88,24 @@ def forward(pool: torch.Tensor, dim: int, slots: torch.Tensor, unique: torch.Ten
             offsets: torch.Tensor, psw: torch.Tensor | None, mode: int, skip_id: int, weights: int = 0,
             out: torch.Tensor | None = None, at: torch.Tensor | None = None):
     """The bags pooled (mode 0 sum, 1 mean, 2 max), row skip_id left out of every bag (-1: none);
-    weights: the rows' weight type (optim.WEIGHT_TYPES): (out float32 [B, dim], argmax int64
-    [B, dim] for max else None). out / at: the block to write and where each bag's row starts in
-    it (int64 [B], in floats; several lookups side by side), instead of a new [B, dim]."""
+    weights: the rows' weight type (optim.WEIGHT_TYPES): (out float32 [B, dim], saved: what the
+    backward takes: for max the argmax, int64 [B, dim]; for mean 1 / each bag's rows, float32
+    [B]; None for sum). out / at: the block to write and where each bag's row starts in it
+    (int64 [B], in floats; several lookups side by side), instead of a new [B, dim]."""
     bags = offsets.numel() - 1
     if out is None:
         out = torch.empty(bags, dim, dtype=torch.float32, device=pool.device)
-    argmax = torch.empty(bags, dim, dtype=torch.int64, device=pool.device) if mode == _MAX else None
+    saved = (torch.empty(bags, dim, dtype=torch.int64, device=pool.device) if mode == _MAX else
+             torch.empty(bags, dtype=torch.float32, device=pool.device) if mode == _MEAN else None)
     if bags == 0:
-        return out, argmax
+        return out, saved
     block = min(128, triton.next_power_of_2(dim))
     with launch_turn():
         _forward_kernel[(bags, triton.cdiv(dim, block))](
             pool, slots, unique, inverse, offsets, psw if psw is not None else out, out,
-            at if at is not None else offsets, argmax if argmax is not None else offsets, dim, pool.shape[1], skip_id,
+            at if at is not None else offsets, saved if saved is not None else offsets, dim, pool.shape[1], skip_id,
             MODE=mode, HAS_PSW=psw is not None, HAS_AT=at is not None, WEIGHTS=weights, TILE=_tile(block), BLOCK=block)
-    return out, argmax
+    return out, saved
 
 
 @triton.jit
@@ -129,9 +135,10 @@ def _tile(block: int) -> int:
 
 @triton.jit
 def _tile_grad(order_ptr, first, end, bag_ptr, scale_ptr, grad_ptr, at_ptr, argmax_ptr, dim, cols, w,
-               MODE: tl.constexpr, HAS_AT: tl.constexpr, TILE: tl.constexpr):
+               MODE: tl.constexpr, HAS_AT: tl.constexpr, SCALE: tl.constexpr, TILE: tl.constexpr):
     """The sum of the gradients of the occurrences at sorted positions first .. min(first + TILE,
-    end) - 1 (occurrence order[k]: its bag's gradient times its scale; for max only the columns it
+    end) - 1 (occurrence order[k]: its bag's gradient times its scale: SCALE 0 none, 1 scale[i]
+    (per-sample weights), 2 scale[bag] (mean: 1 / the bag's rows); for max only the columns it
     was the argmax of), read as one [TILE, BLOCK] tile and summed down (a fixed order)."""
     k = first + tl.arange(0, TILE)
     live = k < end
@@ -142,15 +149,17 @@ def _tile_grad(order_ptr, first, end, bag_ptr, scale_ptr, grad_ptr, at_ptr, argm
     if MODE == 2:
         won = tl.load(argmax_ptr + bag[:, None] * dim + cols[None, :], mask=m, other=-1) == i[:, None]
         grad = tl.where(won, grad, 0.0)
-    else:
+    elif SCALE == 1:
         grad = grad * tl.load(scale_ptr + i, mask=live, other=0.0)[:, None]
+    elif SCALE == 2:
+        grad = grad * tl.load(scale_ptr + bag, mask=live, other=0.0)[:, None]
     return tl.sum(grad, axis=0)
 
 
 @triton.jit
 def _chunk_kernel(sorted_ptr, order_ptr, start_ptr, chunk_ptr, unique_ptr, bag_ptr, scale_ptr, grad_ptr, at_ptr,
                   argmax_ptr, partial_ptr, n, dim, skip_id, frozen_id, MODE: tl.constexpr, HAS_AT: tl.constexpr,
-                  TILE: tl.constexpr, BLOCK: tl.constexpr):
+                  SCALE: tl.constexpr, TILE: tl.constexpr, BLOCK: tl.constexpr):
     """The sorted positions of window program 0 (TILE of them; occurrences sorted by unique row,
     sorted[p] the row of position p): each tile of a row with more than TILE occurrences that
     starts here (at start[u] + k * TILE) has its gradient sum stored in partial[chunk[u] + k]. So a
@@ -176,7 +185,7 @@ def _chunk_kernel(sorted_ptr, order_ptr, start_ptr, chunk_ptr, unique_ptr, bag_p
             if (uid != skip_id) & (uid != frozen_id):
                 row_start = tl.load(start_ptr + row)
                 g = _tile_grad(order_ptr, p, tl.load(start_ptr + row + 1), bag_ptr, scale_ptr, grad_ptr, at_ptr,
-                               argmax_ptr, dim, cols, w, MODE, HAS_AT, TILE)
+                               argmax_ptr, dim, cols, w, MODE, HAS_AT, SCALE, TILE)
                 c = tl.load(chunk_ptr + row) + (p - row_start) // TILE
                 tl.store(partial_ptr + c * dim + cols, g, mask=w)
 
@@ -187,10 +196,11 @@ def _chunk_kernel(sorted_ptr, order_ptr, start_ptr, chunk_ptr, unique_ptr, bag_p
 def _update_kernel(pool_ptr, dirty_ptr, slots_ptr, unique_ptr, num_unique_ptr, order_ptr, start_ptr, chunk_ptr,
                    partial_ptr, bag_ptr, scale_ptr, grad_ptr, at_ptr, argmax_ptr, dim, dim_f, width, weight_words,
                    skip_id, frozen_id, lr, eps, beta1, beta2, adam_step, acc_div, sr_seed, step, OPT: tl.constexpr,
-                   MODE: tl.constexpr, HAS_AT: tl.constexpr, WEIGHTS: tl.constexpr, STOCHASTIC: tl.constexpr,
-                   TILE: tl.constexpr, BLOCK: tl.constexpr):
+                   MODE: tl.constexpr, HAS_AT: tl.constexpr, SCALE: tl.constexpr, WEIGHTS: tl.constexpr,
+                   STOCHASTIC: tl.constexpr, TILE: tl.constexpr, BLOCK: tl.constexpr):
     """Unique row u = program 0: g = the sum of its occurrences' gradients (occurrences
-    order[start[u]] .. order[start[u+1]-1], each the gradient of its bag times its scale; for max
+    order[start[u]] .. order[start[u+1]-1], each the gradient of its bag times its scale (see
+    _tile_grad); for max
     only the columns it was the argmax of; a bag's gradient is grad's row bag, or with HAS_AT its
     floats from at[bag]): one tile's sum for a row of at most TILE occurrences, else the sum of
     its tiles' partial sums (partial rows chunk[u] .. chunk[u+1]-1, _chunk_kernel's), TILE at a
@@ -214,7 +224,7 @@ def _update_kernel(pool_ptr, dirty_ptr, slots_ptr, unique_ptr, num_unique_ptr, o
                                     mask=(c < c_end)[:, None] & w[None, :], other=0.0), axis=0)
         else:
             g = _tile_grad(order_ptr, first, end, bag_ptr, scale_ptr, grad_ptr, at_ptr, argmax_ptr, dim, cols, w,
-                           MODE, HAS_AT, TILE)
+                           MODE, HAS_AT, SCALE, TILE)
         slot = tl.load(slots_ptr + u)
         row = pool_ptr + slot * width + weight_words - dim  # the state: at row + dim + ...
         x = load_weights(pool_ptr, slot, cols, w, width, WEIGHTS)
@@ -268,71 +278,95 @@ def _store_stochastic(pool_ptr, slot, cols, x, mask, width, row_id, sr_seed, ste
         tl.store(pool_ptr.to(tl.pointer_type(tl.float16)) + slot * width * 2 + cols, half, mask=mask)
 
 
+@triton.jit
+def _prep_kernel(offsets_ptr, bags, start_ptr, n, bag_ptr, tiles_ptr, chunk_ptr, steps, TILE: tl.constexpr,
+                 BLOCK: tl.constexpr):
+    """Positions BLOCK * program 0 onwards, p < n, in two roles. Occurrence p: bag[p] = its bag
+    (the last b < bags with offsets[b] <= p: a binary search of `steps` >= log2(bags) + 1
+    halvings; empty bags are skipped). Unique row p: tiles[p] = its tiles of TILE occurrences if
+    it has more than TILE (start[p + 1] - start[p]), else 0. Program 0 sets chunk[0] = 0."""
+    p = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = p < n
+    lo = tl.zeros([BLOCK], dtype=tl.int64)
+    hi = tl.zeros([BLOCK], dtype=tl.int64) + (bags - 1)
+    for _ in range(steps):
+        mid = (lo + hi + 1) // 2
+        go = lo < hi
+        at_or_before = tl.load(offsets_ptr + mid, mask=live & go, other=0) <= p
+        lo = tl.where(go & at_or_before, mid, lo)
+        hi = tl.where(go & ~at_or_before, mid - 1, hi)
+    tl.store(bag_ptr + p, lo, mask=live)
+    count = tl.load(start_ptr + p + 1, mask=live, other=0) - tl.load(start_ptr + p, mask=live, other=0)
+    tl.store(tiles_ptr + p, tl.where(count > TILE, (count + TILE - 1) // TILE, 0), mask=live)
+    if tl.program_id(0) == 0:
+        tl.store(chunk_ptr, 0)
+
+
+_PREP_BLOCK = 256
+
+
 def backward_update(pool: torch.Tensor, dirty: torch.Tensor, dim: int, slots: torch.Tensor, unique: torch.Tensor,
                     num_unique: torch.Tensor, inverse: torch.Tensor, offsets: torch.Tensor, psw: torch.Tensor | None,
-                    mode: int, skip_id: int, frozen_id: int, grad_out: torch.Tensor, argmax: torch.Tensor | None,
+                    mode: int, skip_id: int, frozen_id: int, grad_out: torch.Tensor, saved: torch.Tensor | None,
                     optimizer, step: int, need_psw_grad: bool, weights: int = 0, stochastic_rounding: bool = False,
                     sr_seed: int = 0, at: torch.Tensor | None = None, groups: tuple | None = None
                     ) -> torch.Tensor | None:
     """Applies the optimizer to every unique row the batch used but rows skip_id and frozen_id,
     with the gradients of duplicate ids summed first, and marks those rows dirty (dirty: uint8
     [slots]). num_unique: int64 [1] on the device (U). grad_out: [B, dim], or with at (int64 [B])
-    a block holding bag b's gradient at its floats from at[b]. groups: the dedup's grouping of the
-    occurrences (gpu/dedup.py), or None to sort for it here. Returns the per-sample weights'
-    gradient when asked."""
+    a block holding bag b's gradient at its floats from at[b]. saved: the forward's (argmax for
+    max, the bags' scales for mean). groups: the dedup's grouping of the occurrences
+    (gpu/dedup.py), or None to sort for it here. Returns the per-sample weights' gradient when
+    asked."""
     n, bags, dev = inverse.numel(), offsets.numel() - 1, pool.device
+    if n == 0:
+        return torch.empty(0, dtype=torch.float32, device=dev) if need_psw_grad else None
     grad_out = grad_out.to(dev, torch.float32).contiguous()
     at_arg = at if at is not None else offsets
-    lengths = offsets[1:] - offsets[:-1]
-    bag_of = torch.repeat_interleave(torch.arange(bags, device=dev), lengths, output_size=n)
-    psw_grad = None
     block = triton.next_power_of_2(dim)
-    if need_psw_grad:
-        psw_grad = torch.empty(n, dtype=torch.float32, device=dev)
-        if n:
-            with launch_turn():
-                _psw_grad_kernel[(n,)](pool, slots, unique, inverse, bag_of, grad_out, at_arg, psw_grad, dim,
-                                       pool.shape[1], skip_id, HAS_AT=at is not None, WEIGHTS=weights,
-                                       BLOCK=min(block, 128))
-    if n == 0:
-        return psw_grad
-    if psw is not None:
-        scale = psw.to(dev, torch.float32)
-    elif mode == _MEAN:  # 1 / the bag's rows, the padding row not counted
-        counted = (unique[inverse] != skip_id).to(torch.float32)
-        per_bag = torch.zeros(bags, dtype=torch.float32, device=dev).index_add_(0, bag_of, counted)
-        scale = (1.0 / per_bag.clamp_min(1.0))[bag_of]
-    else:
-        scale = torch.ones(n, dtype=torch.float32, device=dev)
     if groups is not None:  # the dedup's
         order, sorted_u, start = groups
-        per_unique = start[1:] - start[:-1]
     else:
         sorted_u, order = torch.sort(inverse, stable=True)  # occurrences grouped by unique row, in occurrence order
         start = torch.zeros(n + 1, dtype=torch.int64, device=dev)
         per_unique = torch.zeros(n, dtype=torch.int64, device=dev).index_add_(0, inverse, torch.ones_like(inverse))
         torch.cumsum(per_unique, 0, out=start[1:])  # (bincount would wait for the device to size its output)
-    # Rows of more than `tile` occurrences are summed a tile per program first (_chunk_kernel):
-    # their tiles' partial sums take rows chunk[u] .. chunk[u + 1] - 1 of partial. Such rows number
-    # fewer than n / tile, and each has at most its occurrences / tile + 1 tiles.
+    # Each occurrence's bag, and the tiles of the rows of more than `tile` occurrences: those are
+    # summed a tile per program first (_chunk_kernel), their tiles' partial sums in rows chunk[u] ..
+    # chunk[u + 1] - 1 of partial. Such rows number fewer than n / tile, and each has at most its
+    # occurrences / tile + 1 tiles.
     tile = _tile(block)
-    chunk = torch.zeros(n + 1, dtype=torch.int64, device=dev)
-    argmax_arg = argmax if argmax is not None else order
-    partial = scale  # (not read when no row has more than a tile of occurrences)
+    bag_of, tiles = torch.empty(n, dtype=torch.int64, device=dev), torch.empty(n, dtype=torch.int64, device=dev)
+    chunk = torch.empty(n + 1, dtype=torch.int64, device=dev)
+    with launch_turn():
+        _prep_kernel[(triton.cdiv(n, _PREP_BLOCK),)](offsets, bags, start, n, bag_of, tiles, chunk,
+                                                     max(bags, 1).bit_length() + 1, TILE=tile, BLOCK=_PREP_BLOCK)
+    psw_grad = None
+    if need_psw_grad:
+        psw_grad = torch.empty(n, dtype=torch.float32, device=dev)
+        with launch_turn():
+            _psw_grad_kernel[(n,)](pool, slots, unique, inverse, bag_of, grad_out, at_arg, psw_grad, dim,
+                                   pool.shape[1], skip_id, HAS_AT=at is not None, WEIGHTS=weights,
+                                   BLOCK=min(block, 128))
+    # each occurrence's gradient scaled by its per-sample weight, or for mean by its bag's saved scale
+    scale_kind = 1 if psw is not None else 2 if mode == _MEAN else 0
+    scale = psw.to(dev, torch.float32) if psw is not None else saved if mode == _MEAN else grad_out
+    argmax_arg = saved if mode == _MAX else order
+    partial = grad_out  # (not read when no row has more than a tile of occurrences)
     if n > tile:  # (no row has more occurrences than the batch)
-        tiles = torch.where(per_unique > tile, (per_unique + tile - 1) // tile, 0)
         torch.cumsum(tiles, 0, out=chunk[1:])
         partial = torch.empty(2 * triton.cdiv(n, tile) + 1, dim, dtype=torch.float32, device=dev)
         with launch_turn():
             _chunk_kernel[(triton.cdiv(n, tile),)](sorted_u, order, start, chunk, unique, bag_of, scale, grad_out,
                                                    at_arg, argmax_arg, partial, n, dim, skip_id, frozen_id,
-                                                   MODE=mode, HAS_AT=at is not None, TILE=tile, BLOCK=block)
+                                                   MODE=mode, HAS_AT=at is not None, SCALE=scale_kind, TILE=tile,
+                                                   BLOCK=block)
     a = optimizer.native_args(step)
     with launch_turn():
         _update_kernel[(n,)](pool, dirty, slots, unique, num_unique, order, start, chunk, partial, bag_of, scale,
                              grad_out, at_arg, argmax_arg, dim, float(dim), pool.shape[1],
                              dim if weights == 0 else (dim + 1) // 2, skip_id, frozen_id, a.lr, a.eps, a.beta1, a.beta2,
                              a.adam_step_size, a.accumulator_divisor, sr_seed, step, OPT=optimizer.kind, MODE=mode,
-                             HAS_AT=at is not None, WEIGHTS=weights, STOCHASTIC=stochastic_rounding, TILE=tile,
-                             BLOCK=block)
+                             HAS_AT=at is not None, SCALE=scale_kind, WEIGHTS=weights, STOCHASTIC=stochastic_rounding,
+                             TILE=tile, BLOCK=block)
     return psw_grad

@@ -110,6 +110,7 @@ class DeviceTier:
         # a host cache between would keep such rows, so then the host draws them.
         self.draws_misses = lower_is_store
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._before_residencies()  # (the pool's and the index's zeros are in place before any residency)
         self.index_lock = threading.RLock()  # as CacheTier's (the worker plans while training releases)
         # Held around each kernel launch on the pool or the index's dirty bits, and while they are
         # replaced by larger ones (_plan), so no kernel is queued on a tensor being replaced.
@@ -323,6 +324,7 @@ class DeviceTier:
         return s
 
     def reset_stats(self) -> None:
+        self._after_residencies()  # (the counts of residencies queued before are before the reset)
         with self.index_lock:
             self.index.reset_stats()
         self.bytes_in = self.bytes_out = 0
