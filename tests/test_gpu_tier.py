@@ -497,3 +497,31 @@ def test_the_backward_finds_each_occurrences_bag_and_each_hot_rows_tiles():
                                                TILE=2, BLOCK=256)
         assert torch.equal(bag, torch.repeat_interleave(torch.arange(bags), lengths)), bags
         assert torch.equal(tiles, torch.where(count > 2, (count + 1) // 2, 0)) and chunk[0] == 0
+
+
+@pytest.mark.parametrize("where", ["cpu", "device-tier"])
+def test_ids_after_the_last_bag_belong_to_no_bag(where):
+    """include_last_offset with offsets[-1] < len(ids): the ids after the last bag belong to no
+    bag. torch.nn.EmbeddingBag's forward leaves them out (its CPU backward does not: it gives them
+    the last bag's gradient, and their per-sample weights uninitialized values); the table leaves
+    them out of both, on either path: the same as torch given only the ids before offsets[-1],
+    their rows not updated and their weights' gradient zero. (The device backward once gave them
+    the last bag's gradient.)"""
+    ids, offsets = torch.tensor([1, 2, 3, 4, 5]), torch.tensor([0, 2, 3])
+    grad = torch.randn(2, D, generator=torch.Generator().manual_seed(3))
+    ref = torch.nn.EmbeddingBag(NUM, D, mode="sum", include_last_offset=True, _weight=weights().clone())
+    psw_ref = torch.linspace(0.5, 1.5, 5)[:3].requires_grad_(True)
+    want = ref(ids[:3], offsets, per_sample_weights=psw_ref)
+    want.backward(grad)
+    emb = tieredemb.TieredEmbeddingBag(NUM, D, "sum", include_last_offset=True, optimizer=tieredemb.SGD(lr=1.0),
+                                       _weight=weights(), cache_rows=16)
+    if where == "device-tier":
+        emb = device_tier(emb, 16)
+    psw = torch.linspace(0.5, 1.5, 5, requires_grad=True)
+    got = emb(ids, offsets, per_sample_weights=psw)
+    got.backward(grad)
+    torch.testing.assert_close(got, want.detach(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(psw.grad, torch.cat([psw_ref.grad, torch.zeros(2)]), rtol=1e-5, atol=1e-5)
+    rows = emb.read_rows(torch.arange(NUM))
+    torch.testing.assert_close(rows, weights() - ref.weight.grad, rtol=1e-5, atol=1e-5)  # SGD, lr 1
+    assert torch.equal(rows[[4, 5]], weights()[[4, 5]])

@@ -203,7 +203,7 @@ class TieredEmbeddingBag(_TieredBase):
             if per_sample_weights.shape != input.shape:
                 raise ValueError(f"per_sample_weights has shape {tuple(per_sample_weights.shape)}, "
                                  f"expected input's shape {tuple(input.shape)}")
-            psw = per_sample_weights.reshape(-1)
+            psw = per_sample_weights.reshape(-1)[:len(flat)]
         out = lookup.pooled(self, flat, offsets_full, psw, _MODES[self.mode], exclude_padding=True)
         return out.to(per_sample_weights.dtype) if psw is not None and psw.dtype != out.dtype else out
 
@@ -232,7 +232,9 @@ class TieredEmbeddingBag(_TieredBase):
             _check_int_tensor("offsets", offsets)
             if offsets.dim() != 1:
                 raise ValueError(f"offsets must be 1-D, got shape {tuple(offsets.shape)}")
-            return input, self._normalize_offsets(offsets.to("cpu", torch.int64), len(input))
+            bounds = self._normalize_offsets(offsets.to("cpu", torch.int64), len(input))
+            # (with include_last_offset, ids after the last bag's end belong to no bag: left out, as torch does)
+            return input[:int(bounds[-1])], bounds
         raise ValueError(f"input must be 1-D (with offsets) or 2-D [B, L], got shape {tuple(input.shape)}")
 
     def _normalize_offsets(self, offsets: Tensor, n: int) -> Tensor:

@@ -327,6 +327,7 @@ class DeviceTier:
         self._after_residencies()  # (the counts of residencies queued before are before the reset)
         with self.index_lock:
             self.index.reset_stats()
+        self._before_residencies()  # (the counters' new zeros are in place before the next residency)
         self.bytes_in = self.bytes_out = 0
 
     def close(self) -> None:
