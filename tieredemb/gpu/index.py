@@ -27,7 +27,7 @@ import dataclasses
 import torch
 
 from . import plan_kernels
-from .plan_kernels import HASH as _HASH, NEVER as _NEVER
+from .plan_kernels import HASH as _HASH, NEVER as _NEVER, USES_CAP as _USES_CAP, WINDOW_KEY as _WINDOW_KEY
 
 
 @dataclasses.dataclass
@@ -342,14 +342,14 @@ class SetIndex:
         _NEVER for pinned rows and rows of the batch."""
         cap = self.capacity
         sid = self.slot_id[:cap]
-        key = self.stamp[:cap] if self.policy == "lru" else self.uses[:cap].clamp(max=(1 << 28) - 1) * (1 << 32) + \
+        key = self.stamp[:cap] if self.policy == "lru" else self.uses[:cap].clamp(max=_USES_CAP) * (1 << 32) + \
             self.stamp[:cap]
         window = self._window_sorted()
         if window is not None:
             wid, batch = window
             pos = torch.searchsorted(wid, sid).clamp(max=wid.numel() - 1)
             in_window = (wid[pos] == sid) & (sid >= 0)
-            key = torch.where(in_window, (1 << 61) + (1 << 20) - batch[pos], key)
+            key = torch.where(in_window, _WINDOW_KEY - batch[pos], key)
         key = torch.where(sid < 0, -1, key)
         return torch.where((self.pins[:cap] > 0) | used, _NEVER, key)
 

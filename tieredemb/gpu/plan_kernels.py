@@ -27,11 +27,14 @@ from .rowinit import init_row, kernel_args
 
 HASH = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64: Fibonacci hashing
 NEVER = 1 << 62  # a victim key larger than any stamp: not a candidate
-_LAST = (1 << 63) - 1  # past every key (lanes beyond the set's ways)
+USES_CAP = (1 << 28) - 1  # LFU's key: uses (at most this) above the stamp's 32 bits
+WINDOW_KEY = (1 << 61) + (1 << 20)  # a window row's key: this less its first window batch
 # the same, as the kernels read them
 _HASH_K: tl.constexpr = tl.constexpr(HASH)
 _NEVER_K: tl.constexpr = tl.constexpr(NEVER)
-_LAST_K: tl.constexpr = tl.constexpr(_LAST)
+_USES_CAP_K: tl.constexpr = tl.constexpr(USES_CAP)
+_WINDOW_KEY_K: tl.constexpr = tl.constexpr(WINDOW_KEY)
+_LAST_K: tl.constexpr = tl.constexpr((1 << 63) - 1)  # past every key (lanes beyond the set's ways)
 
 
 @triton.jit
@@ -118,11 +121,11 @@ def _assign_kernel(in_set_ptr, order_ptr, n, sets, ways, slot_id_ptr, pins_ptr, 
         sid = tl.load(slot_id_ptr + slot, mask=in_set, other=-1)
         key = tl.load(stamp_ptr + slot, mask=in_set, other=0)
         if LFU:  # uses first (capped), then the stamp
-            key = tl.minimum(tl.load(uses_ptr + slot, mask=in_set, other=0), (1 << 28) - 1) * (1 << 32) + key
+            key = tl.minimum(tl.load(uses_ptr + slot, mask=in_set, other=0), _USES_CAP_K) * (1 << 32) + key
         if WINDOW:  # rows the window batches use: after the rest, the farthest next use first
             pos = _lower_bound(wid_ptr, n_w, sid, w_steps)
             ahead_use = (tl.load(wid_ptr + pos) == sid) & (sid >= 0)
-            key = tl.where(ahead_use, (1 << 61) + (1 << 20) - tl.load(wbatch_ptr + pos), key)
+            key = tl.where(ahead_use, _WINDOW_KEY_K - tl.load(wbatch_ptr + pos), key)
         key = tl.where(sid < 0, -1, key)
         taken = (tl.load(pins_ptr + slot, mask=in_set, other=0) > 0) | (tl.load(used_ptr + slot, mask=in_set,
                                                                                other=0) != 0)
