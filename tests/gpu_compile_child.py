@@ -62,13 +62,21 @@ def main() -> None:
             for policy in ("lru", "lfu"):
                 index = SetIndex(64, policy, torch.device("cpu"), ways=ways, overflow=8, partitions=parts)
                 ids = torch.arange(20)
-                out = [torch.empty(20, dtype=torch.int64) for _ in range(2)]
+                out = [torch.empty(20, dtype=torch.int64), torch.empty(20, dtype=torch.int32)]
                 for in_use in (0, 1):
                     index.overflow_in_use = in_use
-                    plan_kernels.find(ids, torch.tensor([20]), index, *out)
-                used = torch.zeros(index.capacity, dtype=torch.uint8)
+                    plan_kernels.find(ids, torch.tensor([20]), index, *out, 3)
                 for window in (None, (ids, ids)):
-                    plan_kernels.assign(ids, ids, index, used, window, out[0])
+                    plan_kernels.assign(out[1], ids, index, 3, window, out[0])
+    # the rest of a plan, and its commit: the dirty victims' rows carried or not
+    index = SetIndex(64, "lru", torch.device("cpu"), ways=4, overflow=8)
+    ids, found = torch.arange(20), torch.full((20,), -1)
+    for guess in (0, 5):
+        placed = plan_kernels.place(ids, torch.tensor([20]), 100, index, found, found, 3, torch.zeros(72, 9), guess)
+    plan_kernels.bind(placed, 2)
+    for lingering in (False, True):
+        for pin in (False, True):
+            plan_kernels.commit(ids, placed, index, lingering, pin)
 
     for n in (1, 3000):  # a batch's dedup (n = 1: no scan to read)
         dedup.dedup(torch.zeros(n, dtype=torch.int64))
@@ -116,6 +124,8 @@ def main() -> None:
             for rows in (None, torch.arange(10)):
                 for kind, seed in ((0, 1), (1, 5), (2, 0)):
                     rowinit.init_rows(unique, pool, rows, dim, kind, 0.0, 1.0, seed, 1, weights)
+            for kind, seed in ((0, 1), (1, 5)):  # (a tier's misses: only the rows marked as never stored)
+                rowinit.init_rows(unique, pool, unique, dim, kind, 0.0, 1.0, seed, 1, weights, marked=0x7FA55A5A)
             # a whole-table tier's residency, rows drawn as they are first missed
             direct = DirectIndex(40, torch.device("cpu"))
             for kind, seed in ((0, 1), (1, 5)):

@@ -22,15 +22,20 @@ def _pair(kernels_first, **kw):
 
 
 def _same_state(a: SetIndex, b: SetIndex) -> None:
-    for name in ("slot_id", "pins", "dirty", "stamp", "uses"):
-        assert torch.equal(getattr(a, name), getattr(b, name)), name
+    for name in ("slot_id", "pins", "dirty", "stamp", "uses"):  # (not the dummy slot after them)
+        assert torch.equal(getattr(a, name)[:a.slots_total], getattr(b, name)[:b.slots_total]), name
     assert (a.overflow_slots, a.overflow_in_use, a.counts) == (b.overflow_slots, b.overflow_in_use, b.counts)
 
 
-def _admit(index: SetIndex, ids: torch.Tensor, count: int, rows: int):
-    while isinstance(plan := index.plan(ids, torch.tensor([count]), rows), int):
+def _admit(index: SetIndex, ids: torch.Tensor, count: int, rows: int, guess: int = 0):
+    """The plan, after growing the overflow slots as it asks; guess > 0: the first dirty victims'
+    rows ride its transfer, from a pool whose row s is s, s + 0.5, s + 0.25."""
+    while True:
+        pool = torch.arange(index.slots_total, dtype=torch.float32)[:, None] + torch.tensor([0, 0.5, 0.25])
+        plan = index.plan(ids, torch.tensor([count]), rows, pool if guess else None, guess)
+        if not isinstance(plan, int):
+            return plan
         index.grow(plan)
-    return plan
 
 
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
@@ -44,7 +49,7 @@ def test_the_triton_plan_equals_the_torch_twin(policy, shape):
         kw.update(capacity=6, ways=4)
     tri, twin = _pair("triton", **kw)
     g = torch.Generator().manual_seed(3)
-    pinned = []
+    pinned, guessed = [], 0
     for step in range(60):
         n = int(torch.randint(1, 40, (1,), generator=g))
         ids = torch.unique((torch.rand(n, generator=g) ** 2 * rows).long())
@@ -58,9 +63,15 @@ def test_the_triton_plan_equals_the_torch_twin(policy, shape):
                 ahead = torch.randint(0, rows, (12,), generator=g)
                 for index in (tri, twin):
                     index.window_push(ahead, torch.tensor([10]))
-        plans = [_admit(index, ids, count, rows) for index in (tri, twin)]
+        guess = int(torch.randint(0, 6, (1,), generator=g))
+        plans = [_admit(index, ids, count, rows, guess) for index in (tri, twin)]
         for name in FIELDS:
             assert torch.equal(getattr(plans[0], name), getattr(plans[1], name)), (step, name)
+        carried = plans[0].dirty_rows
+        assert (carried is None) == (plans[1].dirty_rows is None) == (not guess or guess < plans[0].dirty_ids.numel())
+        if carried is not None:
+            assert torch.equal(carried, plans[1].dirty_rows) and torch.equal(carried[:, 0], plans[0].dirty_slots.float())
+            guessed += carried.shape[0]
         assert (plans[0].num_overflow, plans[0].num_victims, plans[0].lingering) == \
             (plans[1].num_overflow, plans[1].num_victims, plans[1].lingering)
         dirty = torch.rand(len(ids), generator=g) < 0.5
@@ -73,7 +84,7 @@ def test_the_triton_plan_equals_the_torch_twin(policy, shape):
             for index in (tri, twin):
                 index.unpin(done)
         _same_state(tri, twin)
-    assert tri.counts["misses"] > 0 and tri.counts["evictions"] > 0
+    assert tri.counts["misses"] > 0 and tri.counts["evictions"] > 0 and guessed > 0
     if shape != "parts":
         assert tri.counts["overflow_rows"] > 0  # the overflow path ran too
 

@@ -51,6 +51,7 @@ class DevicePlan:
     version: int
     lingering: int = 0           # overflow rows left unpinned, evicted by this plan
     dirty_rows: torch.Tensor | None = None  # the dirty victims' rows on the host, if the transfer held them
+    placed: plan_kernels.Placed | None = None  # the lists the plan was read from (what commit applies)
 
 
 class SetIndex:
@@ -85,6 +86,7 @@ class SetIndex:
         self.policy = policy
         self.device = device
         self.clock = 0  # batches planned: the LRU stamp of this one
+        self.tag = 0  # plans made: the tag the last one gave its batch's slots (tags)
         self.version = 0
         self.overflow_in_use = 0
         self.overflow_slots = 0
@@ -102,7 +104,9 @@ class SetIndex:
                  "pins": torch.zeros(total, dtype=torch.int32, device=dev),
                  "dirty": torch.zeros(total, dtype=torch.uint8, device=dev),
                  "stamp": torch.zeros(total, dtype=torch.int64, device=dev),
-                 "uses": torch.zeros(total, dtype=torch.int64, device=dev)}
+                 "uses": torch.zeros(total, dtype=torch.int64, device=dev),
+                 # the last plan that found the row in the slot (plan_kernels: the batch's rows)
+                 "tags": torch.zeros(total, dtype=torch.int64, device=dev)}
         if old is not None:
             for name, t in grown.items():
                 t[:old.numel() - 1] = getattr(self, name)[:-1]
@@ -162,6 +166,38 @@ class SetIndex:
         self._alloc(self.overflow_slots + slots)
 
     def _plan(self, ids, num_unique, num_embeddings, rows=None, guess=0):
+        n, dev = ids.numel(), self.device
+        guess = min(guess, n + self.overflow_slots) if rows is not None else 0
+        if self.kernels == "triton":
+            self.tag += 1  # (find marks the batch's slots with it: assign and place pass them over)
+            found, sets = self._find(ids, num_unique, None)
+            in_set, order = torch.sort(sets, stable=True)
+            chosen = torch.full((n,), -1, dtype=torch.int64, device=dev)
+            plan_kernels.assign(in_set, order, self, self.tag, self._window_sorted(), chosen)
+            placed = plan_kernels.place(ids, num_unique, num_embeddings, self, found, chosen, self.tag, rows, guess)
+        else:
+            placed = self._place_twin(ids, num_unique, rows, guess, num_embeddings)
+        host, *guessed = _to_host(placed.xfer, *([placed.guessed] if guess else []))
+        k = plan_kernels.KINDS
+        c = host[:k].tolist()
+        if c[plan_kernels.BAD]:
+            valid = torch.arange(n, device=dev) < num_unique
+            raise IndexError(f"id {int(ids[valid & ((ids < 0) | (ids >= num_embeddings))][0])} out of range "
+                             f"[0, {num_embeddings})")
+        n_need, n_free, n_valid, n_miss, n_victims, n_dirty, _, n_lingering = c
+        if self.kernels == "triton" and n_need <= n_free:
+            plan_kernels.bind(placed, n_need)
+        plan = DevicePlan(ids=ids, valid=placed.valid, slots=placed.slots, fresh=placed.fresh,
+                          victim_slots=placed.victims[:n_victims], miss_ids=host[k:k + n_miss],
+                          miss_ids_device=placed.xfer[k:k + n_miss], miss_slots=placed.miss_slots[:n_miss],
+                          dirty_ids=host[k + n:k + n + n_dirty], dirty_slots=placed.dirty_slots[:n_dirty],
+                          num_overflow=n_need, num_victims=n_victims, num_unique=n_valid, version=self.version,
+                          lingering=n_lingering, dirty_rows=guessed[0][:n_dirty] if guess and n_dirty <= guess else None,
+                          placed=placed)
+        return plan, n_need, n_free
+
+    def _place_twin(self, ids, num_unique, rows, guess, num_embeddings) -> plan_kernels.Placed:
+        """plan_kernels.place's lists, after the twins of find and assign, by torch ops."""
         n, dev, cap = ids.numel(), self.device, self.capacity
         total = self.slots_total
         valid = torch.arange(n, device=dev) < num_unique
@@ -183,42 +219,29 @@ class SetIndex:
             k = (torch.cumsum(need, 0) - 1).clamp(0, self.overflow_slots - 1)
             chosen = torch.where(need, free_slots[k], chosen)
         slots = torch.where(fresh, chosen, slots)
-        # Victims: the rows in the regular slots chosen, and every lingering overflow row.
-        victim = _mask(torch.where(fresh & (chosen >= 0) & (chosen < cap), chosen, total), total + 1)[:total]
-        victim[:cap] &= self.slot_id[:cap] >= 0
-        victim[cap:] |= lingering
-        dirty_victim = victim & (self.dirty[:total] != 0)
+        # Victims: the rows in the regular slots the misses take, in batch order, then every
+        # lingering overflow row, in slot order.
+        evict = fresh & (chosen >= 0) & (chosen < cap)
+        evict &= self.slot_id[torch.where(evict, chosen, total)] >= 0
+        at = torch.cat([torch.where(evict, chosen, total), torch.arange(cap, total, device=dev)])
+        victim = torch.cat([evict, lingering])
+        dirty_victim = victim & (self.dirty[at] != 0)
         bad = valid & ((ids < 0) | (ids >= num_embeddings))
         counts = torch.stack([need.sum(), free.sum(), valid.sum(), fresh.sum(), victim.sum(), dirty_victim.sum(),
                               bad.sum(), lingering.sum()])
-        miss_ids, miss_slots = _compact(fresh, ids, n), _compact(fresh, slots, n)
-        every = torch.arange(total, device=dev)
-        most = n + self.overflow_slots  # victims: at most a slot per miss, and the overflow rows
-        dirty_ids = _compact(dirty_victim, self.slot_id[:total], most)
-        dirty_slots, victim_slots = _compact(dirty_victim, every, most), _compact(victim, every, most)
-        guess = min(guess, most) if rows is not None else 0
-        host, *guessed = _to_host(torch.cat([counts, miss_ids, dirty_ids]),
-                                  *([rows.index_select(0, dirty_slots[:guess])] if guess else []))
-        head = 8
-        c = host[:8].tolist()
-        if c[6]:
-            raise IndexError(f"id {int(ids[bad][0])} out of range [0, {num_embeddings})")
-        n_need, n_free, n_valid, n_miss, n_victims, n_dirty = c[:6]
-        plan = DevicePlan(ids=ids, valid=valid, slots=slots, fresh=fresh, victim_slots=victim_slots[:n_victims],
-                          miss_ids=host[head:head + n_miss], miss_ids_device=miss_ids[:n_miss],
-                          miss_slots=miss_slots[:n_miss],
-                          dirty_ids=host[head + n:head + n + n_dirty], dirty_slots=dirty_slots[:n_dirty],
-                          num_overflow=n_need, num_victims=n_victims, num_unique=n_valid, version=self.version,
-                          lingering=c[7], dirty_rows=guessed[0][:n_dirty] if guess and n_dirty <= guess else None)
-        return plan, n_need, n_free
+        most = n + self.overflow_slots
+        dirty_slots = _compact(dirty_victim, at, most)
+        xfer = torch.cat([counts, _compact(fresh, ids, n), _compact(dirty_victim, self.slot_id[at], most)])
+        return plan_kernels.Placed(xfer, slots, valid, fresh, _compact(fresh, slots, n), _compact(victim, at, most),
+                                   dirty_slots, (), None, rows.index_select(0, dirty_slots[:guess]) if guess else None)
 
     def _find(self, ids, num_unique, valid):
         """(slots, sets): each id's slot (-1: a miss, or past U) and each miss's set (else
         self.sets). An overflow row the batch uses again but nobody pins any more leaves and comes
         back (written down first if dirty): overflow rows stay rows in flight."""
-        if self.kernels == "triton":
-            slots, sets = torch.empty_like(ids), torch.empty_like(ids)
-            plan_kernels.find(ids, num_unique, self, slots, sets)
+        if self.kernels == "triton":  # (sets int32; the slots found get the plan's tag)
+            slots, sets = torch.empty_like(ids), torch.empty(ids.numel(), dtype=torch.int32, device=self.device)
+            plan_kernels.find(ids, num_unique, self, slots, sets, self.tag)
             return slots, sets
         slots = torch.where(valid, self.lookup(ids.clamp(min=0)), -1)
         pinned = self.pins[slots.clamp(min=0)] > 0
@@ -252,19 +275,23 @@ class SetIndex:
         self.version += 1
         if self.partitions is not None:
             self._count_parts(plan)
-        self._evict_rows(plan)
-        fresh_at = torch.where(plan.fresh, plan.slots, self.slots_total)  # (the dummy slot elsewhere)
-        self.slot_id[fresh_at] = plan.ids
-        self.dirty[fresh_at] = 0
-        self.uses[fresh_at] = 0
-        at = torch.where(plan.valid, plan.slots, self.slots_total)
-        if pin:
-            self.pins.index_add_(0, at, torch.ones_like(at, dtype=torch.int32))
-        self.stamp[at] = self.clock
-        self.uses.index_add_(0, at, torch.ones_like(at))
+        if self.kernels == "triton":
+            plan_kernels.commit(plan.ids, plan.placed, self, plan.lingering > 0, pin)
+        else:
+            self._evict_rows(plan)
+            fresh_at = torch.where(plan.fresh, plan.slots, self.slots_total)  # (the dummy slot elsewhere)
+            self.slot_id[fresh_at] = plan.ids
+            self.dirty[fresh_at] = 0
+            self.uses[fresh_at] = 0
+            at = torch.where(plan.valid, plan.slots, self.slots_total)
+            if pin:
+                self.pins.index_add_(0, at, torch.ones_like(at, dtype=torch.int32))
+            self.stamp[at] = self.clock
+            self.uses.index_add_(0, at, torch.ones_like(at))
         self.clock += 1
-        self.overflow_in_use += plan.num_overflow
-        self._directory()
+        self.overflow_in_use += plan.num_overflow - plan.lingering
+        if plan.num_overflow or plan.lingering:  # (else the overflow rows are as they were)
+            self._directory()
         s = self.counts
         s["hits"] += plan.num_unique - plan.miss_ids.numel()
         s["misses"] += plan.miss_ids.numel()
@@ -296,7 +323,6 @@ class SetIndex:
     def _evict_rows(self, plan: DevicePlan) -> None:
         self.slot_id[plan.victim_slots] = -1
         self.dirty[plan.victim_slots] = 0
-        self.overflow_in_use -= plan.lingering
 
     def _check(self, plan: DevicePlan) -> None:
         if plan.version != self.version:

@@ -18,6 +18,8 @@ the results are the same bits on any device.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -73,12 +75,13 @@ def _lower_bound(sorted_ptr, n, x, steps):
     return tl.minimum(lo, n - 1)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["tag"])
 def _find_kernel(ids_ptr, num_unique_ptr, n, slot_id_ptr, pins_ptr, ovf_ids_ptr, ovf_slot_ptr, n_ovf, ovf_steps,
-                 part_ends_ptr, part_sets_ptr, part_base_ptr, n_parts, sets, ways, cap, slots_ptr, set_ptr,
-                 PARTS: tl.constexpr, OVERFLOW: tl.constexpr, WAYS: tl.constexpr, BLOCK: tl.constexpr):
+                 part_ends_ptr, part_sets_ptr, part_base_ptr, n_parts, sets, ways, cap, slots_ptr, set_ptr, tag_ptr,
+                 tag, PARTS: tl.constexpr, OVERFLOW: tl.constexpr, WAYS: tl.constexpr, BLOCK: tl.constexpr):
     """Ids BLOCK * program 0 onwards: slots[i], the slot of ids[i] (-1: a miss, or i >= U), and
-    set[i], its set if a miss, else `sets` (after every set when sorted)."""
+    set[i] (int32), its set if a miss, else `sets` (after every set when sorted); the slots found
+    get the plan's tag (they are the batch's: no victims, no free overflow slots)."""
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     live = i < n
     valid = live & (i < tl.load(num_unique_ptr))
@@ -98,11 +101,12 @@ def _find_kernel(ids_ptr, num_unique_ptr, n, slot_id_ptr, pins_ptr, ovf_ids_ptr,
         slot = tl.where((slot >= cap) & unpinned, -1, slot)
     slot = tl.where(valid, slot, -1)
     tl.store(slots_ptr + i, slot, mask=live)
-    tl.store(set_ptr + i, tl.where(valid & (slot < 0), home, sets), mask=live)
+    tl.store(set_ptr + i, tl.where(valid & (slot < 0), home, sets).to(tl.int32), mask=live)
+    tl.store(tag_ptr + slot, tl.zeros_like(slot) + tag, mask=slot >= 0)
 
 
-@triton.jit
-def _assign_kernel(in_set_ptr, order_ptr, n, sets, ways, slot_id_ptr, pins_ptr, used_ptr, stamp_ptr, uses_ptr,
+@triton.jit(do_not_specialize=["tag"])
+def _assign_kernel(in_set_ptr, order_ptr, n, sets, ways, slot_id_ptr, pins_ptr, tag_ptr, tag, stamp_ptr, uses_ptr,
                    wid_ptr, wbatch_ptr, n_w, w_steps, chosen_ptr, LFU: tl.constexpr, WINDOW: tl.constexpr,
                    WAYS: tl.constexpr):
     """Sorted position p = program 0 (the batch's misses sorted by set, in batch order within one:
@@ -110,7 +114,7 @@ def _assign_kernel(in_set_ptr, order_ptr, n, sets, ways, slot_id_ptr, pins_ptr, 
     the way of rank r among the candidates (ties: the lower way), while candidates last: chosen
     [order[p + r]] = its slot."""
     p = tl.program_id(0)
-    s = tl.load(in_set_ptr + p)
+    s = tl.load(in_set_ptr + p).to(tl.int64)
     prev = tl.load(in_set_ptr + tl.maximum(p - 1, 0))
     if (s < sets) & ((p == 0) | (prev != s)):
         ahead = p + tl.arange(0, WAYS)
@@ -127,8 +131,8 @@ def _assign_kernel(in_set_ptr, order_ptr, n, sets, ways, slot_id_ptr, pins_ptr, 
             ahead_use = (tl.load(wid_ptr + pos) == sid) & (sid >= 0)
             key = tl.where(ahead_use, _WINDOW_KEY_K - tl.load(wbatch_ptr + pos), key)
         key = tl.where(sid < 0, -1, key)
-        taken = (tl.load(pins_ptr + slot, mask=in_set, other=0) > 0) | (tl.load(used_ptr + slot, mask=in_set,
-                                                                               other=0) != 0)
+        taken = (tl.load(pins_ptr + slot, mask=in_set, other=0) > 0) | (tl.load(tag_ptr + slot, mask=in_set,
+                                                                              other=0) == tag)
         key = tl.where(taken, _NEVER_K, key)
         key = tl.where(in_set, key, _LAST_K)
         # each way's rank among the candidates: the ways with a smaller key, or an equal one before it
@@ -177,8 +181,9 @@ def draw(ids, num_unique, index, rows, init, slots) -> None:
                            enable_fp_fusion=False, num_warps=1, **kernel_args(dim, width, kind, a, b, init.weights))
 
 
-def find(ids, num_unique, index, slots, set_out) -> None:
-    """_find_kernel over ids [n] into slots / set_out (int64 [n]) for SetIndex `index`."""
+def find(ids, num_unique, index, slots, set_out, tag) -> None:
+    """_find_kernel over ids [n] into slots (int64 [n]) / set_out (int32 [n]) for SetIndex
+    `index`, the slots found tagged with the plan's tag in index.tags."""
     n = ids.numel()
     if n == 0:
         return
@@ -193,19 +198,241 @@ def find(ids, num_unique, index, slots, set_out) -> None:
             index.ovf_slot if ovf else dummy, max(n_ovf, 1), max(n_ovf, 1).bit_length(),
             index.part_ends if parts else dummy, index.part_sets if parts else dummy,
             index.part_base if parts else dummy, len(index.partitions) if parts else 1, index.sets, index.ways,
-            index.capacity, slots, set_out, PARTS=parts, OVERFLOW=ovf, WAYS=triton.next_power_of_2(index.ways),
-            BLOCK=block)
+            index.capacity, slots, set_out, index.tags, tag, PARTS=parts, OVERFLOW=ovf,
+            WAYS=triton.next_power_of_2(index.ways), BLOCK=block)
 
 
-def assign(in_set, order, index, used, window, chosen) -> None:
+def assign(in_set, order, index, tag, window, chosen) -> None:
     """_assign_kernel: the misses sorted by set (in_set, order) take their sets' ways into chosen
-    (int64 [n], -1 where a miss finds none). window: (ids sorted, their first batch) or None."""
+    (int64 [n], -1 where a miss finds none), never a slot holding the plan's tag (the batch's
+    rows). window: (ids sorted, their first batch) or None."""
     n = in_set.numel()
     if n == 0:
         return
     wid, wbatch = window if window is not None else (in_set, in_set)
     n_w = max(wid.numel(), 1)
     with launch_turn():
-        _assign_kernel[(n,)](in_set, order, n, index.sets, index.ways, index.slot_id, index.pins, used, index.stamp,
-                             index.uses, wid, wbatch, n_w, n_w.bit_length(), chosen, LFU=index.policy == "lfu",
-                             WINDOW=window is not None, WAYS=triton.next_power_of_2(index.ways))
+        _assign_kernel[(n,)](in_set, order, n, index.sets, index.ways, index.slot_id, index.pins, index.tags, tag,
+                             index.stamp, index.uses, wid, wbatch, n_w, n_w.bit_length(), chosen,
+                             LFU=index.policy == "lfu", WINDOW=window is not None,
+                             WAYS=triton.next_power_of_2(index.ways))
+
+
+# The rest of a plan, after find and assign, in two launches over the "entries": the batch's n ids,
+# then the overflow slots. The first (tally) counts each kind of entry per block; a cumsum of the
+# counts gives every block its offsets; the second (place) writes each entry where it goes, so the
+# lists come out in the order of the entries, as the torch twin compacts them.
+# Kinds, in the order of the plan's transfer header:
+NEED, FREE, VALID, FRESH, VICTIM, DIRTY, BAD, LINGERING = range(8)
+KINDS = 8
+_KINDS_K: tl.constexpr = tl.constexpr(KINDS)
+_BLOCK = 256
+
+
+@triton.jit
+def _entries(v, ids_ptr, num_unique, n, num_rows, found_ptr, chosen_ptr, slot_id_ptr, pins_ptr, dirty_ptr, tag_ptr,
+             tag, cap, n_ovf):
+    """Entries v: v < n is the batch's id v; n <= v < n + n_ovf the overflow slot cap + v - n.
+    Returns (id, the slot find gave it, the one assign chose, the slot whose row may leave (the
+    chosen one; the overflow slot), the id in that slot, and the kinds: need (a miss with no slot
+    in its set), free (an overflow slot empty or lingering), valid, fresh (a miss), victim (a row
+    leaving: in a chosen slot, or lingering in an overflow slot nobody pins and the batch did not
+    find), dirty (a victim to write down), bad (an id out of range), lingering)."""
+    is_id = v < n
+    valid = is_id & (v < num_unique)
+    row_id = tl.load(ids_ptr + v, mask=is_id, other=0)
+    found = tl.load(found_ptr + v, mask=is_id, other=-1)
+    fresh = valid & (found < 0)
+    chosen = tl.load(chosen_ptr + v, mask=fresh, other=-1)
+    need = fresh & (chosen < 0)
+    in_set = fresh & (chosen >= 0)
+    is_ovf = (v >= n) & (v < n + n_ovf)
+    slot = tl.where(is_id, chosen, cap + v - n)
+    at = tl.maximum(slot, 0)
+    gone_id = tl.load(slot_id_ptr + at, mask=in_set | is_ovf, other=-1)
+    lingering = is_ovf & (gone_id >= 0) & (tl.load(pins_ptr + at, mask=is_ovf, other=1) == 0) & \
+        (tl.load(tag_ptr + at, mask=is_ovf, other=0) != tag)
+    victim = (in_set & (gone_id >= 0)) | lingering
+    dirty = victim & (tl.load(dirty_ptr + at, mask=victim, other=0) != 0)
+    bad = valid & ((row_id < 0) | (row_id >= num_rows))
+    free = is_ovf & ((gone_id < 0) | lingering)
+    return row_id, found, chosen, slot, gone_id, need, free, valid, fresh, victim, dirty, bad, lingering
+
+
+@triton.jit(do_not_specialize=["n", "tag"])
+def _tally_kernel(ids_ptr, num_unique_ptr, n, num_rows, found_ptr, chosen_ptr, slot_id_ptr, pins_ptr, dirty_ptr,
+                  tag_ptr, tag, cap, n_ovf, counts_ptr, BLOCK: tl.constexpr):
+    """Entries BLOCK * program b onwards: counts[b, kind] = how many of each kind."""
+    b = tl.program_id(0)
+    v = b * BLOCK + tl.arange(0, BLOCK)
+    _, _, _, _, _, need, free, valid, fresh, victim, dirty, bad, lingering = _entries(
+        v, ids_ptr, tl.load(num_unique_ptr), n, num_rows, found_ptr, chosen_ptr, slot_id_ptr, pins_ptr, dirty_ptr,
+        tag_ptr, tag, cap, n_ovf)
+    out = counts_ptr + b * _KINDS_K
+    tl.store(out + 0, tl.sum(need.to(tl.int64), axis=0))
+    tl.store(out + 1, tl.sum(free.to(tl.int64), axis=0))
+    tl.store(out + 2, tl.sum(valid.to(tl.int64), axis=0))
+    tl.store(out + 3, tl.sum(fresh.to(tl.int64), axis=0))
+    tl.store(out + 4, tl.sum(victim.to(tl.int64), axis=0))
+    tl.store(out + 5, tl.sum(dirty.to(tl.int64), axis=0))
+    tl.store(out + 6, tl.sum(bad.to(tl.int64), axis=0))
+    tl.store(out + 7, tl.sum(lingering.to(tl.int64), axis=0))
+
+
+@triton.jit
+def _rank(flag, ends_ptr, b, kind):
+    """Each flagged entry's rank among the entries of its kind: those in blocks before b (ends:
+    the cumsum of the blocks' counts), then those before it in block b."""
+    before = tl.load(ends_ptr + (b - 1) * _KINDS_K + kind, mask=b > 0, other=0)
+    f = flag.to(tl.int32)
+    return before + (tl.cumsum(f, axis=0) - f).to(tl.int64)
+
+
+@triton.jit(do_not_specialize=["n", "tag", "blocks", "guess"])
+def _place_kernel(ids_ptr, num_unique_ptr, n, num_rows, found_ptr, chosen_ptr, slot_id_ptr, pins_ptr, dirty_ptr,
+                  tag_ptr, tag, cap, n_ovf, ends_ptr, blocks, slots_ptr, valid_ptr, fresh_ptr, xfer_ptr, miss_slots_ptr,
+                  need_at_ptr, need_miss_ptr, victims_ptr, dirty_slots_ptr, free_ptr, fate_ptr, rows_ptr, width, guess,
+                  guessed_ptr, GUESS: tl.constexpr, COLS: tl.constexpr, BLOCK: tl.constexpr):
+    """Entries BLOCK * program b onwards, each where it goes: the batch's slots (a miss: the slot
+    assign chose, -1 for a need, bound later), valid and fresh; into the transfer (xfer: the kinds'
+    totals, then the miss ids from 8, then the dirty victims' ids from 8 + n) and the device lists
+    beside it (miss slots, victim slots, dirty slots, the needs (their entry and miss rank), the
+    free overflow slots); fate[j] = 1 for a lingering overflow row that leaves and whose slot no
+    need takes; with GUESS, the rows of the first `guess` dirty victims into guessed."""
+    b = tl.program_id(0)
+    v = b * BLOCK + tl.arange(0, BLOCK)
+    row_id, found, chosen, slot, gone_id, need, free, valid, fresh, victim, dirty, bad, lingering = _entries(
+        v, ids_ptr, tl.load(num_unique_ptr), n, num_rows, found_ptr, chosen_ptr, slot_id_ptr, pins_ptr, dirty_ptr,
+        tag_ptr, tag, cap, n_ovf)
+    kind = tl.arange(0, _KINDS_K)
+    first = kind + b * _KINDS_K < _KINDS_K  # (program 0 writes the totals)
+    tl.store(xfer_ptr + kind, tl.load(ends_ptr + (blocks - 1) * _KINDS_K + kind), mask=first)
+    is_id = v < n
+    tl.store(slots_ptr + v, tl.where(fresh, chosen, found), mask=is_id)
+    tl.store(valid_ptr + v, valid.to(tl.uint8), mask=is_id)
+    tl.store(fresh_ptr + v, fresh.to(tl.uint8), mask=is_id)
+    miss = _rank(fresh, ends_ptr, b, 3)
+    tl.store(xfer_ptr + _KINDS_K + miss, row_id, mask=fresh)
+    tl.store(miss_slots_ptr + miss, chosen, mask=fresh)
+    k = _rank(need, ends_ptr, b, 0)
+    tl.store(need_at_ptr + k, v.to(tl.int64), mask=need)
+    tl.store(need_miss_ptr + k, miss, mask=need)
+    tl.store(victims_ptr + _rank(victim, ends_ptr, b, 4), slot, mask=victim)
+    d = _rank(dirty, ends_ptr, b, 5)
+    tl.store(xfer_ptr + _KINDS_K + n + d, gone_id, mask=dirty)
+    tl.store(dirty_slots_ptr + d, slot, mask=dirty)
+    f = _rank(free, ends_ptr, b, 1)
+    tl.store(free_ptr + f, slot, mask=free)
+    is_ovf = (v >= n) & (v < n + n_ovf)
+    leaves = lingering & (f >= tl.load(ends_ptr + (blocks - 1) * _KINDS_K))  # (no need takes its slot)
+    tl.store(fate_ptr + v - n, leaves.to(tl.uint8), mask=is_ovf)
+    if GUESS:
+        copy = dirty & (d < guess)
+        for c0 in range(0, width, COLS):
+            cols = c0 + tl.arange(0, COLS)
+            m = copy[:, None] & (cols < width)[None, :]
+            row = tl.load(rows_ptr + tl.maximum(slot, 0)[:, None] * width + cols[None, :], mask=m)
+            tl.store(guessed_ptr + d[:, None] * width + cols[None, :], row, mask=m)
+
+
+@triton.jit
+def _bind_kernel(need_at_ptr, need_miss_ptr, free_ptr, count, slots_ptr, miss_slots_ptr, BLOCK: tl.constexpr):
+    """Need k < count (the k-th miss, in batch order, that found no slot in its set) takes the k-th
+    free overflow slot."""
+    k = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = k < count
+    slot = tl.load(free_ptr + k, mask=live)
+    tl.store(slots_ptr + tl.load(need_at_ptr + k, mask=live, other=0), slot, mask=live)
+    tl.store(miss_slots_ptr + tl.load(need_miss_ptr + k, mask=live, other=0), slot, mask=live)
+
+
+@triton.jit(do_not_specialize=["n", "clock"])
+def _commit_kernel(ids_ptr, n, valid_ptr, fresh_ptr, slots_ptr, fate_ptr, n_ovf, cap, slot_id_ptr, pins_ptr,
+                   dirty_ptr, stamp_ptr, uses_ptr, clock, PIN: tl.constexpr, BLOCK: tl.constexpr):
+    """A plan applied, entries BLOCK * program 0 onwards: each miss's id into its slot (clean, used
+    once), each row of the batch stamped, used once more and (PIN) pinned; each overflow slot
+    whose fate is to leave emptied. (No two entries touch one slot: a victim's slot is the miss's
+    that takes it, or emptied.)"""
+    v = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    is_id = v < n
+    valid = is_id & (tl.load(valid_ptr + v, mask=is_id, other=0) != 0)
+    fresh = valid & (tl.load(fresh_ptr + v, mask=is_id, other=0) != 0)
+    slot = tl.load(slots_ptr + v, mask=valid, other=0)
+    tl.store(slot_id_ptr + slot, tl.load(ids_ptr + v, mask=fresh, other=0), mask=fresh)
+    tl.store(dirty_ptr + slot, tl.zeros_like(slot).to(tl.uint8), mask=fresh)
+    uses = tl.load(uses_ptr + slot, mask=valid & ~fresh, other=0)
+    tl.store(uses_ptr + slot, uses + 1, mask=valid)
+    tl.store(stamp_ptr + slot, tl.zeros_like(slot) + clock, mask=valid)
+    if PIN:  # (atomic: a release on another stream may unpin rows at the same time)
+        tl.atomic_add(pins_ptr + slot, tl.full(slot.shape, 1, tl.int32), mask=valid)
+    is_ovf = (v >= n) & (v < n + n_ovf)
+    at = cap + v - n
+    leaves = is_ovf & (tl.load(fate_ptr + v - n, mask=is_ovf, other=0) != 0)
+    tl.store(slot_id_ptr + at, tl.full(v.shape, -1, tl.int64), mask=leaves)
+    tl.store(dirty_ptr + at, tl.zeros_like(v).to(tl.uint8), mask=leaves)
+
+
+class Placed(NamedTuple):
+    """A plan's lists on the device (place()): xfer, the one block the plan moves to the host
+    (KINDS totals, then the miss ids from KINDS, then the dirty victims' ids from KINDS + n); the
+    rest stay on the device."""
+
+    xfer: torch.Tensor         # int64 [KINDS + 2n + overflow slots]
+    slots: torch.Tensor        # int64 [n]: each id's slot (a need's once bound)
+    valid: torch.Tensor        # bool [n]
+    fresh: torch.Tensor        # bool [n]
+    miss_slots: torch.Tensor   # int64 [n]: the misses' slots, in batch order (a need's once bound)
+    victims: torch.Tensor      # int64 [n + overflow slots]: slots whose row leaves
+    dirty_slots: torch.Tensor  # int64 [n + overflow slots]: those whose row is written down first
+    needs: tuple               # (entry, miss rank) of each need, the free overflow slots: for bind()
+    fate: torch.Tensor         # uint8 [overflow slots]: 1 where a lingering row leaves for good
+    guessed: torch.Tensor | None  # float32 [guess, width]: the first dirty victims' rows
+
+
+def place(ids, num_unique, num_rows, index, found, chosen, tag, rows, guess) -> Placed:
+    """The plan's lists from find's slots (found) and assign's (chosen), in three launches (tally,
+    a cumsum, place); guess > 0: the rows (rows: the pool) of the first `guess` dirty victims
+    too. Reads the index; changes nothing in it."""
+    n, dev, n_ovf = ids.numel(), ids.device, index.overflow_slots
+    blocks = max(1, triton.cdiv(n + n_ovf, _BLOCK))
+    counts = torch.empty(blocks, KINDS, dtype=torch.int64, device=dev)
+    state = (index.slot_id, index.pins, index.dirty, index.tags, tag, index.capacity, n_ovf)
+
+    def empty(size, dtype=torch.int64):
+        return torch.empty(size, dtype=dtype, device=dev)
+
+    with launch_turn():
+        _tally_kernel[(blocks,)](ids, num_unique, n, num_rows, found, chosen, *state, counts, BLOCK=_BLOCK)
+    ends = torch.cumsum(counts, 0)
+    out = Placed(empty(KINDS + 2 * n + n_ovf), found, empty(n, torch.bool), empty(n, torch.bool), empty(n),
+                 empty(n + n_ovf), empty(n + n_ovf), (empty(n), empty(n), empty(n_ovf)), empty(n_ovf, torch.uint8),
+                 empty((guess, rows.shape[1]), torch.float32) if guess else None)
+    width = rows.shape[1] if guess else 1
+    with launch_turn():
+        _place_kernel[(blocks,)](ids, num_unique, n, num_rows, found, chosen, *state, ends, blocks, out.slots,
+                                 out.valid.view(torch.uint8), out.fresh.view(torch.uint8), out.xfer, out.miss_slots,
+                                 out.needs[0], out.needs[1], out.victims, out.dirty_slots, out.needs[2], out.fate,
+                                 rows if guess else ids, width, guess, out.guessed if guess else ids,
+                                 GUESS=guess > 0, COLS=min(16, triton.next_power_of_2(width)), BLOCK=_BLOCK)
+    return out
+
+
+def bind(placed: Placed, count: int) -> None:
+    """The first `count` needs take the first `count` free overflow slots (count <= both)."""
+    if count:
+        with launch_turn():
+            _bind_kernel[(triton.cdiv(count, _BLOCK),)](*placed.needs, count, placed.slots, placed.miss_slots,
+                                                          BLOCK=_BLOCK)
+
+
+def commit(ids, placed: Placed, index, lingering: bool, pin: bool) -> None:
+    """_commit_kernel: the plan applied to the index's state tensors (the overflow slots' fates
+    only when some row lingered)."""
+    n, n_ovf = ids.numel(), (index.overflow_slots if lingering else 0)
+    if n + n_ovf == 0:
+        return
+    with launch_turn():
+        _commit_kernel[(triton.cdiv(n + n_ovf, _BLOCK),)](
+            ids, n, placed.valid.view(torch.uint8), placed.fresh.view(torch.uint8), placed.slots, placed.fate, n_ovf,
+            index.capacity, index.slot_id, index.pins, index.dirty, index.stamp, index.uses, index.clock, PIN=pin,
+            BLOCK=_BLOCK)

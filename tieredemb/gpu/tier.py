@@ -179,10 +179,9 @@ class DeviceTier:
                 with self.init.deferred() if self.draws_misses else contextlib.nullcontext():
                     self.lower.read_to(plan.miss_ids, block, torch.arange(plan.miss_ids.numel()))
                 self.pool.from_host(plan.miss_slots, block)
-                if self.draws_misses:  # rows never stored: drawn here, bit for bit as the host would
-                    marked = self.pool.rows[plan.miss_slots, 0].view(torch.int32) == DEFERRED_MARK
-                    rowinit.init_rows(plan.miss_ids_device, self.pool.rows, torch.where(marked, plan.miss_slots, -1),
-                                      *self.init.args, weights=self.init.weights)
+                if self.draws_misses:  # rows never stored (marked so): drawn here, bit for bit as the host would
+                    rowinit.init_rows(plan.miss_ids_device, self.pool.rows, plan.miss_slots, *self.init.args,
+                                      weights=self.init.weights, marked=DEFERRED_MARK)
                 self.bytes_in += plan.miss_ids.numel() * self.row_bytes
             with self.index_lock:
                 self.index.commit(plan, pin)
