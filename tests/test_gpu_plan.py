@@ -117,3 +117,26 @@ def test_a_window_of_empty_batches_is_no_window(kernels):
     index.window_push(torch.empty(0, dtype=torch.int64), torch.tensor([0]))
     plan = _admit(index, torch.tensor([11, 12, 13]), 3, 100)
     assert plan.fresh.all() and (plan.slots >= 0).all()
+
+
+def test_a_release_landing_between_tally_and_place_changes_no_victim(monkeypatch):
+    """Which overflow rows linger (unpinned: victims) is read once, by the tally; place writes the
+    lists from that reading. Simulated as above: a release lands right after the tally (its
+    cumsum). The row it unpins stays (counted as staying, and staying), dirty as it was."""
+    from tieredemb.gpu import plan_kernels
+
+    index = SetIndex(4, "lru", CPU, ways=4, overflow=2)
+    index.commit(_admit(index, torch.tensor([1, 2, 3, 4]), 4, 100), pin=True)  # the one set full, pinned
+    b = _admit(index, torch.tensor([5]), 1, 100)
+    index.commit(b, pin=True)
+    index.dirty[b.slots] = 1
+    assert b.slots.tolist() == [4]
+    cumsum = torch.cumsum
+    monkeypatch.setattr(plan_kernels.torch, "cumsum", lambda *a, **k: (index.unpin(b.slots), cumsum(*a, **k))[1])
+    c = _admit(index, torch.tensor([6]), 1, 100)
+    monkeypatch.undo()
+    assert (c.num_victims, c.lingering, c.dirty_ids.tolist(), c.victim_slots.tolist()) == (0, 0, [], [])
+    assert c.slots.tolist() == [5] and c.miss_slots.tolist() == [5]  # the free overflow slot
+    index.commit(c, pin=True)
+    assert index.slot_id[4:6].tolist() == [5, 6] and index.dirty[4:6].tolist() == [1, 0]
+    assert index.overflow_in_use == 2

@@ -231,13 +231,16 @@ _BLOCK = 256
 
 @triton.jit
 def _entries(v, ids_ptr, num_unique, n, num_rows, found_ptr, chosen_ptr, slot_id_ptr, pins_ptr, dirty_ptr, tag_ptr,
-             tag, cap, n_ovf):
+             tag, cap, n_ovf, fate_ptr, DECIDE: tl.constexpr):
     """Entries v: v < n is the batch's id v; n <= v < n + n_ovf the overflow slot cap + v - n.
     Returns (id, the slot find gave it, the one assign chose, the slot whose row may leave (the
     chosen one; the overflow slot), the id in that slot, and the kinds: need (a miss with no slot
     in its set), free (an overflow slot empty or lingering), valid, fresh (a miss), victim (a row
     leaving: in a chosen slot, or lingering in an overflow slot nobody pins and the batch did not
-    find), dirty (a victim to write down), bad (an id out of range), lingering)."""
+    find), dirty (a victim to write down), bad (an id out of range), lingering). Which overflow
+    rows linger is decided once (DECIDE, in tally: into fate) and read back after (in place): on a
+    GPU a release on the compute stream may unpin a row between the two launches, and both must
+    see the same victims."""
     is_id = v < n
     valid = is_id & (v < num_unique)
     row_id = tl.load(ids_ptr + v, mask=is_id, other=0)
@@ -250,8 +253,12 @@ def _entries(v, ids_ptr, num_unique, n, num_rows, found_ptr, chosen_ptr, slot_id
     slot = tl.where(is_id, chosen, cap + v - n)
     at = tl.maximum(slot, 0)
     gone_id = tl.load(slot_id_ptr + at, mask=in_set | is_ovf, other=-1)
-    lingering = is_ovf & (gone_id >= 0) & (tl.load(pins_ptr + at, mask=is_ovf, other=1) == 0) & \
-        (tl.load(tag_ptr + at, mask=is_ovf, other=0) != tag)
+    if DECIDE:
+        lingering = is_ovf & (gone_id >= 0) & (tl.load(pins_ptr + at, mask=is_ovf, other=1) == 0) & \
+            (tl.load(tag_ptr + at, mask=is_ovf, other=0) != tag)
+        tl.store(fate_ptr + v - n, lingering.to(tl.uint8), mask=is_ovf)
+    else:
+        lingering = is_ovf & (tl.load(fate_ptr + v - n, mask=is_ovf, other=0) != 0)
     victim = (in_set & (gone_id >= 0)) | lingering
     dirty = victim & (tl.load(dirty_ptr + at, mask=victim, other=0) != 0)
     bad = valid & ((row_id < 0) | (row_id >= num_rows))
@@ -261,13 +268,14 @@ def _entries(v, ids_ptr, num_unique, n, num_rows, found_ptr, chosen_ptr, slot_id
 
 @triton.jit(do_not_specialize=["n", "tag"])
 def _tally_kernel(ids_ptr, num_unique_ptr, n, num_rows, found_ptr, chosen_ptr, slot_id_ptr, pins_ptr, dirty_ptr,
-                  tag_ptr, tag, cap, n_ovf, counts_ptr, BLOCK: tl.constexpr):
-    """Entries BLOCK * program b onwards: counts[b, kind] = how many of each kind."""
+                  tag_ptr, tag, cap, n_ovf, fate_ptr, counts_ptr, BLOCK: tl.constexpr):
+    """Entries BLOCK * program b onwards: counts[b, kind] = how many of each kind; fate[j] = 1 for
+    an overflow row that lingers."""
     b = tl.program_id(0)
     v = b * BLOCK + tl.arange(0, BLOCK)
     _, _, _, _, _, need, free, valid, fresh, victim, dirty, bad, lingering = _entries(
         v, ids_ptr, tl.load(num_unique_ptr), n, num_rows, found_ptr, chosen_ptr, slot_id_ptr, pins_ptr, dirty_ptr,
-        tag_ptr, tag, cap, n_ovf)
+        tag_ptr, tag, cap, n_ovf, fate_ptr, True)
     out = counts_ptr + b * _KINDS_K
     tl.store(out + 0, tl.sum(need.to(tl.int64), axis=0))
     tl.store(out + 1, tl.sum(free.to(tl.int64), axis=0))
@@ -290,20 +298,20 @@ def _rank(flag, ends_ptr, b, kind):
 
 @triton.jit(do_not_specialize=["n", "tag", "blocks", "guess"])
 def _place_kernel(ids_ptr, num_unique_ptr, n, num_rows, found_ptr, chosen_ptr, slot_id_ptr, pins_ptr, dirty_ptr,
-                  tag_ptr, tag, cap, n_ovf, ends_ptr, blocks, slots_ptr, valid_ptr, fresh_ptr, xfer_ptr, miss_slots_ptr,
-                  need_at_ptr, need_miss_ptr, victims_ptr, dirty_slots_ptr, free_ptr, fate_ptr, rows_ptr, width, guess,
-                  guessed_ptr, GUESS: tl.constexpr, COLS: tl.constexpr, BLOCK: tl.constexpr):
+                  tag_ptr, tag, cap, n_ovf, fate_ptr, ends_ptr, blocks, slots_ptr, valid_ptr, fresh_ptr, xfer_ptr,
+                  miss_slots_ptr, need_at_ptr, need_miss_ptr, victims_ptr, dirty_slots_ptr, free_ptr, rows_ptr, width,
+                  guess, guessed_ptr, GUESS: tl.constexpr, COLS: tl.constexpr, BLOCK: tl.constexpr):
     """Entries BLOCK * program b onwards, each where it goes: the batch's slots (a miss: the slot
     assign chose, -1 for a need, bound later), valid and fresh; into the transfer (xfer: the kinds'
     totals, then the miss ids from 8, then the dirty victims' ids from 8 + n) and the device lists
     beside it (miss slots, victim slots, dirty slots, the needs (their entry and miss rank), the
-    free overflow slots); fate[j] = 1 for a lingering overflow row that leaves and whose slot no
-    need takes; with GUESS, the rows of the first `guess` dirty victims into guessed."""
+    free overflow slots); fate[j] (tally's: 1 for a lingering row) = 1 for a lingering overflow
+    row whose slot no need takes (commit empties it); with GUESS, the rows of the first `guess` dirty victims into guessed."""
     b = tl.program_id(0)
     v = b * BLOCK + tl.arange(0, BLOCK)
     row_id, found, chosen, slot, gone_id, need, free, valid, fresh, victim, dirty, bad, lingering = _entries(
         v, ids_ptr, tl.load(num_unique_ptr), n, num_rows, found_ptr, chosen_ptr, slot_id_ptr, pins_ptr, dirty_ptr,
-        tag_ptr, tag, cap, n_ovf)
+        tag_ptr, tag, cap, n_ovf, fate_ptr, False)
     kind = tl.arange(0, _KINDS_K)
     first = kind + b * _KINDS_K < _KINDS_K  # (program 0 writes the totals)
     tl.store(xfer_ptr + kind, tl.load(ends_ptr + (blocks - 1) * _KINDS_K + kind), mask=first)
@@ -396,22 +404,22 @@ def place(ids, num_unique, num_rows, index, found, chosen, tag, rows, guess) -> 
     n, dev, n_ovf = ids.numel(), ids.device, index.overflow_slots
     blocks = max(1, triton.cdiv(n + n_ovf, _BLOCK))
     counts = torch.empty(blocks, KINDS, dtype=torch.int64, device=dev)
-    state = (index.slot_id, index.pins, index.dirty, index.tags, tag, index.capacity, n_ovf)
 
     def empty(size, dtype=torch.int64):
         return torch.empty(size, dtype=dtype, device=dev)
 
-    with launch_turn():
-        _tally_kernel[(blocks,)](ids, num_unique, n, num_rows, found, chosen, *state, counts, BLOCK=_BLOCK)
-    ends = torch.cumsum(counts, 0)
     out = Placed(empty(KINDS + 2 * n + n_ovf), found, empty(n, torch.bool), empty(n, torch.bool), empty(n),
                  empty(n + n_ovf), empty(n + n_ovf), (empty(n), empty(n), empty(n_ovf)), empty(n_ovf, torch.uint8),
                  empty((guess, rows.shape[1]), torch.float32) if guess else None)
+    state = (index.slot_id, index.pins, index.dirty, index.tags, tag, index.capacity, n_ovf, out.fate)
+    with launch_turn():
+        _tally_kernel[(blocks,)](ids, num_unique, n, num_rows, found, chosen, *state, counts, BLOCK=_BLOCK)
+    ends = torch.cumsum(counts, 0)
     width = rows.shape[1] if guess else 1
     with launch_turn():
         _place_kernel[(blocks,)](ids, num_unique, n, num_rows, found, chosen, *state, ends, blocks, out.slots,
                                  out.valid.view(torch.uint8), out.fresh.view(torch.uint8), out.xfer, out.miss_slots,
-                                 out.needs[0], out.needs[1], out.victims, out.dirty_slots, out.needs[2], out.fate,
+                                 out.needs[0], out.needs[1], out.victims, out.dirty_slots, out.needs[2],
                                  rows if guess else ids, width, guess, out.guessed if guess else ids,
                                  GUESS=guess > 0, COLS=min(16, triton.next_power_of_2(width)), BLOCK=_BLOCK)
     return out
