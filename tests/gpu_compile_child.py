@@ -74,12 +74,14 @@ def main() -> None:
     for guess in (0, 5):
         placed = plan_kernels.place(ids, torch.tensor([20]), 100, index, found, found, 3, torch.zeros(72, 9), guess)
     plan_kernels.bind(placed, 2)
+    plan_kernels.release(ids, index.pins)
     for lingering in (False, True):
         for pin in (False, True):
             plan_kernels.commit(ids, placed, index, lingering, pin)
 
-    for n in (1, 3000):  # a batch's dedup (n = 1: no scan to read)
-        dedup.dedup(torch.zeros(n, dtype=torch.int64))
+    for n in (1, 3000):  # a batch's dedup (n = 1: no scan to read), of device ids and of host ids as int32
+        for dtype in (torch.int64, torch.int32):
+            dedup.dedup(torch.zeros(n, dtype=dtype))
 
     opts = [tieredemb.SGD(lr=0.1), tieredemb.Adagrad(lr=0.1), tieredemb.RowWiseAdagrad(lr=0.1),
             tieredemb.MomentumScaledRowWiseAdagrad(lr=0.1, scale=4), tieredemb.Adam(lr=0.1)]

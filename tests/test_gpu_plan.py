@@ -39,19 +39,22 @@ def _admit(index: SetIndex, ids: torch.Tensor, count: int, rows: int, guess: int
 
 
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
-@pytest.mark.parametrize("shape", ["plain", "parts", "crowded"])
+@pytest.mark.parametrize("shape", ["plain", "parts", "crowded", "wide"])
 def test_the_triton_plan_equals_the_torch_twin(policy, shape):
-    rows = 400
+    rows, most = 400, 40
     kw = dict(capacity=48, policy=policy, device=CPU, ways=8, overflow=4)
     if shape == "parts":
         kw.update(partitions=((150, 16), (50, 8), (200, 24)))
     if shape == "crowded":  # few sets: most misses share a set with others, many find no way
         kw.update(capacity=6, ways=4)
+    if shape == "wide":  # batches and overflow slots over several of the kernels' blocks
+        rows, most = 5000, 700
+        kw.update(capacity=256, overflow=300)
     tri, twin = _pair("triton", **kw)
     g = torch.Generator().manual_seed(3)
     pinned, guessed = [], 0
     for step in range(60):
-        n = int(torch.randint(1, 40, (1,), generator=g))
+        n = int(torch.randint(1, most, (1,), generator=g))
         ids = torch.unique((torch.rand(n, generator=g) ** 2 * rows).long())
         ids = ids[torch.randperm(len(ids), generator=g)]
         count = len(ids)
@@ -132,9 +135,14 @@ def test_a_release_landing_between_tally_and_place_changes_no_victim(monkeypatch
     index.dirty[b.slots] = 1
     assert b.slots.tolist() == [4]
     cumsum = torch.cumsum
-    monkeypatch.setattr(plan_kernels.torch, "cumsum", lambda *a, **k: (index.unpin(b.slots), cumsum(*a, **k))[1])
+
+    def release_then_cumsum(*a, **k):  # (once: the tally's cumsum)
+        monkeypatch.undo()
+        index.unpin(b.slots)
+        return cumsum(*a, **k)
+
+    monkeypatch.setattr(plan_kernels.torch, "cumsum", release_then_cumsum)
     c = _admit(index, torch.tensor([6]), 1, 100)
-    monkeypatch.undo()
     assert (c.num_victims, c.lingering, c.dirty_ids.tolist(), c.victim_slots.tolist()) == (0, 0, [], [])
     assert c.slots.tolist() == [5] and c.miss_slots.tolist() == [5]  # the free overflow slot
     index.commit(c, pin=True)

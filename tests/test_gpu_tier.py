@@ -525,3 +525,23 @@ def test_ids_after_the_last_bag_belong_to_no_bag(where):
     rows = emb.read_rows(torch.arange(NUM))
     torch.testing.assert_close(rows, weights() - ref.weight.grad, rtol=1e-5, atol=1e-5)  # SGD, lr 1
     assert torch.equal(rows[[4, 5]], weights()[[4, 5]])
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32], ids=["device-ids", "host-ids-narrowed"])
+@pytest.mark.parametrize("n", [1, 7, 2500])
+def test_the_device_dedup_gives_the_distinct_ids_inverse_and_grouping(dtype, n):
+    """gpu/dedup.py on int64 ids (as device ids reach it) and int32 (host ids, once checked): the
+    distinct ids ascending, -1 after; ids == unique[inverse]; U; each distinct id's occurrences
+    in occurrence order, and start past U at N. (2500: several of the group kernel's blocks.)"""
+    from tieredemb.gpu.dedup import dedup
+
+    ids = (torch.rand(n, generator=torch.Generator().manual_seed(n)) ** 2 * 900).long().to(dtype)
+    d = dedup(ids)
+    expect = torch.unique(ids.long())
+    u = len(expect)
+    assert d.unique.dtype == d.inverse.dtype == torch.int64
+    assert int(d.count) == u and torch.equal(d.unique[:u], expect) and (d.unique[u:] == -1).all()
+    assert torch.equal(d.unique[d.inverse], ids.long())
+    order, row, start = d.groups
+    assert torch.equal(order, torch.sort(ids.long(), stable=True).indices) and torch.equal(row, d.inverse[order])
+    assert torch.equal(start[:u], torch.searchsorted(ids.long()[order], expect)) and (start[u:] == n).all()

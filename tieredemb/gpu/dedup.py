@@ -39,7 +39,7 @@ def _group_kernel(sorted_ptr, perm_ptr, steps_ptr, n, unique_ptr, inverse_ptr, r
 
 
 def dedup(ids: torch.Tensor) -> Deduped:
-    """ids int64 [N] on the device (N > 0) -> Deduped: unique [N] (the distinct ids ascending in
+    """ids int64 or int32 [N] on the device (N > 0) -> Deduped (its ids int64): unique [N] (the distinct ids ascending in
     the first U entries, -1 after), inverse [N] (ids[i] == unique[inverse[i]]), count (U, int64
     [1] on the device), groups (order [N]: the occurrences grouped by distinct id, in occurrence
     order; row [N]: the distinct id of each grouped position; start [N + 1]: distinct id u's

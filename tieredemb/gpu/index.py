@@ -249,14 +249,11 @@ class SetIndex:
         return slots, torch.where(valid & (slots < 0), self._set_of(ids.clamp(min=0)), self.sets)
 
     def _assign(self, in_set, order, used):
-        """The slot each miss takes in its set (-1: none left): the misses sorted by set (in_set,
-        order: in batch order within a set), the r-th of a set taking its r-th best candidate
-        (_victim_key's order; ties: the lower way)."""
+        """plan_kernels.assign's twin: the slot each miss takes in its set (-1: none left): the
+        misses sorted by set (in_set, order: in batch order within a set), the r-th of a set taking
+        its r-th best candidate (_victim_key's order; ties: the lower way); used: the batch's slots."""
         n, dev = in_set.numel(), self.device
         chosen = torch.full((n,), -1, dtype=torch.int64, device=dev)
-        if self.kernels == "triton":
-            plan_kernels.assign(in_set, order, self, used.view(torch.uint8), self._window_sorted(), chosen)
-            return chosen
         first = torch.ones(n, dtype=torch.bool, device=dev)
         first[1:] = in_set[1:] != in_set[:-1]
         pos = torch.arange(n, device=dev)
@@ -330,6 +327,9 @@ class SetIndex:
 
     def unpin(self, slots: torch.Tensor) -> None:
         """Unpins the rows in slots (int64 [n], device; entries < 0 are ignored), on the current stream."""
+        if self.kernels == "triton":
+            plan_kernels.release(slots, self.pins)
+            return
         at = torch.where(slots >= 0, slots, self.slots_total)
         self.pins.index_add_(0, at, torch.full_like(at, -1, dtype=torch.int32))
 

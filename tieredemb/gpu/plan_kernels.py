@@ -97,7 +97,7 @@ def _find_kernel(ids_ptr, num_unique_ptr, n, slot_id_ptr, pins_ptr, ovf_ids_ptr,
         found = (slot < 0) & (tl.load(ovf_ids_ptr + pos, mask=live, other=-1) == ids)
         slot = tl.where(found, tl.load(ovf_slot_ptr + pos, mask=live & found, other=-1), slot)
         # an overflow row nobody pins any more leaves and comes back: a miss
-        unpinned = tl.load(pins_ptr + tl.maximum(slot, 0), mask=live, other=0) == 0
+        unpinned = tl.load(pins_ptr + tl.maximum(slot, 0), mask=live, other=0) <= 0
         slot = tl.where((slot >= cap) & unpinned, -1, slot)
     slot = tl.where(valid, slot, -1)
     tl.store(slots_ptr + i, slot, mask=live)
@@ -231,15 +231,16 @@ _BLOCK = 256
 
 @triton.jit
 def _entries(v, ids_ptr, num_unique, n, num_rows, found_ptr, chosen_ptr, slot_id_ptr, pins_ptr, dirty_ptr, tag_ptr,
-             tag, cap, n_ovf, fate_ptr, DECIDE: tl.constexpr):
+             tag, cap, n_ovf, decided_ptr, DECIDE: tl.constexpr):
     """Entries v: v < n is the batch's id v; n <= v < n + n_ovf the overflow slot cap + v - n.
     Returns (id, the slot find gave it, the one assign chose, the slot whose row may leave (the
     chosen one; the overflow slot), the id in that slot, and the kinds: need (a miss with no slot
     in its set), free (an overflow slot empty or lingering), valid, fresh (a miss), victim (a row
     leaving: in a chosen slot, or lingering in an overflow slot nobody pins and the batch did not
     find), dirty (a victim to write down), bad (an id out of range), lingering). Which overflow
-    rows linger is decided once (DECIDE, in tally: into fate) and read back after (in place): on a
-    GPU a release on the compute stream may unpin a row between the two launches, and both must
+    rows linger and which victims are dirty is decided once (DECIDE, in tally: into decided[v],
+    2 | 1) and read back after (in place): on a GPU a release on the compute stream may unpin a row
+    between the two launches (and a row's dirty bit is its pinned batch's to set), and both must
     see the same victims."""
     is_id = v < n
     valid = is_id & (v < num_unique)
@@ -253,14 +254,18 @@ def _entries(v, ids_ptr, num_unique, n, num_rows, found_ptr, chosen_ptr, slot_id
     slot = tl.where(is_id, chosen, cap + v - n)
     at = tl.maximum(slot, 0)
     gone_id = tl.load(slot_id_ptr + at, mask=in_set | is_ovf, other=-1)
+    live = v < n + n_ovf
     if DECIDE:
         lingering = is_ovf & (gone_id >= 0) & (tl.load(pins_ptr + at, mask=is_ovf, other=1) == 0) & \
             (tl.load(tag_ptr + at, mask=is_ovf, other=0) != tag)
-        tl.store(fate_ptr + v - n, lingering.to(tl.uint8), mask=is_ovf)
+        victim = (in_set & (gone_id >= 0)) | lingering
+        dirty = victim & (tl.load(dirty_ptr + at, mask=victim, other=0) != 0)
+        tl.store(decided_ptr + v, (lingering.to(tl.uint8) * 2) | dirty.to(tl.uint8), mask=live)
     else:
-        lingering = is_ovf & (tl.load(fate_ptr + v - n, mask=is_ovf, other=0) != 0)
-    victim = (in_set & (gone_id >= 0)) | lingering
-    dirty = victim & (tl.load(dirty_ptr + at, mask=victim, other=0) != 0)
+        seen = tl.load(decided_ptr + v, mask=live, other=0)
+        lingering = is_ovf & ((seen & 2) != 0)
+        victim = (in_set & (gone_id >= 0)) | lingering
+        dirty = (seen & 1) != 0
     bad = valid & ((row_id < 0) | (row_id >= num_rows))
     free = is_ovf & ((gone_id < 0) | lingering)
     return row_id, found, chosen, slot, gone_id, need, free, valid, fresh, victim, dirty, bad, lingering
@@ -268,14 +273,14 @@ def _entries(v, ids_ptr, num_unique, n, num_rows, found_ptr, chosen_ptr, slot_id
 
 @triton.jit(do_not_specialize=["n", "tag"])
 def _tally_kernel(ids_ptr, num_unique_ptr, n, num_rows, found_ptr, chosen_ptr, slot_id_ptr, pins_ptr, dirty_ptr,
-                  tag_ptr, tag, cap, n_ovf, fate_ptr, counts_ptr, BLOCK: tl.constexpr):
-    """Entries BLOCK * program b onwards: counts[b, kind] = how many of each kind; fate[j] = 1 for
-    an overflow row that lingers."""
+                  tag_ptr, tag, cap, n_ovf, decided_ptr, counts_ptr, BLOCK: tl.constexpr):
+    """Entries BLOCK * program b onwards: counts[b, kind] = how many of each kind; decided[v]: 2 if
+    the entry is a lingering overflow row, | 1 if a dirty victim."""
     b = tl.program_id(0)
     v = b * BLOCK + tl.arange(0, BLOCK)
     _, _, _, _, _, need, free, valid, fresh, victim, dirty, bad, lingering = _entries(
         v, ids_ptr, tl.load(num_unique_ptr), n, num_rows, found_ptr, chosen_ptr, slot_id_ptr, pins_ptr, dirty_ptr,
-        tag_ptr, tag, cap, n_ovf, fate_ptr, True)
+        tag_ptr, tag, cap, n_ovf, decided_ptr, True)
     out = counts_ptr + b * _KINDS_K
     tl.store(out + 0, tl.sum(need.to(tl.int64), axis=0))
     tl.store(out + 1, tl.sum(free.to(tl.int64), axis=0))
@@ -298,20 +303,21 @@ def _rank(flag, ends_ptr, b, kind):
 
 @triton.jit(do_not_specialize=["n", "tag", "blocks", "guess"])
 def _place_kernel(ids_ptr, num_unique_ptr, n, num_rows, found_ptr, chosen_ptr, slot_id_ptr, pins_ptr, dirty_ptr,
-                  tag_ptr, tag, cap, n_ovf, fate_ptr, ends_ptr, blocks, slots_ptr, valid_ptr, fresh_ptr, xfer_ptr,
-                  miss_slots_ptr, need_at_ptr, need_miss_ptr, victims_ptr, dirty_slots_ptr, free_ptr, rows_ptr, width,
-                  guess, guessed_ptr, GUESS: tl.constexpr, COLS: tl.constexpr, BLOCK: tl.constexpr):
+                  tag_ptr, tag, cap, n_ovf, decided_ptr, ends_ptr, blocks, slots_ptr, valid_ptr, fresh_ptr, xfer_ptr,
+                  miss_slots_ptr, need_at_ptr, need_miss_ptr, victims_ptr, dirty_slots_ptr, free_ptr, leaves_ptr,
+                  rows_ptr, width, guess, guessed_ptr, GUESS: tl.constexpr, COLS: tl.constexpr,
+                  BLOCK: tl.constexpr):
     """Entries BLOCK * program b onwards, each where it goes: the batch's slots (a miss: the slot
     assign chose, -1 for a need, bound later), valid and fresh; into the transfer (xfer: the kinds'
     totals, then the miss ids from 8, then the dirty victims' ids from 8 + n) and the device lists
     beside it (miss slots, victim slots, dirty slots, the needs (their entry and miss rank), the
-    free overflow slots); fate[j] (tally's: 1 for a lingering row) = 1 for a lingering overflow
-    row whose slot no need takes (commit empties it); with GUESS, the rows of the first `guess` dirty victims into guessed."""
+    free overflow slots); leaves[j] = 1 for a lingering overflow row whose slot no need takes
+    (commit empties it); with GUESS, the rows of the first `guess` dirty victims into guessed."""
     b = tl.program_id(0)
     v = b * BLOCK + tl.arange(0, BLOCK)
     row_id, found, chosen, slot, gone_id, need, free, valid, fresh, victim, dirty, bad, lingering = _entries(
         v, ids_ptr, tl.load(num_unique_ptr), n, num_rows, found_ptr, chosen_ptr, slot_id_ptr, pins_ptr, dirty_ptr,
-        tag_ptr, tag, cap, n_ovf, fate_ptr, False)
+        tag_ptr, tag, cap, n_ovf, decided_ptr, False)
     kind = tl.arange(0, _KINDS_K)
     first = kind + b * _KINDS_K < _KINDS_K  # (program 0 writes the totals)
     tl.store(xfer_ptr + kind, tl.load(ends_ptr + (blocks - 1) * _KINDS_K + kind), mask=first)
@@ -333,7 +339,7 @@ def _place_kernel(ids_ptr, num_unique_ptr, n, num_rows, found_ptr, chosen_ptr, s
     tl.store(free_ptr + f, slot, mask=free)
     is_ovf = (v >= n) & (v < n + n_ovf)
     leaves = lingering & (f >= tl.load(ends_ptr + (blocks - 1) * _KINDS_K))  # (no need takes its slot)
-    tl.store(fate_ptr + v - n, leaves.to(tl.uint8), mask=is_ovf)
+    tl.store(leaves_ptr + v - n, leaves.to(tl.uint8), mask=is_ovf)
     if GUESS:
         copy = dirty & (d < guess)
         for c0 in range(0, width, COLS):
@@ -343,7 +349,7 @@ def _place_kernel(ids_ptr, num_unique_ptr, n, num_rows, found_ptr, chosen_ptr, s
             tl.store(guessed_ptr + d[:, None] * width + cols[None, :], row, mask=m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["count"])
 def _bind_kernel(need_at_ptr, need_miss_ptr, free_ptr, count, slots_ptr, miss_slots_ptr, BLOCK: tl.constexpr):
     """Need k < count (the k-th miss, in batch order, that found no slot in its set) takes the k-th
     free overflow slot."""
@@ -354,12 +360,21 @@ def _bind_kernel(need_at_ptr, need_miss_ptr, free_ptr, count, slots_ptr, miss_sl
     tl.store(miss_slots_ptr + tl.load(need_miss_ptr + k, mask=live, other=0), slot, mask=live)
 
 
+@triton.jit(do_not_specialize=["n"])
+def _release_kernel(slots_ptr, n, pins_ptr, BLOCK: tl.constexpr):
+    """A batch's rows unpinned: slots[i] >= 0 loses a pin (atomic: commits on the tier's stream
+    may pin rows at the same time)."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    slot = tl.load(slots_ptr + i, mask=i < n, other=-1)
+    tl.atomic_add(pins_ptr + tl.maximum(slot, 0), tl.full(slot.shape, -1, tl.int32), mask=slot >= 0)
+
+
 @triton.jit(do_not_specialize=["n", "clock"])
-def _commit_kernel(ids_ptr, n, valid_ptr, fresh_ptr, slots_ptr, fate_ptr, n_ovf, cap, slot_id_ptr, pins_ptr,
+def _commit_kernel(ids_ptr, n, valid_ptr, fresh_ptr, slots_ptr, leaves_ptr, n_ovf, cap, slot_id_ptr, pins_ptr,
                    dirty_ptr, stamp_ptr, uses_ptr, clock, PIN: tl.constexpr, BLOCK: tl.constexpr):
     """A plan applied, entries BLOCK * program 0 onwards: each miss's id into its slot (clean, used
     once), each row of the batch stamped, used once more and (PIN) pinned; each overflow slot
-    whose fate is to leave emptied. (No two entries touch one slot: a victim's slot is the miss's
+    whose row leaves (leaves[j]) emptied. (No two entries touch one slot: a victim's slot is the miss's
     that takes it, or emptied.)"""
     v = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     is_id = v < n
@@ -375,7 +390,7 @@ def _commit_kernel(ids_ptr, n, valid_ptr, fresh_ptr, slots_ptr, fate_ptr, n_ovf,
         tl.atomic_add(pins_ptr + slot, tl.full(slot.shape, 1, tl.int32), mask=valid)
     is_ovf = (v >= n) & (v < n + n_ovf)
     at = cap + v - n
-    leaves = is_ovf & (tl.load(fate_ptr + v - n, mask=is_ovf, other=0) != 0)
+    leaves = is_ovf & (tl.load(leaves_ptr + v - n, mask=is_ovf, other=0) != 0)
     tl.store(slot_id_ptr + at, tl.full(v.shape, -1, tl.int64), mask=leaves)
     tl.store(dirty_ptr + at, tl.zeros_like(v).to(tl.uint8), mask=leaves)
 
@@ -393,7 +408,7 @@ class Placed(NamedTuple):
     victims: torch.Tensor      # int64 [n + overflow slots]: slots whose row leaves
     dirty_slots: torch.Tensor  # int64 [n + overflow slots]: those whose row is written down first
     needs: tuple               # (entry, miss rank) of each need, the free overflow slots: for bind()
-    fate: torch.Tensor         # uint8 [overflow slots]: 1 where a lingering row leaves for good
+    leaves: torch.Tensor       # uint8 [overflow slots]: 1 where a lingering row leaves for good
     guessed: torch.Tensor | None  # float32 [guess, width]: the first dirty victims' rows
 
 
@@ -411,7 +426,8 @@ def place(ids, num_unique, num_rows, index, found, chosen, tag, rows, guess) -> 
     out = Placed(empty(KINDS + 2 * n + n_ovf), found, empty(n, torch.bool), empty(n, torch.bool), empty(n),
                  empty(n + n_ovf), empty(n + n_ovf), (empty(n), empty(n), empty(n_ovf)), empty(n_ovf, torch.uint8),
                  empty((guess, rows.shape[1]), torch.float32) if guess else None)
-    state = (index.slot_id, index.pins, index.dirty, index.tags, tag, index.capacity, n_ovf, out.fate)
+    decided = empty(n + n_ovf, torch.uint8)  # (tally's reading of what may change under it: see _entries)
+    state = (index.slot_id, index.pins, index.dirty, index.tags, tag, index.capacity, n_ovf, decided)
     with launch_turn():
         _tally_kernel[(blocks,)](ids, num_unique, n, num_rows, found, chosen, *state, counts, BLOCK=_BLOCK)
     ends = torch.cumsum(counts, 0)
@@ -419,7 +435,7 @@ def place(ids, num_unique, num_rows, index, found, chosen, tag, rows, guess) -> 
     with launch_turn():
         _place_kernel[(blocks,)](ids, num_unique, n, num_rows, found, chosen, *state, ends, blocks, out.slots,
                                  out.valid.view(torch.uint8), out.fresh.view(torch.uint8), out.xfer, out.miss_slots,
-                                 out.needs[0], out.needs[1], out.victims, out.dirty_slots, out.needs[2],
+                                 out.needs[0], out.needs[1], out.victims, out.dirty_slots, out.needs[2], out.leaves,
                                  rows if guess else ids, width, guess, out.guessed if guess else ids,
                                  GUESS=guess > 0, COLS=min(16, triton.next_power_of_2(width)), BLOCK=_BLOCK)
     return out
@@ -434,13 +450,21 @@ def bind(placed: Placed, count: int) -> None:
 
 
 def commit(ids, placed: Placed, index, lingering: bool, pin: bool) -> None:
-    """_commit_kernel: the plan applied to the index's state tensors (the overflow slots' fates
-    only when some row lingered)."""
+    """_commit_kernel: the plan applied to the index's state tensors (the overflow slots' rows
+    leaving only when some row lingered)."""
     n, n_ovf = ids.numel(), (index.overflow_slots if lingering else 0)
     if n + n_ovf == 0:
         return
     with launch_turn():
         _commit_kernel[(triton.cdiv(n + n_ovf, _BLOCK),)](
-            ids, n, placed.valid.view(torch.uint8), placed.fresh.view(torch.uint8), placed.slots, placed.fate, n_ovf,
+            ids, n, placed.valid.view(torch.uint8), placed.fresh.view(torch.uint8), placed.slots, placed.leaves, n_ovf,
             index.capacity, index.slot_id, index.pins, index.dirty, index.stamp, index.uses, index.clock, PIN=pin,
             BLOCK=_BLOCK)
+
+
+def release(slots, pins) -> None:
+    """_release_kernel: the rows in slots (int64 [n]; entries < 0 ignored) lose a pin."""
+    n = slots.numel()
+    if n:
+        with launch_turn():
+            _release_kernel[(triton.cdiv(n, _BLOCK),)](slots, n, pins, BLOCK=_BLOCK)

@@ -144,7 +144,9 @@ class DeviceTier:
         if self.stream is not None and on_device:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with self._on_stream():
-            ids = ids.to(self.device, torch.int64, non_blocking=True)
+            # host ids, checked: as int32 where they fit (the sort then needs half the radix passes)
+            narrow = not on_device and self.num_embeddings <= 1 << 31
+            ids = ids.to(self.device, torch.int32 if narrow else torch.int64, non_blocking=True)
             if ids.numel() == 0:
                 empty = torch.empty(0, dtype=torch.int64, device=self.device)
                 return Deduped(empty, empty, torch.zeros(1, dtype=torch.int64, device=self.device))
