@@ -14,6 +14,8 @@ Systems:
   torch-sparse   torch.nn.EmbeddingBag(sparse=True) + torch.optim.Adagrad
   ours-hbm       TieredEmbeddingBag(cache_rows=None, device="cuda")
   ours-host10    tier 0 = 10% of the rows, over host memory
+  ours-host10-zc the same with zero_copy=True: the GPU reads misses from, and writes dirty victims to,
+                 the pinned host rows itself (no host copy)
   ours-ssd10     tier 0 = 10%, over the SSD log store (--ssd-path), PrefetchLoader depth 2
 
 Also the device index alone: lookups and plan+commit (inserts) per second for a batch of 1M ids.
@@ -41,9 +43,11 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from workload import BatchSource, Workload  # noqa: E402
 
-SYSTEMS = ("fbgemm-hbm", "fbgemm-uvm10", "torch-ops", "torch-sparse", "ours-hbm", "ours-host10", "ours-ssd10")
+SYSTEMS = ("fbgemm-hbm", "fbgemm-uvm10", "torch-ops", "torch-sparse", "ours-hbm", "ours-host10", "ours-host10-zc",
+           "ours-ssd10")
 # The targets: ours / peer, at least.
-TARGETS = {"ours-hbm": ("fbgemm-hbm", 1.0), "ours-host10": ("fbgemm-uvm10", 1.0), "ours-ssd10": ("fbgemm-uvm10", 0.5)}
+TARGETS = {"ours-hbm": ("fbgemm-hbm", 1.0), "ours-host10": ("fbgemm-uvm10", 1.0),
+           "ours-host10-zc": ("fbgemm-uvm10", 1.0), "ours-ssd10": ("fbgemm-uvm10", 0.5)}
 
 
 class SyncCounter:
@@ -112,13 +116,15 @@ def build(name: str, w: Workload, a, dev: torch.device):
 
     cache = None if name == "ours-hbm" else int(rows * a.cache_fraction)
     kw = dict(ssd_path=a.ssd_dir, ssd_options={"backend": "log"}) if name == "ours-ssd10" else {}
+    zero_copy = name == "ours-host10-zc"
     emb = tieredemb.TieredEmbeddingBag(rows, dim, "sum", cache_rows=cache, device=dev, dtype=getattr(torch, a.dtype),
-                                       optimizer=tieredemb.RowWiseAdagrad(lr=lr, eps=eps), **kw)
+                                       optimizer=tieredemb.RowWiseAdagrad(lr=lr, eps=eps), zero_copy=zero_copy, **kw)
 
     def step(ids, offsets, grad):
         emb(ids, offsets).backward(grad)
     step.module = emb
-    return step, f"TieredEmbeddingBag cache_rows={cache}" + (", log store, prefetch depth 2" if kw else "")
+    return step, (f"TieredEmbeddingBag cache_rows={cache}" + (", log store, prefetch depth 2" if kw else "")
+                  + (", zero_copy" if zero_copy else ""))
 
 
 def run_system(name: str, w: Workload, source: BatchSource, a, dev: torch.device, syncs: SyncCounter) -> dict:

@@ -51,7 +51,7 @@ def main() -> None:
     JITFunction.run = compile_only
 
     import tieredemb
-    from tieredemb.gpu import dedup, plan_kernels, pooling, rowinit
+    from tieredemb.gpu import dedup, moves, plan_kernels, pooling, rowinit
     from tieredemb.gpu.index import DirectIndex, SetIndex
     from tieredemb.tiers.rowstore import RowInit
 
@@ -78,6 +78,11 @@ def main() -> None:
     for lingering in (False, True):
         for pin in (False, True):
             plan_kernels.commit(ids, placed, index, lingering, pin)
+
+    for width in (9, 129):  # zero-copy moves, with and without marks
+        rows = torch.zeros(20, width)
+        for mark in (None, 5):
+            moves.move_rows(rows, ids, rows, ids, mark=mark)
 
     for n in (1, 3000):  # a batch's dedup (n = 1: no scan to read), of device ids and of host ids as int32
         for dtype in (torch.int64, torch.int32):

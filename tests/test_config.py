@@ -71,3 +71,13 @@ def test_bad_table_arguments(tmp_path):
     tieredemb.TieredEmbedding(100, 4, ssd_path=tmp_path / "t", ssd_options=LogOptions()).close()
     with pytest.raises(ValueError, match="holds a 'log' table, requested backend 'rocksdb'"):
         tieredemb.TieredEmbedding(100, 4, ssd_path=tmp_path / "t", ssd_options=RocksDBOptions())
+
+
+def test_zero_copy_is_for_a_cuda_tier_0_right_above_host_rows(tmp_path):
+    with pytest.raises(TypeError, match="zero_copy must be a bool, got 'yes'"):
+        tieredemb.TableConfig(100, 4, zero_copy="yes")
+    for bad in (dict(), dict(device="cuda", ssd_path=tmp_path / "t"), dict(device="cuda", cache_rows=10, host_rows=50)):
+        with pytest.raises(ValueError, match="zero_copy is for a cuda tier 0 right above the rows in host memory"):
+            tieredemb.TableConfig(100, 4, zero_copy=True, **bad)
+    assert not (tmp_path / "t").exists()  # (refused before any store was made)
+    assert tieredemb.TableConfig(100, 4, device="cuda", cache_rows=10, zero_copy=True).zero_copy

@@ -61,6 +61,18 @@ def test_bit_for_bit_from_run_to_run(tiers):
     assert torch.equal(out_a, out_b) and torch.equal(_table(a), _table(b))
 
 
+@pytest.mark.parametrize("cache_rows", [100, 8], ids=["cache", "overflow"])
+def test_zero_copy_trains_bit_for_bit_as_the_host_copies(cache_rows):
+    """zero_copy: the GPU reads misses from the pinned, mapped host rows and writes dirty victims
+    into them; the same outputs and rows, bit for bit, as the copies through host blocks, and the
+    host rows hold what the GPU wrote (read back after the table is flushed)."""
+    plain, out_plain = _train("cuda", "sum", cache_rows=cache_rows)
+    mapped, out_mapped = _train("cuda", "sum", cache_rows=cache_rows, zero_copy=True)
+    assert mapped._store.tier0.mapped is not None and mapped.stats()["store"]["rows_written"] > 0
+    assert torch.equal(out_mapped, out_plain) and torch.equal(_table(mapped), _table(plain))
+    mapped.close()
+
+
 def test_prefetch_over_ssd_gives_the_same_weights(tmp_path):
     plain, out_plain = _train("cuda", "sum", cache_rows=50, ssd_path=tmp_path / "a", ssd_options={"backend": "log"})
     ahead, out_ahead = _train("cuda", "sum", cache_rows=50, ssd_path=tmp_path / "b", ssd_options={"backend": "log"},

@@ -545,3 +545,59 @@ def test_the_device_dedup_gives_the_distinct_ids_inverse_and_grouping(dtype, n):
     order, row, start = d.groups
     assert torch.equal(order, torch.sort(ids.long(), stable=True).indices) and torch.equal(row, d.inverse[order])
     assert torch.equal(start[:u], torch.searchsorted(ids.long()[order], expect)) and (start[u:] == n).all()
+
+
+@pytest.mark.parametrize("width", [7, 129])
+def test_the_move_kernel_copies_rows_and_marks_those_never_written(width):
+    from tieredemb.gpu.moves import move_rows
+    from tieredemb.tiers.rowstore import DEFERRED_MARK
+
+    g = torch.Generator().manual_seed(width)
+    src, dst = torch.randn(50, width, generator=g), torch.randn(40, width, generator=g)
+    src_rows = torch.tensor([3, -1, 49, 0, -1, 17, 3])
+    dst_rows = torch.tensor([39, 0, 5, 6, 7, 20, 21])
+    want = dst.clone()
+    want[dst_rows[src_rows >= 0]] = src[src_rows[src_rows >= 0]]
+    want.view(torch.int32)[dst_rows[src_rows < 0], 0] = DEFERRED_MARK
+    move_rows(src, src_rows, dst, dst_rows, mark=DEFERRED_MARK)
+    assert torch.equal(dst.view(torch.int32), want.view(torch.int32))  # (words: the marks are NaNs)
+    before = dst.clone()
+    move_rows(src, torch.tensor([2, -1]), dst, torch.tensor([1, 2]))  # no mark: a row with no source is left alone
+    assert torch.equal(dst[1], src[2]) and torch.equal(dst[2:].view(torch.int32), before[2:].view(torch.int32))
+
+
+@pytest.mark.parametrize("cache_rows", [8, 64])
+@pytest.mark.parametrize("opt", ["rowwise", "adam"])
+def test_zero_copy_trains_bit_for_bit_as_the_host_copies(cache_rows, opt, monkeypatch):
+    """zero_copy: tier 0's kernels read misses from the host rows and write dirty victims into them
+    (the host store's read_to and write_from are never called while training); the same outputs,
+    rows, optimizer state and counters as the copies through host blocks. (cache 8: overflow slots
+    and lingering rows leaving and coming back.)"""
+    from tieredemb.tiers.host_store import HostStore
+
+    def make(zero_copy):
+        emb = tieredemb.TieredEmbeddingBag(NUM, D, "sum", optimizer=OPTIMIZERS[opt](), cache_rows=cache_rows, seed=2)
+        emb.write_rows(torch.arange(0, NUM, 7), weights()[:len(range(0, NUM, 7))])  # some rows stored, the rest drawn
+        return device_tier(emb, cache_rows, zero_copy=zero_copy)
+
+    data = batches(seed=6, steps=10)
+    plain = make(False)
+    plain_outs = train(plain, data)
+    copied = make(True)
+    assert copied._store.tier0.mapped is copied._store.host_store.rows
+    with monkeypatch.context() as m:
+        for name in ("read_to", "write_from"):
+            m.setattr(HostStore, name, lambda *a, _n=name: pytest.fail(f"HostStore.{_n} called with zero_copy"))
+        outs = train(copied, data)
+    assert all(torch.equal(a, b) for a, b in zip(outs, plain_outs))
+    st, st_plain = copied.stats(), plain.stats()
+    assert st["store"] == st_plain["store"] and st["store"]["rows_written"] > 0
+    assert {k: st["tier0"][k] for k in ("hits", "misses", "bytes_in", "bytes_out")} == \
+        {k: st_plain["tier0"][k] for k in ("hits", "misses", "bytes_in", "bytes_out")}
+    assert torch.equal(rows_and_state(copied).view(torch.int32), rows_and_state(plain).view(torch.int32))
+
+
+def test_zero_copy_is_refused_where_no_host_rows_sit_right_below(tmp_path):
+    emb = tieredemb.TieredEmbeddingBag(NUM, D, cache_rows=8, host_rows=40)
+    with pytest.raises(ValueError, match="zero_copy needs the table's rows in host memory right below tier 0"):
+        device_tier(emb, 8, zero_copy=True)

@@ -44,6 +44,7 @@ class DevicePlan:
     miss_ids_device: torch.Tensor  # the same, on the device
     miss_slots: torch.Tensor     # int64 device
     dirty_ids: torch.Tensor      # int64 host
+    dirty_ids_device: torch.Tensor  # the same, on the device
     dirty_slots: torch.Tensor    # int64 device
     num_overflow: int
     num_victims: int
@@ -190,7 +191,8 @@ class SetIndex:
         plan = DevicePlan(ids=ids, valid=placed.valid, slots=placed.slots, fresh=placed.fresh,
                           victim_slots=placed.victims[:n_victims], miss_ids=host[k:k + n_miss],
                           miss_ids_device=placed.xfer[k:k + n_miss], miss_slots=placed.miss_slots[:n_miss],
-                          dirty_ids=host[k + n:k + n + n_dirty], dirty_slots=placed.dirty_slots[:n_dirty],
+                          dirty_ids=host[k + n:k + n + n_dirty], dirty_ids_device=placed.xfer[k + n:k + n + n_dirty],
+                          dirty_slots=placed.dirty_slots[:n_dirty],
                           num_overflow=n_need, num_victims=n_victims, num_unique=n_valid, version=self.version,
                           lingering=n_lingering, dirty_rows=guessed[0][:n_dirty] if guess and n_dirty <= guess else None,
                           placed=placed)
@@ -464,8 +466,8 @@ class DirectIndex:
             raise IndexError(f"id {int(ids[bad][0])} out of range [0, {num_embeddings})")
         miss_ids, miss_slots = host[3:3 + n_miss], miss_slots[:n_miss]  # (slot = id)
         return DevicePlan(ids=ids, valid=valid, slots=slots, fresh=fresh, victim_slots=none, miss_ids=miss_ids,
-                          miss_ids_device=miss_slots, miss_slots=miss_slots, dirty_ids=none.cpu(), dirty_slots=none,
-                          num_overflow=0, num_victims=0, num_unique=n_valid, version=self.version)
+                          miss_ids_device=miss_slots, miss_slots=miss_slots, dirty_ids=none.cpu(),
+                          dirty_ids_device=none, dirty_slots=none, num_overflow=0, num_victims=0, num_unique=n_valid, version=self.version)
 
     def commit(self, plan: DevicePlan, pin: bool) -> None:
         self.version += 1

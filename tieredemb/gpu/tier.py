@@ -25,7 +25,7 @@ import torch
 from .. import _C
 from ..tiers.cache import Deduped
 from ..tiers.rowstore import DEFERRED_MARK
-from . import rowinit
+from . import moves, rowinit
 from .dedup import dedup as device_dedup
 from .index import DirectIndex, SetIndex
 
@@ -81,12 +81,16 @@ class DeviceRows:
 class DeviceTier:
     """Tier 0 on a device: capacity rows (None: every row, slot = id), policy 'lru' or 'lfu',
     lower: the RowStore below it. init: the table's RowInit (rows never written are drawn on the
-    device, bit for bit as on the host, when nothing below can hold them)."""
+    device, bit for bit as on the host, when nothing below can hold them). zero_copy: the layer
+    below is the table's host rows (a HostStore), pinned and mapped into the device: the misses
+    are read from them and the dirty victims written into them by kernels (gpu/moves.py), with no
+    staging block and no host copy."""
 
     name = "tier0"
 
     def __init__(self, num_embeddings: int, width: int, capacity: int | None, policy: str, lower, init,
-                 device: torch.device, *, lower_is_store: bool = True, partitions: tuple | None = None):
+                 device: torch.device, *, lower_is_store: bool = True, partitions: tuple | None = None,
+                 zero_copy: bool = False):
         self.num_embeddings = num_embeddings
         self.width = width
         self.device = device
@@ -109,6 +113,13 @@ class DeviceTier:
         # The store below leaves the misses it never stored for this tier to draw (RowInit.deferred);
         # a host cache between would keep such rows, so then the host draws them.
         self.draws_misses = lower_is_store
+        self.mapped = None  # zero_copy: the host rows below, as kernels reach them
+        if zero_copy:
+            if not (lower_is_store and hasattr(lower, "mapped_rows")):
+                below = getattr(lower, "name", lower)
+                raise ValueError(f"zero_copy needs the table's rows in host memory right below tier 0, not {below!r} "
+                                 "(no ssd_path, no host_rows)")
+            self.mapped = lower.mapped_rows(device)
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._before_residencies()  # (the pool's and the index's zeros are in place before any residency)
         self.index_lock = threading.RLock()  # as CacheTier's (the worker plans while training releases)
@@ -171,16 +182,26 @@ class DeviceTier:
                 return None
             dirty = plan.dirty_ids.numel()
             if dirty:  # (first: a lingering overflow row may leave and come back)
-                rows = plan.dirty_rows if plan.dirty_rows is not None else self.pool.to_host(plan.dirty_slots)
-                self.lower.write_from(plan.dirty_ids, rows, torch.arange(dirty))
+                if self.mapped is not None:  # written into the host rows by the device
+                    moves.move_rows(self.pool.rows, plan.dirty_slots, self.mapped, plan.dirty_ids_device)
+                    self.lower.wrote_in_place(plan.dirty_ids)
+                else:
+                    rows = plan.dirty_rows if plan.dirty_rows is not None else self.pool.to_host(plan.dirty_slots)
+                    self.lower.write_from(plan.dirty_ids, rows, torch.arange(dirty))
                 self.bytes_out += dirty * self.row_bytes
             # the next plan's transfer carries this many dirty rows: a quarter more than these
             self.dirty_guess = dirty + dirty // 4 + _DIRTY_SLACK
             if plan.miss_ids.numel():
-                block = self.pool.staging(plan.miss_ids.numel())
-                with self.init.deferred() if self.draws_misses else contextlib.nullcontext():
-                    self.lower.read_to(plan.miss_ids, block, torch.arange(plan.miss_ids.numel()))
-                self.pool.from_host(plan.miss_slots, block)
+                if self.mapped is not None:  # read from the host rows by the device; those never written marked
+                    found = self.lower.locate(plan.miss_ids)
+                    if self.device.type == "cuda":
+                        found = found.pin_memory().to(self.device, non_blocking=True)
+                    moves.move_rows(self.mapped, found, self.pool.rows, plan.miss_slots, mark=DEFERRED_MARK)
+                else:
+                    block = self.pool.staging(plan.miss_ids.numel())
+                    with self.init.deferred() if self.draws_misses else contextlib.nullcontext():
+                        self.lower.read_to(plan.miss_ids, block, torch.arange(plan.miss_ids.numel()))
+                    self.pool.from_host(plan.miss_slots, block)
                 if self.draws_misses:  # rows never stored (marked so): drawn here, bit for bit as the host would
                     rowinit.init_rows(plan.miss_ids_device, self.pool.rows, plan.miss_slots, *self.init.args,
                                       weights=self.init.weights, marked=DEFERRED_MARK)
@@ -203,7 +224,9 @@ class DeviceTier:
         pool_lock, which every kernel launch on them takes, and after the device is idle, so no
         kernel queued before writes to the old ones."""
         while True:
-            plan = self.index.plan(unique, num_unique, self.num_embeddings, self.pool.rows, self.dirty_guess)
+            # (the transfer brings dirty rows for the host to write down; zero-copy writes them from the device)
+            rows = self.pool.rows if self.mapped is None else None
+            plan = self.index.plan(unique, num_unique, self.num_embeddings, rows, self.dirty_guess)
             if not isinstance(plan, int):
                 return plan
             with self.pool_lock:
@@ -336,14 +359,14 @@ class DeviceTier:
         self.lower.close()
 
 
-def on_cpu_tensors(table, cache_rows: int | None, policy: str = "lru", partitions=None):
+def on_cpu_tensors(table, cache_rows: int | None, policy: str = "lru", partitions=None, zero_copy: bool = False):
     """A CPU table (TieredEmbeddingBag / TieredEmbedding) with its tier 0 replaced by a DeviceTier
     on CPU tensors over the same layers below: the GPU path run on a CPU, its Triton kernels under
     TRITON_INTERPRET=1 (tests/test_gpu_tier.py, bench/gpu_ops.py). Returns the table."""
     st = table._store
     lower = st.tier0.lower
     tier = DeviceTier(table.num_embeddings, table.width, cache_rows, policy, lower, st.init, torch.device("cpu"),
-                      lower_is_store=lower is st.bottom, partitions=partitions)
+                      lower_is_store=lower is st.bottom, partitions=partitions, zero_copy=zero_copy)
     st.tier0 = st.tiers[0] = tier
     return table
 

@@ -5,6 +5,10 @@ size: a page becomes memory when a row on it is first written), and a bit per ro
 written (a DirectIndex: its dirty bit). A row never written reads as the table's initial value.
 When tier 0 holds the whole table on the CPU it shares this array (no second copy): tier 0 then
 reads a row into the very place it already is, which only initializes rows never written.
+
+Zero-copy (a GPU tier 0 with zero_copy): mapped_rows() pins the array and maps it into the GPU's
+address space, and tier 0's kernels read its misses from it and write its dirty victims into it
+(gpu/moves.py); locate() and wrote_in_place() keep the written bits and the counters on the host.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ class HostStore:
         self.index = _C.DirectIndex(num_embeddings)  # a row is resident and dirty once written
         self.state: dict = {}
         self.reads = self.rows_found = self.rows_written = 0
+        self._mapped = False  # pinned and mapped into the GPU (mapped_rows)
 
     def read_to(self, ids: torch.Tensor, dst: torch.Tensor, dst_rows: torch.Tensor) -> None:
         # (numpy, not torch, for the masks: torch's intra-op threads cost milliseconds per batch
@@ -49,9 +54,39 @@ class HostStore:
             self.init(torch.from_numpy(ids.numpy()[at]), dst, torch.from_numpy(dst_rows.numpy()[at]))
 
     def write_from(self, ids: torch.Tensor, src: torch.Tensor, src_rows: torch.Tensor) -> None:
-        plan = self.index.plan(ids)
         if src.data_ptr() != self.rows.data_ptr():  # else the rows are in place already
             _C.copy_rows(src, src_rows, self.rows, ids)
+        self.wrote_in_place(ids)
+
+    # -- zero-copy: a GPU tier 0 moves the rows itself ----------------------------------------
+    def mapped_rows(self, device: torch.device) -> torch.Tensor:
+        """The rows, for kernels on device to read and write in place: on a GPU the array is pinned
+        and mapped into the device's address space (once; every page of it becomes memory now,
+        so the table must fit in host memory), and Triton kernels take the host tensor as it is
+        (the driver gives them its device address). On the CPU: the rows."""
+        if device.type == "cuda" and not self._mapped:
+            nbytes = self.rows.numel() * self.rows.element_size()
+            # flags: cudaHostRegisterPortable | cudaHostRegisterMapped (every device; a device address)
+            err = int(torch.cuda.cudart().cudaHostRegister(self.rows.data_ptr(), nbytes, 3))
+            if err != 0:
+                raise RuntimeError(f"zero_copy: could not pin the table's {nbytes} bytes of host rows and map them "
+                                   f"into {device} (cudaHostRegister error {err}); the table must fit in host "
+                                   "memory, or leave zero_copy off")
+            self._mapped = True
+        return self.rows
+
+    def locate(self, ids: torch.Tensor) -> torch.Tensor:
+        """Where the rows of ids are in the rows (int64 [n] host: the id itself), -1 for a row never
+        written (it reads as its initial value); counted as reads."""
+        found = self.index.lookup(ids)
+        self.reads += len(ids)
+        self.rows_found += int(np.count_nonzero(found >= 0))
+        return torch.from_numpy(found)
+
+    def wrote_in_place(self, ids: torch.Tensor) -> None:
+        """The rows of ids were written into the rows in place (by write_from, or by a device through
+        mapped_rows): they now read as written."""
+        plan = self.index.plan(ids)
         self.index.commit(ids, plan, False, True)
         self.rows_written += len(ids)
 
@@ -77,4 +112,7 @@ class HostStore:
         self.reads = self.rows_found = self.rows_written = 0
 
     def close(self) -> None:
-        pass
+        if self._mapped:
+            self._mapped = False
+            torch.cuda.synchronize()  # (no kernel may still be reading or writing the rows)
+            torch.cuda.cudart().cudaHostUnregister(self.rows.data_ptr())

@@ -35,12 +35,13 @@ from .rowstore import RowInit, RowStore
 _C.set_num_threads(torch.get_num_threads())
 
 
-def _device_tier0(num_embeddings, width, cache_rows, policy, lower, init, device, lower_is_store, partitions):
+def _device_tier0(num_embeddings, width, cache_rows, policy, lower, init, device, lower_is_store, partitions,
+                  zero_copy):
     """Tier 0 on a GPU: device-resident (tieredemb.gpu, which needs Triton)."""
     from ..gpu.tier import DeviceTier
 
     return DeviceTier(num_embeddings, width, cache_rows, policy, lower, init, device, lower_is_store=lower_is_store,
-                      partitions=partitions)
+                      partitions=partitions, zero_copy=zero_copy)
 
 
 def _ids(t: torch.Tensor) -> torch.Tensor:
@@ -100,7 +101,7 @@ class TableStore:
 
     def __init__(self, *, num_embeddings: int, width: int, init: RowInit, cache_rows: int | None,
                  host_rows: int | None, bottom: RowStore | None, policy: str, device: torch.device,
-                 partitions: tuple | None = None):
+                 partitions: tuple | None = None, zero_copy: bool = False):
         self.num_embeddings = num_embeddings
         self.width = width
         self.device = device
@@ -117,7 +118,7 @@ class TableStore:
             self.tiers.append(lower)
         self.tier0 = (self._host_tier0(num_embeddings, width, cache_rows, policy, lower, partitions) if on_host else
                       _device_tier0(num_embeddings, width, cache_rows, policy, lower, init, device,
-                                    lower_is_store=lower is self.bottom, partitions=partitions))
+                                    lower_is_store=lower is self.bottom, partitions=partitions, zero_copy=zero_copy))
         self.tiers.insert(0, self.tier0)
         self.lock = threading.RLock()
         # Notified whenever pinned rows are released (releases counts them): a residency
@@ -155,7 +156,8 @@ class TableStore:
         try:
             return cls(num_embeddings=config.num_embeddings, width=config.width, init=init,
                        cache_rows=config.cache_rows, host_rows=config.host_rows, bottom=bottom,
-                       policy=config.policy, device=config.device, partitions=config.partitions)
+                       policy=config.policy, device=config.device, partitions=config.partitions,
+                       zero_copy=config.zero_copy)
         except BaseException:
             if bottom is not None:
                 bottom.close()

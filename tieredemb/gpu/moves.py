@@ -1,0 +1,61 @@
+"""Rows moved between tier 0's pool and the host rows below it by the GPU itself (zero-copy, as
+FBGEMM's UVM table is read): the host rows are pinned and mapped into the device's address space
+(HostStore.mapped_rows), so a kernel reads a miss's row straight from host memory, and writes a
+dirty victim's row straight back, over the bus: no staging block, no host copy, no wait.
+
+One kernel does both directions: dst[dst_rows[i]] = src[src_rows[i]] for i < n, copying 32-bit
+words (any weights' dtype: rows are words). With MARK, an entry whose src_rows[i] < 0 (a row never
+written below) gets the DEFERRED mark in its first word instead, and rowinit.init_rows(marked=...)
+draws it on the device, as the host store's deferred reads leave them.
+
+On CPU tensors (the tests, under TRITON_INTERPRET=1) the "mapped" rows are the host rows
+themselves: the same kernel, the same words.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import launch_turn
+
+_ROWS = 16  # rows a program moves
+
+
+@triton.jit(do_not_specialize=["n", "mark"])
+def _move_kernel(src_ptr, src_rows_ptr, dst_ptr, dst_rows_ptr, n, width, mark, MARK: tl.constexpr,
+                 ROWS: tl.constexpr, COLS: tl.constexpr):
+    """Entries ROWS * program onwards: dst[dst_rows[i]] = src[src_rows[i]] (int32 words); with
+    MARK, dst[dst_rows[i], 0] = mark where src_rows[i] < 0."""
+    i = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    live = i < n
+    src_row = tl.load(src_rows_ptr + i, mask=live, other=-1)
+    dst_row = tl.load(dst_rows_ptr + i, mask=live, other=0)
+    have = live & (src_row >= 0)
+    src = src_ptr + tl.maximum(src_row, 0)[:, None] * width
+    dst = dst_ptr + dst_row[:, None] * width
+    for c0 in range(0, width, COLS):
+        cols = c0 + tl.arange(0, COLS)[None, :]
+        m = have[:, None] & (cols < width)
+        tl.store(dst + cols, tl.load(src + cols, mask=m), mask=m)
+    if MARK:
+        tl.store(dst_ptr + dst_row * width, tl.full((ROWS,), mark, tl.int32), mask=live & (src_row < 0))
+
+
+def move_rows(src: torch.Tensor, src_rows: torch.Tensor, dst: torch.Tensor, dst_rows: torch.Tensor, *,
+              mark: int | None = None) -> None:
+    """dst[dst_rows[i]] = src[src_rows[i]] (float32 [*, width] words, the same width; rows int64
+    [n], on the device); with mark (an int32), dst[dst_rows[i]]'s first word = mark where
+    src_rows[i] < 0. Either side may be host rows mapped into the device (HostStore.mapped_rows).
+    Queued on the current stream."""
+    n = dst_rows.numel()
+    if n == 0:
+        return
+    width = dst.shape[1]
+    if src.shape[1] != width:
+        raise ValueError(f"rows of {src.shape[1]} words moved into rows of {width}: the widths must match")
+    with launch_turn():
+        _move_kernel[(triton.cdiv(n, _ROWS),)](src.view(torch.int32), src_rows, dst.view(torch.int32), dst_rows, n,
+                                              width, 0 if mark is None else mark, MARK=mark is not None, ROWS=_ROWS,
+                                              COLS=min(64, triton.next_power_of_2(width)))
