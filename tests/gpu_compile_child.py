@@ -79,7 +79,7 @@ def main() -> None:
         for pin in (False, True):
             plan_kernels.commit(ids, placed, index, lingering, pin)
 
-    for width in (9, 129):  # zero-copy moves, with and without marks
+    for width in (9, 32, 129):  # zero-copy moves, with and without marks
         rows = torch.zeros(20, width)
         for mark in (None, 5):
             moves.move_rows(rows, ids, rows, ids, mark=mark)

@@ -76,8 +76,12 @@ def test_bad_table_arguments(tmp_path):
 def test_zero_copy_is_for_a_cuda_tier_0_right_above_host_rows(tmp_path):
     with pytest.raises(TypeError, match="zero_copy must be a bool, got 'yes'"):
         tieredemb.TableConfig(100, 4, zero_copy="yes")
-    for bad in (dict(), dict(device="cuda", ssd_path=tmp_path / "t"), dict(device="cuda", cache_rows=10, host_rows=50)):
-        with pytest.raises(ValueError, match="zero_copy is for a cuda tier 0 right above the rows in host memory"):
+    for bad in (dict(cache_rows=10), dict(device="cuda"), dict(device="cuda", cache_rows=100),
+                dict(device="cuda", cache_rows=10, ssd_path=tmp_path / "t"),
+                dict(device="cuda", cache_rows=10, host_rows=50)):
+        with pytest.raises(ValueError, match="zero_copy is for a cuda tier 0 smaller than the table, right above its "
+                                             "rows in host memory"):
             tieredemb.TableConfig(100, 4, zero_copy=True, **bad)
     assert not (tmp_path / "t").exists()  # (refused before any store was made)
-    assert tieredemb.TableConfig(100, 4, device="cuda", cache_rows=10, zero_copy=True).zero_copy
+    for good in (dict(cache_rows=10), dict(cache_rows=10, host_rows=100)):  # (host_rows 100: no host cache)
+        assert tieredemb.TableConfig(100, 4, device="cuda", zero_copy=True, **good).zero_copy

@@ -61,16 +61,37 @@ def test_bit_for_bit_from_run_to_run(tiers):
     assert torch.equal(out_a, out_b) and torch.equal(_table(a), _table(b))
 
 
+@pytest.mark.parametrize("depth", [0, 2], ids=["plain", "prefetch"])
 @pytest.mark.parametrize("cache_rows", [100, 8], ids=["cache", "overflow"])
-def test_zero_copy_trains_bit_for_bit_as_the_host_copies(cache_rows):
+def test_zero_copy_trains_bit_for_bit_as_the_host_copies(cache_rows, depth):
     """zero_copy: the GPU reads misses from the pinned, mapped host rows and writes dirty victims
-    into them; the same outputs and rows, bit for bit, as the copies through host blocks, and the
-    host rows hold what the GPU wrote (read back after the table is flushed)."""
-    plain, out_plain = _train("cuda", "sum", cache_rows=cache_rows)
-    mapped, out_mapped = _train("cuda", "sum", cache_rows=cache_rows, zero_copy=True)
+    into them (on the tier's stream, a prefetch worker's too); the same outputs and rows, bit for
+    bit, as the copies through host blocks; rows read and written by the host between batches
+    (each read waits for the device's writes to the host rows)."""
+    plain, out_plain = _train("cuda", "sum", cache_rows=cache_rows, depth=depth)
+    mapped, out_mapped = _train("cuda", "sum", cache_rows=cache_rows, depth=depth, zero_copy=True)
     assert mapped._store.tier0.mapped is not None and mapped.stats()["store"]["rows_written"] > 0
     assert torch.equal(out_mapped, out_plain) and torch.equal(_table(mapped), _table(plain))
+    for emb in (plain, mapped):  # host writes below tier 0, then more training over them
+        emb.write_rows(torch.arange(0, NUM, 3), torch.full((len(range(0, NUM, 3)), DIM), 0.5))
+        emb(torch.arange(NUM), torch.arange(0, NUM, 10)).sum().backward()
+    assert torch.equal(_table(mapped), _table(plain))
     mapped.close()
+
+
+def test_zero_copy_tables_made_and_closed_again_and_again():
+    """close() unregisters the host rows (a table made after at the same address registers
+    anew), and a forked child gets no copy of the pinned rows (MADV_DONTFORK) yet runs."""
+    import os
+
+    for _ in range(3):
+        emb = tieredemb.TieredEmbeddingBag(10_000, 64, cache_rows=100, device="cuda", zero_copy=True)
+        emb(torch.arange(300), torch.arange(0, 300, 3)).sum().backward()
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0)
+        assert os.waitpid(pid, 0)[1] == 0
+        emb.close()
 
 
 def test_prefetch_over_ssd_gives_the_same_weights(tmp_path):

@@ -547,15 +547,15 @@ def test_the_device_dedup_gives_the_distinct_ids_inverse_and_grouping(dtype, n):
     assert torch.equal(start[:u], torch.searchsorted(ids.long()[order], expect)) and (start[u:] == n).all()
 
 
-@pytest.mark.parametrize("width", [7, 129])
+@pytest.mark.parametrize("width", [7, 32, 129])
 def test_the_move_kernel_copies_rows_and_marks_those_never_written(width):
     from tieredemb.gpu.moves import move_rows
     from tieredemb.tiers.rowstore import DEFERRED_MARK
 
     g = torch.Generator().manual_seed(width)
-    src, dst = torch.randn(50, width, generator=g), torch.randn(40, width, generator=g)
-    src_rows = torch.tensor([3, -1, 49, 0, -1, 17, 3])
-    dst_rows = torch.tensor([39, 0, 5, 6, 7, 20, 21])
+    src, dst = torch.randn(50, width, generator=g), torch.randn(60, width, generator=g)
+    src_rows = torch.randint(-1, 50, (45,), generator=g)  # (45: three of the kernel's programs)
+    dst_rows = torch.randperm(60, generator=g)[:45]
     want = dst.clone()
     want[dst_rows[src_rows >= 0]] = src[src_rows[src_rows >= 0]]
     want.view(torch.int32)[dst_rows[src_rows < 0], 0] = DEFERRED_MARK

@@ -137,8 +137,8 @@ class TableConfig:
     stochastic_rounding: with a 16-bit dtype, the updated weights are rounded stochastically
         (unbiased; deterministic: a function of seed, row id, step and column) instead of to the
         nearest.
-    zero_copy: on cuda, with the rows in host memory right below tier 0 (no ssd_path, no
-        host_rows, a bounded cache_rows), the GPU reads tier 0's misses straight from the host rows
+    zero_copy: on cuda, with the rows in host memory right below tier 0 (no ssd_path, no host
+        cache, cache_rows below num_embeddings), the GPU reads tier 0's misses straight from the host rows
         and writes its dirty victims straight into them (as FBGEMM's UVM table is read): the host
         rows are pinned and mapped into the GPU when the table is made, so they must fit in host
         memory. Off by default.
@@ -200,10 +200,12 @@ class TableConfig:
         tier0 = self.tier0_rows
         if not isinstance(self.zero_copy, bool):
             raise TypeError(f"zero_copy must be a bool, got {self.zero_copy!r}")
-        if self.zero_copy and (device.type != "cuda" or self.ssd_path is not None or self.host_rows is not None):
-            raise ValueError(f"zero_copy=True with device={str(device)!r}, ssd_path={self.ssd_path!r}, host_rows="
-                             f"{self.host_rows!r}: zero_copy is for a cuda tier 0 right above the rows in host memory "
-                             "(device 'cuda', no ssd_path, no host_rows)")
+        host_cache = self.host_rows is not None and self.host_rows < n
+        if self.zero_copy and (device.type != "cuda" or self.ssd_path is not None or host_cache or tier0 >= n):
+            raise ValueError(f"zero_copy=True with device={str(device)!r}, cache_rows={self.cache_rows!r}, ssd_path="
+                             f"{self.ssd_path!r}, host_rows={self.host_rows!r}: zero_copy is for a cuda tier 0 smaller "
+                             "than the table, right above its rows in host memory (device 'cuda', cache_rows < "
+                             "num_embeddings, no ssd_path, no host cache)")
         if self.host_rows is not None and self.host_rows < tier0:
             raise ValueError(f"host_rows {self.host_rows} < the {tier0} rows of tier 0 (cache_rows="
                              f"{self.cache_rows!r}): the host cache must be at least as large as tier 0")

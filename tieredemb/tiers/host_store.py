@@ -31,7 +31,7 @@ class HostStore:
         self.index = _C.DirectIndex(num_embeddings)  # a row is resident and dirty once written
         self.state: dict = {}
         self.reads = self.rows_found = self.rows_written = 0
-        self._mapped = False  # pinned and mapped into the GPU (mapped_rows)
+        self._unmap = None  # the rows pinned and mapped into a GPU (mapped_rows): its release
 
     def read_to(self, ids: torch.Tensor, dst: torch.Tensor, dst_rows: torch.Tensor) -> None:
         # (numpy, not torch, for the masks: torch's intra-op threads cost milliseconds per batch
@@ -61,18 +61,13 @@ class HostStore:
     # -- zero-copy: a GPU tier 0 moves the rows itself ----------------------------------------
     def mapped_rows(self, device: torch.device) -> torch.Tensor:
         """The rows, for kernels on device to read and write in place: on a GPU the array is pinned
-        and mapped into the device's address space (once; every page of it becomes memory now,
-        so the table must fit in host memory), and Triton kernels take the host tensor as it is
-        (the driver gives them its device address). On the CPU: the rows."""
-        if device.type == "cuda" and not self._mapped:
-            nbytes = self.rows.numel() * self.rows.element_size()
-            # flags: cudaHostRegisterPortable | cudaHostRegisterMapped (every device; a device address)
-            err = int(torch.cuda.cudart().cudaHostRegister(self.rows.data_ptr(), nbytes, 3))
-            if err != 0:
-                raise RuntimeError(f"zero_copy: could not pin the table's {nbytes} bytes of host rows and map them "
-                                   f"into {device} (cudaHostRegister error {err}); the table must fit in host "
-                                   "memory, or leave zero_copy off")
-            self._mapped = True
+        and mapped into the device's address space (once, by gpu/hostmap.py; every page of it
+        becomes memory now, so the table must fit in host memory), and Triton kernels take the
+        host tensor as it is (the driver gives them its device address). On the CPU: the rows."""
+        if device.type == "cuda" and self._unmap is None:
+            from ..gpu.hostmap import pin_and_map
+
+            self._unmap = pin_and_map(self, self.rows, device)
         return self.rows
 
     def locate(self, ids: torch.Tensor) -> torch.Tensor:
@@ -112,7 +107,5 @@ class HostStore:
         self.reads = self.rows_found = self.rows_written = 0
 
     def close(self) -> None:
-        if self._mapped:
-            self._mapped = False
-            torch.cuda.synchronize()  # (no kernel may still be reading or writing the rows)
-            torch.cuda.cudart().cudaHostUnregister(self.rows.data_ptr())
+        if self._unmap is not None:
+            self._unmap()  # (after the device is done with the rows)
