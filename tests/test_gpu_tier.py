@@ -566,9 +566,9 @@ def test_the_move_kernel_copies_rows_and_marks_those_never_written(width):
     assert torch.equal(dst[1], src[2]) and torch.equal(dst[2:].view(torch.int32), before[2:].view(torch.int32))
 
 
-@pytest.mark.parametrize("cache_rows", [8, 64])
+@pytest.mark.parametrize("cache_rows, depth", [(8, 0), (64, 0), (8, 2)], ids=["cache8", "cache64", "prefetch"])
 @pytest.mark.parametrize("opt", ["rowwise", "adam"])
-def test_zero_copy_trains_bit_for_bit_as_the_host_copies(cache_rows, opt, monkeypatch):
+def test_zero_copy_trains_bit_for_bit_as_the_host_copies(cache_rows, depth, opt, monkeypatch):
     """zero_copy: tier 0's kernels read misses from the host rows and write dirty victims into them
     (the host store's read_to and write_from are never called while training); the same outputs,
     rows, optimizer state and counters as the copies through host blocks. (cache 8: overflow slots
@@ -582,13 +582,13 @@ def test_zero_copy_trains_bit_for_bit_as_the_host_copies(cache_rows, opt, monkey
 
     data = batches(seed=6, steps=10)
     plain = make(False)
-    plain_outs = train(plain, data)
+    plain_outs = train(plain, data, depth=depth)
     copied = make(True)
     assert copied._store.tier0.mapped is copied._store.host_store.rows
     with monkeypatch.context() as m:
         for name in ("read_to", "write_from"):
             m.setattr(HostStore, name, lambda *a, _n=name: pytest.fail(f"HostStore.{_n} called with zero_copy"))
-        outs = train(copied, data)
+        outs = train(copied, data, depth=depth)
     assert all(torch.equal(a, b) for a, b in zip(outs, plain_outs))
     st, st_plain = copied.stats(), plain.stats()
     assert st["store"] == st_plain["store"] and st["store"]["rows_written"] > 0
