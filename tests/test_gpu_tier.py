@@ -566,9 +566,11 @@ def test_the_move_kernel_copies_rows_and_marks_those_never_written(width):
     assert torch.equal(dst[1], src[2]) and torch.equal(dst[2:].view(torch.int32), before[2:].view(torch.int32))
 
 
-@pytest.mark.parametrize("cache_rows, depth", [(8, 0), (64, 0), (8, 2)], ids=["cache8", "cache64", "prefetch"])
+@pytest.mark.parametrize("cache_rows, depth, dtype", [(8, 0, torch.float32), (64, 0, torch.float32),
+                                                     (8, 2, torch.float32), (8, 0, torch.bfloat16)],
+                         ids=["cache8", "cache64", "prefetch", "bf16"])
 @pytest.mark.parametrize("opt", ["rowwise", "adam"])
-def test_zero_copy_trains_bit_for_bit_as_the_host_copies(cache_rows, depth, opt, monkeypatch):
+def test_zero_copy_trains_bit_for_bit_as_the_host_copies(cache_rows, depth, dtype, opt, monkeypatch):
     """zero_copy: tier 0's kernels read misses from the host rows and write dirty victims into them
     (the host store's read_to and write_from are never called while training); the same outputs,
     rows, optimizer state and counters as the copies through host blocks. (cache 8: overflow slots
@@ -576,7 +578,8 @@ def test_zero_copy_trains_bit_for_bit_as_the_host_copies(cache_rows, depth, opt,
     from tieredemb.tiers.host_store import HostStore
 
     def make(zero_copy):
-        emb = tieredemb.TieredEmbeddingBag(NUM, D, "sum", optimizer=OPTIMIZERS[opt](), cache_rows=cache_rows, seed=2)
+        emb = tieredemb.TieredEmbeddingBag(NUM, D, "sum", optimizer=OPTIMIZERS[opt](), cache_rows=cache_rows, seed=2,
+                                           dtype=dtype)
         emb.write_rows(torch.arange(0, NUM, 7), weights()[:len(range(0, NUM, 7))])  # some rows stored, the rest drawn
         return device_tier(emb, cache_rows, zero_copy=zero_copy)
 
