@@ -25,7 +25,7 @@ import torch
 from .. import _C
 from ..tiers.cache import Deduped
 from ..tiers.rowstore import DEFERRED_MARK
-from . import moves, rowinit
+from . import hostmap, moves, rowinit
 from .dedup import dedup as device_dedup
 from .index import DirectIndex, SetIndex
 
@@ -113,13 +113,16 @@ class DeviceTier:
         # The store below leaves the misses it never stored for this tier to draw (RowInit.deferred);
         # a host cache between would keep such rows, so then the host draws them.
         self.draws_misses = lower_is_store
-        self.mapped = None  # zero_copy: the host rows below, as kernels reach them
+        self.mapped = None  # zero_copy: the host rows below, which the kernels read and write
+        self._unmap = None  # (and on a GPU, their release from it)
         if zero_copy:
-            if not (lower_is_store and hasattr(lower, "mapped_rows")):
+            if not (lower_is_store and hasattr(lower, "locate")):
                 below = getattr(lower, "name", lower)
                 raise ValueError(f"zero_copy needs the table's rows in host memory right below tier 0, not {below!r} "
                                  "(no ssd_path, no host_rows)")
-            self.mapped = lower.mapped_rows(device)
+            if device.type == "cuda":  # pinned and mapped: Triton kernels take the host tensor as it is
+                self._unmap = hostmap.pin_and_map(lower, lower.rows, device)
+            self.mapped = lower.rows
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._before_residencies()  # (the pool's and the index's zeros are in place before any residency)
         self.index_lock = threading.RLock()  # as CacheTier's (the worker plans while training releases)
@@ -357,6 +360,8 @@ class DeviceTier:
     def close(self) -> None:
         self.flush()
         self.lower.close()
+        if self._unmap is not None:
+            self._unmap()  # (after the device is done with the host rows)
 
 
 def on_cpu_tensors(table, cache_rows: int | None, policy: str = "lru", partitions=None, zero_copy: bool = False):

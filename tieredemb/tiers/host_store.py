@@ -6,9 +6,9 @@ written (a DirectIndex: its dirty bit). A row never written reads as the table's
 When tier 0 holds the whole table on the CPU it shares this array (no second copy): tier 0 then
 reads a row into the very place it already is, which only initializes rows never written.
 
-Zero-copy (a GPU tier 0 with zero_copy): mapped_rows() pins the array and maps it into the GPU's
-address space, and tier 0's kernels read its misses from it and write its dirty victims into it
-(gpu/moves.py); locate() and wrote_in_place() keep the written bits and the counters on the host.
+Zero-copy (a GPU tier 0 with zero_copy): tier 0 pins the array and maps it into the GPU, and its
+kernels read their misses from it and write their dirty victims into it (gpu/moves.py); locate()
+and wrote_in_place() keep the written bits and the counters here, on the host.
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ class HostStore:
         self.index = _C.DirectIndex(num_embeddings)  # a row is resident and dirty once written
         self.state: dict = {}
         self.reads = self.rows_found = self.rows_written = 0
-        self._unmap = None  # the rows pinned and mapped into a GPU (mapped_rows): its release
 
     def read_to(self, ids: torch.Tensor, dst: torch.Tensor, dst_rows: torch.Tensor) -> None:
         # (numpy, not torch, for the masks: torch's intra-op threads cost milliseconds per batch
@@ -59,17 +58,6 @@ class HostStore:
         self.wrote_in_place(ids)
 
     # -- zero-copy: a GPU tier 0 moves the rows itself ----------------------------------------
-    def mapped_rows(self, device: torch.device) -> torch.Tensor:
-        """The rows, for kernels on device to read and write in place: on a GPU the array is pinned
-        and mapped into the device's address space (once, by gpu/hostmap.py; every page of it
-        becomes memory now, so the table must fit in host memory), and Triton kernels take the
-        host tensor as it is (the driver gives them its device address). On the CPU: the rows."""
-        if device.type == "cuda" and self._unmap is None:
-            from ..gpu.hostmap import pin_and_map
-
-            self._unmap = pin_and_map(self, self.rows, device)
-        return self.rows
-
     def locate(self, ids: torch.Tensor) -> torch.Tensor:
         """Where the rows of ids are in the rows (int64 [n] host: the id itself), -1 for a row never
         written (it reads as its initial value); counted as reads."""
@@ -107,5 +95,4 @@ class HostStore:
         self.reads = self.rows_found = self.rows_written = 0
 
     def close(self) -> None:
-        if self._unmap is not None:
-            self._unmap()  # (after the device is done with the rows)
+        pass
