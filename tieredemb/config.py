@@ -138,10 +138,10 @@ class TableConfig:
         (unbiased; deterministic: a function of seed, row id, step and column) instead of to the
         nearest.
     zero_copy: on cuda, with the rows in host memory right below tier 0 (no ssd_path, no host
-        cache, cache_rows below num_embeddings), the GPU reads tier 0's misses straight from the host rows
-        and writes its dirty victims straight into them (as FBGEMM's UVM table is read): the host
-        rows are pinned and mapped into the GPU when the table is made, so they must fit in host
-        memory. Off by default.
+        cache, cache_rows below num_embeddings), the GPU reads tier 0's misses straight from the
+        host rows and writes its dirty victims straight into them (as FBGEMM's UVM table is read):
+        the host rows are pinned and mapped into the GPU when the table is made, so they must fit
+        in host memory. Off by default.
 
     Sizes given in bytes are resolved to rows, and ssd_options dicts to typed options, when the
     config is made: the fields then read as rows and StoreOptions.

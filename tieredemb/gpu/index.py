@@ -467,7 +467,8 @@ class DirectIndex:
         miss_ids, miss_slots = host[3:3 + n_miss], miss_slots[:n_miss]  # (slot = id)
         return DevicePlan(ids=ids, valid=valid, slots=slots, fresh=fresh, victim_slots=none, miss_ids=miss_ids,
                           miss_ids_device=miss_slots, miss_slots=miss_slots, dirty_ids=none.cpu(),
-                          dirty_ids_device=none, dirty_slots=none, num_overflow=0, num_victims=0, num_unique=n_valid, version=self.version)
+                          dirty_ids_device=none, dirty_slots=none, num_overflow=0, num_victims=0, num_unique=n_valid,
+                          version=self.version)
 
     def commit(self, plan: DevicePlan, pin: bool) -> None:
         self.version += 1

@@ -1,6 +1,6 @@
 """Rows moved between tier 0's pool and the host rows below it by the GPU itself (zero-copy, as
 FBGEMM's UVM table is read): the host rows are pinned and mapped into the device's address space
-(HostStore.mapped_rows), so a kernel reads a miss's row straight from host memory, and writes a
+(gpu/hostmap.py), so a kernel reads a miss's row straight from host memory, and writes a
 dirty victim's row straight back, over the bus: no staging block, no host copy, no wait.
 
 One kernel does both directions: dst[dst_rows[i]] = src[src_rows[i]] for i < n, copying 32-bit
@@ -47,7 +47,7 @@ def move_rows(src: torch.Tensor, src_rows: torch.Tensor, dst: torch.Tensor, dst_
               mark: int | None = None) -> None:
     """dst[dst_rows[i]] = src[src_rows[i]] (float32 [*, width] words, the same width; rows int64
     [n], on the device); with mark (an int32), dst[dst_rows[i]]'s first word = mark where
-    src_rows[i] < 0. Either side may be host rows mapped into the device (HostStore.mapped_rows).
+    src_rows[i] < 0. Either side may be host rows mapped into the device (gpu/hostmap.py).
     Queued on the current stream."""
     n = dst_rows.numel()
     if n == 0:

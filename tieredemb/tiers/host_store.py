@@ -67,8 +67,8 @@ class HostStore:
         return torch.from_numpy(found)
 
     def wrote_in_place(self, ids: torch.Tensor) -> None:
-        """The rows of ids were written into the rows in place (by write_from, or by a device through
-        mapped_rows): they now read as written."""
+        """The rows of ids were written into the rows in place (by write_from, or by a GPU tier 0
+        that mapped the rows): they now read as written."""
         plan = self.index.plan(ids)
         self.index.commit(ids, plan, False, True)
         self.rows_written += len(ids)
