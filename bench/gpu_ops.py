@@ -9,7 +9,8 @@ device-to-host waits (which CPU tensors cannot show), are bench_gpu.py's, on a G
 Counted for one step after a few warm-up steps, per configuration: torch ops that launch a kernel
 on a GPU (not views, allocations or wrapped Python numbers; outside the Triton kernels), Triton
 kernel launches, and item() reads. Configurations: the whole table in
-tier 0; tier 0 = 10% of the rows over host memory; the same through a PrefetchLoader of depth 2
+tier 0; tier 0 = 10% of the rows over host memory (rows copied through host blocks, and with
+zero_copy: moved by a kernel); the same through a PrefetchLoader of depth 2
 (the training thread's step, and separately the prefetch worker's residency of that step's
 batch).
 
@@ -92,10 +93,10 @@ def batches(a, count: int, seed: int = 0):
     return out
 
 
-def table(a, cache_rows):
+def table(a, cache_rows, zero_copy=False):
     emb = tieredemb.TieredEmbeddingBag(a.rows, a.dim, "sum", optimizer=tieredemb.RowWiseAdagrad(lr=0.1),
                                        cache_rows=cache_rows)
-    return on_cpu_tensors(emb, cache_rows)
+    return on_cpu_tensors(emb, cache_rows, zero_copy=zero_copy)
 
 
 def main(argv=None) -> int:
@@ -113,8 +114,10 @@ def main(argv=None) -> int:
     print(f"{a.rows:,} rows x {a.dim}, {a.bags} bags x {a.length} ids; one step (forward + backward + row-wise "
           f"Adagrad) after {a.warmup}, on CPU tensors (Triton interpreted)")
     results = {}
-    for name, cache_rows in (("whole table in tier 0", None), ("tier 0 = 10% over host memory", a.rows // 10)):
-        emb = table(a, cache_rows)
+    for name, cache_rows, zero_copy in (("whole table in tier 0", None, False),
+                                        ("tier 0 = 10% over host memory", a.rows // 10, False),
+                                        ("the same, zero_copy", a.rows // 10, True)):
+        emb = table(a, cache_rows, zero_copy)
         for ids, offsets, grad in data[:-1]:
             emb(ids, offsets).backward(grad)
         ids, offsets, grad = data[-1]
