@@ -10,7 +10,7 @@ Counted for one step after a few warm-up steps, per configuration: torch ops tha
 on a GPU (not views, allocations or wrapped Python numbers; outside the Triton kernels), Triton
 kernel launches, and item() reads. Configurations: the whole table in
 tier 0; tier 0 = 10% of the rows over host memory (rows copied through host blocks, and with
-zero_copy: moved by a kernel); the same through a PrefetchLoader of depth 2
+zero_copy: moved by a kernel); that tier 0 (without zero_copy) through a PrefetchLoader of depth 2
 (the training thread's step, and separately the prefetch worker's residency of that step's
 batch).
 

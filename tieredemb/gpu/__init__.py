@@ -1,5 +1,6 @@
-"""Tier 0 on a GPU: the device index (index.py, plan_kernels.py), the tier (tier.py), the lookup
-kernels (pooling.py) and rows drawn on the device (rowinit.py), in Triton."""
+"""Tier 0 on a GPU: the tier (tier.py), its index (index.py, plan_kernels.py), the batch's dedup
+(dedup.py), the lookup kernels (pooling.py), rows drawn on the device (rowinit.py), and zero-copy
+moves to and from host rows mapped into the GPU (moves.py, hostmap.py); the kernels in Triton."""
 
 from __future__ import annotations
 

@@ -119,7 +119,7 @@ class DeviceTier:
             if not (lower_is_store and hasattr(lower, "locate")):
                 below = getattr(lower, "name", lower)
                 raise ValueError(f"zero_copy needs the table's rows in host memory right below tier 0, not {below!r} "
-                                 "(no ssd_path, no host_rows)")
+                                 "(no ssd_path, no host cache)")
             if device.type == "cuda":  # pinned and mapped: Triton kernels take the host tensor as it is
                 self._unmap = hostmap.pin_and_map(lower, lower.rows, device)
             self.mapped = lower.rows
@@ -358,10 +358,13 @@ class DeviceTier:
         self.bytes_in = self.bytes_out = 0
 
     def close(self) -> None:
-        self.flush()
-        self.lower.close()
-        if self._unmap is not None:
-            self._unmap()  # (after the device is done with the host rows)
+        try:
+            self.flush()
+            self.lower.close()
+        finally:
+            if self._unmap is not None:  # (after the device is done with the host rows)
+                self.mapped = None
+                self._unmap()
 
 
 def on_cpu_tensors(table, cache_rows: int | None, policy: str = "lru", partitions=None, zero_copy: bool = False):
