@@ -514,3 +514,22 @@ def test_embedding_backward_matches_torch():
         expected = ref.weight - 0.5 * ref.weight.grad
     assert torch.allclose(m.read_rows(torch.arange(N)), expected, atol=1e-6)
     assert torch.equal(m.read_rows(torch.tensor([7])), torch.zeros(1, D))
+
+
+def test_the_host_store_counts_the_rows_it_finds_on_every_read_path():
+    """HostStore.read_to into another block (rows copied, the rest drawn), the same deferred (the
+    rest marked for a device to draw), and locate (a zero-copy tier 0's read): each counts its ids
+    as reads and the ones ever written as found."""
+    from tieredemb.tiers.host_store import HostStore
+    from tieredemb.tiers.rowstore import RowInit
+
+    init = RowInit(4, 0, 0.0, 1.0, 7, -1)
+    store = HostStore(100, 4, init)
+    store.write_from(torch.tensor([3, 10, 50]), torch.ones(3, 4), torch.arange(3))
+    ids = torch.tensor([3, 4, 10, 99])
+    store.read_to(ids, torch.zeros(4, 4), torch.arange(4))
+    with init.deferred():
+        store.read_to(ids, torch.zeros(4, 4), torch.arange(4))
+    assert store.locate(ids).tolist() == [3, -1, 10, -1]
+    s = store.stats()
+    assert (s["reads"], s["rows_found"], s["rows_written"], s["rows_stored"]) == (12, 6, 3, 3)

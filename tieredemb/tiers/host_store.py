@@ -35,18 +35,17 @@ class HostStore:
     def read_to(self, ids: torch.Tensor, dst: torch.Tensor, dst_rows: torch.Tensor) -> None:
         # (numpy, not torch, for the masks: torch's intra-op threads cost milliseconds per batch
         # on a busy 2-core machine, measured.)
-        found = self.index.lookup(ids)  # the row's place here, or -1
-        self.reads += len(ids)
+        found = self.locate(ids)  # the row's place here, or -1
         shared = dst.data_ptr() == self.rows.data_ptr()  # tier 0 holds the table in these rows (dst_rows == ids)
         if not shared and not self.init.is_deferred():
-            self.rows_found += self.init.read_or_init(self.rows, torch.from_numpy(found), ids, dst, dst_rows)
+            self.init.read_or_init(self.rows, found, ids, dst, dst_rows)
             return
+        found = found.numpy()
         fresh = found < 0
         if not shared:  # deferred: the stored rows copied, the others marked for the reader to draw
             here = ~fresh
             _C.copy_rows(self.rows, torch.from_numpy(found[here]), dst, torch.from_numpy(dst_rows.numpy()[here]))
         at = np.flatnonzero(fresh)
-        self.rows_found += len(ids) - len(at)
         if len(at) == len(ids):  # (the usual case: tier 0 reads the rows it never held)
             self.init(ids, dst, dst_rows)
         else:
@@ -57,10 +56,11 @@ class HostStore:
             _C.copy_rows(src, src_rows, self.rows, ids)
         self.wrote_in_place(ids)
 
-    # -- zero-copy: a GPU tier 0 moves the rows itself ----------------------------------------
+    # -- where rows are, rows written in place (also for a zero-copy GPU tier 0, which moves them) --
     def locate(self, ids: torch.Tensor) -> torch.Tensor:
         """Where the rows of ids are in the rows (int64 [n] host: the id itself), -1 for a row never
-        written (it reads as its initial value); counted as reads."""
+        written (it reads as its initial value); counted as reads (read_to's, and a zero-copy
+        tier 0's, which reads the rows itself)."""
         found = self.index.lookup(ids)
         self.reads += len(ids)
         self.rows_found += int(np.count_nonzero(found >= 0))
