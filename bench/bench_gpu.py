@@ -17,15 +17,27 @@ Systems:
   ours-host10-zc the same with zero_copy=True: the GPU reads misses from, and writes dirty victims to,
                  the pinned host rows itself (no host copy)
   ours-ssd10     tier 0 = 10%, over the SSD log store (--ssd-path), PrefetchLoader depth 2
+  ours-host10-pf2, ours-host10-zc-pf2
+                 ours-host10 and ours-host10-zc fed through a PrefetchLoader of depth 2: the next
+                 batches' residency (its one wait for the device included) runs on a worker thread
+                 and the tier's own stream while the training thread computes
 
 Also the device index alone: lookups and plan+commit (inserts) per second for a batch of 1M ids.
 Printed: lookups/s, the ratio to each FBGEMM figure, peak GPU memory, device syncs per batch
-(ours: the waits our code makes, counted), and the targets. --json for the record.
+(ours: the waits our code makes, counted, a prefetch worker's included), and the targets.
+--json for the record. --profile DIR: after the timed runs, each system trains 5 more batches
+under torch.profiler: DIR/<system>.txt (the ops and kernels by device time) and
+DIR/<system>.trace.json (a Chrome trace), and the wall and kernel time per step are printed (a
+step whose kernel time is well under its wall time waits for the host).
+--device cpu runs the torch peers and ours on the CPU (FBGEMM's GPU TBE skipped): a check of
+this script's plumbing where there is no GPU, not a figure of the GPU path.
 
     python bench/bench_gpu.py                      # everything (about 10 minutes on an H100)
     python bench/bench_gpu.py --only fbgemm-hbm,ours-hbm --runs 3
     python bench/bench_gpu.py --rows 1000000 --quick
     python bench/bench_gpu.py --dtype float16      # 16-bit weights (FBGEMM: weights_precision FP16)
+    python bench/bench_gpu.py --only fbgemm-uvm10,ours-host10-zc --profile $OUT/prof
+    python bench/bench_gpu.py --device cpu --rows 20000 --quick --only torch-ops,ours-hbm,ours-host10-pf2
 """
 
 from __future__ import annotations
@@ -44,10 +56,22 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from workload import BatchSource, Workload  # noqa: E402
 
 SYSTEMS = ("fbgemm-hbm", "fbgemm-uvm10", "torch-ops", "torch-sparse", "ours-hbm", "ours-host10", "ours-host10-zc",
-           "ours-ssd10")
+           "ours-host10-pf2", "ours-host10-zc-pf2", "ours-ssd10")
 # The issue's targets: ours / peer, at least.
 TARGETS = {"ours-hbm": ("fbgemm-hbm", 1.0), "ours-host10": ("fbgemm-uvm10", 1.0),
-           "ours-host10-zc": ("fbgemm-uvm10", 1.0), "ours-ssd10": ("fbgemm-uvm10", 0.5)}
+           "ours-host10-zc": ("fbgemm-uvm10", 1.0), "ours-host10-pf2": ("fbgemm-uvm10", 1.0),
+           "ours-host10-zc-pf2": ("fbgemm-uvm10", 1.0), "ours-ssd10": ("fbgemm-uvm10", 0.5)}
+PROFILED_STEPS = 5
+
+
+def prefetched(name: str) -> bool:
+    """Whether the system is fed through a PrefetchLoader of depth 2."""
+    return name == "ours-ssd10" or name.endswith("-pf2")
+
+
+def synchronize(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
 
 
 class SyncCounter:
@@ -72,6 +96,8 @@ def build(name: str, w: Workload, a, dev: torch.device):
     lr, eps, rows, dim = a.lr, a.eps, w.rows, w.dim
     offsets_fb = torch.arange(0, w.bags * w.ids_per_bag + 1, w.ids_per_bag, device=dev)
     if name.startswith("fbgemm"):
+        if dev.type != "cuda":
+            raise ImportError("FBGEMM's GPU TBE needs a GPU")
         from fbgemm_gpu.split_embedding_configs import EmbOptimType, SparseType
         from fbgemm_gpu.split_table_batched_embeddings_ops_common import (CacheAlgorithm, ComputeDevice,
                                                                           EmbeddingLocation, PoolingMode)
@@ -116,49 +142,83 @@ def build(name: str, w: Workload, a, dev: torch.device):
 
     cache = None if name == "ours-hbm" else int(rows * a.cache_fraction)
     kw = dict(ssd_path=a.ssd_dir, ssd_options={"backend": "log"}) if name == "ours-ssd10" else {}
-    zero_copy = name == "ours-host10-zc"
+    zero_copy = name.startswith("ours-host10-zc")
     emb = tieredemb.TieredEmbeddingBag(rows, dim, "sum", cache_rows=cache, device=dev, dtype=getattr(torch, a.dtype),
                                        optimizer=tieredemb.RowWiseAdagrad(lr=lr, eps=eps), zero_copy=zero_copy, **kw)
 
     def step(ids, offsets, grad):
         emb(ids, offsets).backward(grad)
     step.module = emb
-    return step, (f"TieredEmbeddingBag cache_rows={cache}" + (", log store, prefetch depth 2" if kw else "")
-                  + (", zero_copy" if zero_copy else ""))
+    return step, (f"TieredEmbeddingBag cache_rows={cache}" + (", log store" if kw else "")
+                  + (", zero_copy" if zero_copy else "") + (", prefetch depth 2" if prefetched(name) else ""))
 
 
 def run_system(name: str, w: Workload, source: BatchSource, a, dev: torch.device, syncs: SyncCounter) -> dict:
-    torch.cuda.reset_peak_memory_stats(dev)
-    before = torch.cuda.memory_allocated(dev)
+    on_gpu = dev.type == "cuda"
+    if on_gpu:
+        torch.cuda.reset_peak_memory_stats(dev)
+    before = torch.cuda.memory_allocated(dev) if on_gpu else 0
     step, what = build(name, w, a, dev)
     grad = torch.randn(w.bags, w.dim, device=dev, generator=torch.Generator(dev).manual_seed(7))
-    batches = [source.batch(i) for i in range(a.warmup + a.runs * w.batches)]
+    profiled = PROFILED_STEPS if a.profile else 0
+    batches = [source.batch(i) for i in range(a.warmup + a.runs * w.batches + profiled)]
     module = getattr(step, "module", None)
-    prefetch = name == "ours-ssd10"
-    stream = iter(tieredemb_loader(module, batches, depth=2) if prefetch else batches)
+    loader = tieredemb_loader(module, batches, depth=2) if prefetched(name) else None
+    stream = iter(loader if loader is not None else batches)
     for _ in range(a.warmup):
         ids, offsets = next(stream)[:2]
         step(ids, offsets, grad)
     rates, sync_rates = [], []
     for _ in range(a.runs):
-        torch.cuda.synchronize(dev)
+        synchronize(dev)
         syncs.count, start = 0, time.perf_counter()
         for _ in range(w.batches):
             ids, offsets = next(stream)[:2]
             step(ids, offsets, grad)
-        torch.cuda.synchronize(dev)
+        synchronize(dev)
         seconds = time.perf_counter() - start
         rates.append(w.batches * w.lookups_per_batch / seconds)
-        sync_rates.append((syncs.count - 2) / w.batches)
+        sync_rates.append((syncs.count - (2 if on_gpu else 0)) / w.batches)
     out = {"system": name, "config": what, "lookups_per_s": statistics.median(rates), "runs": rates,
-           "gpu_bytes": torch.cuda.max_memory_allocated(dev) - before}
+           "gpu_bytes": (torch.cuda.max_memory_allocated(dev) - before) if on_gpu else 0}
+    if profiled:
+        out["profile"] = profile_steps(name, step, stream, profiled, grad, dev, a.profile)
+    if loader is not None:
+        loader.close()
     if module is not None:
         out["syncs_per_batch"] = statistics.median(sync_rates)
         out["tier0_hit_rate"] = module.stats()["tier0"]["hit_rate"]
         module.close()
     del step
-    torch.cuda.empty_cache()
+    if on_gpu:
+        torch.cuda.empty_cache()
     return out
+
+
+def profile_steps(name: str, step, stream, steps: int, grad, dev: torch.device, out_dir: str) -> dict:
+    """`steps` more training steps under torch.profiler: the ops and kernels by device time in
+    out_dir/<name>.txt, a Chrome trace in out_dir/<name>.trace.json; returns the wall time and the
+    kernels' time per step (kernels on several streams may overlap: their sum can pass the wall)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    os.makedirs(out_dir, exist_ok=True)
+    on_gpu = dev.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+    synchronize(dev)
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            ids, offsets = next(stream)[:2]
+            step(ids, offsets, grad)
+        synchronize(dev)
+        wall = time.perf_counter() - start
+    events = prof.key_averages()
+    sort_by = "self_device_time_total" if on_gpu else "self_cpu_time_total"
+    with open(os.path.join(out_dir, f"{name}.txt"), "w") as f:
+        f.write(events.table(sort_by=sort_by, row_limit=40))
+    prof.export_chrome_trace(os.path.join(out_dir, f"{name}.trace.json"))
+    kernel_us = sum(e.self_device_time_total for e in events if e.device_type.name == "CUDA")
+    return {"steps": steps, "wall_ms_per_step": wall * 1e3 / steps, "kernel_ms_per_step": kernel_us / 1e3 / steps}
 
 
 def tieredemb_loader(module, batches, depth):
@@ -208,11 +268,16 @@ def main(argv=None) -> int:
                    help="the weights' type, ours and FBGEMM's (the torch peers stay float32)")
     p.add_argument("--quick", action="store_true", help="5 timed batches, 5 warm-up, 1 run")
     p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--profile", default=None, metavar="DIR",
+                   help=f"profile {PROFILED_STEPS} more steps of each system into DIR (see above)")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                   help="cpu: a check of this script where there is no GPU (FBGEMM's GPU TBE skipped)")
     a = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench_gpu: no CUDA device here; run it on a GPU machine", file=sys.stderr)
+    if a.device == "cuda" and not torch.cuda.is_available():
+        print("bench_gpu: no CUDA device here; run it on a GPU machine (or --device cpu to check the script)",
+              file=sys.stderr)
         return 2
-    dev = torch.device("cuda")
+    dev = torch.device(a.device)
     w = Workload(rows=a.rows, dim=128, bags=8192, ids_per_bag=20, alpha=a.alpha, batches=5 if a.quick else 20)
     if a.quick:
         a.runs, a.warmup = 1, 5
@@ -230,20 +295,27 @@ def main(argv=None) -> int:
                 print(f"{name}: skipped ({e})", file=sys.stderr)
                 continue
         r = results[name]
-        print(f"{name:13s} {r['lookups_per_s'] / 1e6:8.1f} M lookups/s  (runs {', '.join(f'{x / 1e6:.1f}' for x in r['runs'])})"
+        print(f"{name:18s} {r['lookups_per_s'] / 1e6:8.1f} M lookups/s  (runs {', '.join(f'{x / 1e6:.1f}' for x in r['runs'])})"
               f"  GPU {r['gpu_bytes'] / 2**30:5.2f} GiB" + (f"  syncs/batch {r['syncs_per_batch']:.1f}"
                                                            f"  tier-0 hit {r['tier0_hit_rate']:.3f}" if "syncs_per_batch" in r else "")
               + f"  [{r['config']}]", flush=True)
-    print(f"\ndevice: {torch.cuda.get_device_name(dev)}; torch {torch.__version__}")
+        if "profile" in r:
+            pr = r["profile"]
+            print(f"{'':18s} profiled {pr['steps']} steps: {pr['wall_ms_per_step']:.3f} ms a step, kernels "
+                  f"{pr['kernel_ms_per_step']:.3f} ms a step ({a.profile}/{name}.txt)", flush=True)
+    device = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu (a check of the script: no GPU figure)"
+    print(f"\ndevice: {device}; torch {torch.__version__}")
     for ours, (peer, target) in TARGETS.items():
         if ours in results and peer in results:
             ratio = results[ours]["lookups_per_s"] / results[peer]["lookups_per_s"]
             print(f"{ours} / {peer}: {ratio:.2f}x (target >= {target}x: {'met' if ratio >= target else 'NOT met'})")
-    idx = index_speed(dev, a)
-    print(f"device index, 1M ids: {idx['lookups'] / 1e9:.2f} G lookups/s, {idx['inserts'] / 1e9:.3f} G inserts/s")
+    idx = None
+    if dev.type == "cuda":
+        idx = index_speed(dev, a)
+        print(f"device index, 1M ids: {idx['lookups'] / 1e9:.2f} G lookups/s, {idx['inserts'] / 1e9:.3f} G inserts/s")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(dev), "workload": vars(w) if hasattr(w, "__dict__") else str(w),
+            json.dump({"device": device, "workload": vars(w) if hasattr(w, "__dict__") else str(w),
                        "systems": results, "index": idx}, f, indent=1, default=str)
     return 0
 

@@ -8,6 +8,9 @@ if not torch.cuda.is_available():
     # Triton kernels (tieredemb/gpu) run on CPU tensors under Triton's interpreter, which must be
     # chosen before triton is imported.
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# Whether Triton kernels run interpreted in this process (they are compiled on a CUDA machine,
+# where they cannot take CPU tensors).
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def pytest_addoption(parser):
@@ -17,7 +20,12 @@ def pytest_addoption(parser):
 def pytest_collection_modifyitems(config, items):
     skip_slow = pytest.mark.skip(reason="long run: pass --runslow")
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    compiled = pytest.mark.skip(reason="Triton kernels compile in this process (a CUDA machine) and cannot take CPU "
+                                       "tensors: tests/test_gpu.py::test_the_cpu_tensor_tests_pass_in_a_child runs "
+                                       "this file under the interpreter")
     for item in items:
+        if "interpreted" in item.keywords and not INTERPRETED:
+            item.add_marker(compiled)
         if "slow" in item.keywords and not config.getoption("--runslow"):
             item.add_marker(skip_slow)
         if "gpu" in item.keywords and not torch.cuda.is_available():

@@ -223,3 +223,20 @@ def test_a_collection_on_cuda_trains_as_on_the_cpu_with_each_tables_share():
     for t in ("a", "b"):  # each table counted in its own part (set-associative on the GPU: other hits)
         got, want = runs["cuda"][2][t]["tier0"], runs["cpu"][2][t]["tier0"]
         assert got["hits"] + got["misses"] == want["hits"] + want["misses"]
+
+
+def test_the_cpu_tensor_tests_pass_in_a_child():
+    """The tests marked `interpreted` (the GPU path on CPU tensors, its kernels under Triton's
+    interpreter) are skipped in this process, where the kernels compile: here they run in a child
+    process that sees no GPU, as on a machine without one."""
+    import os
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", TRITON_INTERPRET="1")
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "interpreted", here],
+                         cwd=os.path.dirname(here), env=env, capture_output=True, text=True)
+    tail = run.stdout[-3000:] + run.stderr[-2000:]
+    assert run.returncode == 0, tail
+    assert " passed" in tail and " failed" not in tail and " error" not in tail, tail

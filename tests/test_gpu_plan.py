@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+pytestmark = pytest.mark.interpreted
 pytest.importorskip("triton")
 from tieredemb.gpu.index import SetIndex  # noqa: E402
 

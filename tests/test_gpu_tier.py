@@ -13,6 +13,7 @@ import tieredemb
 from training import rows_and_state, train
 from tieredemb import _C
 
+pytestmark = pytest.mark.interpreted
 pytest.importorskip("triton")
 from tieredemb.gpu import pooling, rowinit  # noqa: E402
 from tieredemb.gpu.index import SetIndex  # noqa: E402
