@@ -240,3 +240,41 @@ def test_the_cpu_tensor_tests_pass_in_a_child():
     tail = run.stdout[-3000:] + run.stderr[-2000:]
     assert run.returncode == 0, tail
     assert " passed" in tail and " failed" not in tail and " error" not in tail, tail
+
+
+def test_empty_batches_of_cuda_ids():
+    """Ids given on the GPU, a batch with none (every bag empty): a whole-table tier, a cached one,
+    and one fed through a PrefetchLoader; zero rows out, and nothing changes."""
+    for tiers in (dict(cache_rows=None), dict(cache_rows=100)):
+        emb = tieredemb.TieredEmbeddingBag(NUM, DIM, "sum", optimizer=tieredemb.SGD(lr=0.1), device="cuda", **tiers)
+        none, offsets = torch.empty(0, dtype=torch.int64, device="cuda"), torch.zeros(4, dtype=torch.int64)
+        out = emb(none, offsets)
+        assert out.shape == (4, DIM) and not out.any()
+        out.sum().backward()
+        data = [(none, offsets), (torch.arange(8, device="cuda"), torch.arange(0, 8, 2)), (none, offsets)]
+        with tieredemb.PrefetchLoader(data, [emb], depth=2) as loader:
+            for ids, offs in loader:
+                emb(ids, offs).sum().backward()
+        assert emb.stats()["tier0"]["hits"] + emb.stats()["tier0"]["misses"] == 8
+
+
+def test_a_collection_takes_features_on_either_device():
+    """Ids from the host and the GPU in one batch, per-sample weights on the GPU for one feature
+    only; an unpooled collection's inverse-keyed feature with its inverse on the GPU: the same
+    results as with everything on the host."""
+    tables = [tieredemb.EmbeddingBagConfig("a", 200, DIM, ["fa"]), tieredemb.EmbeddingBagConfig("b", 100, DIM, ["fb"])]
+    ebc = tieredemb.TieredEmbeddingBagCollection(tables, device="cuda")
+    ids_a, ids_b, offsets = torch.tensor([1, 2, 3, 4]), torch.tensor([5, 6, 7, 8]), torch.tensor([0, 2])
+    w = torch.tensor([0.5, 1.0, 2.0, -1.0])
+    with torch.no_grad():
+        mixed = ebc({"fa": (ids_a.cuda(), offsets, w.cuda()), "fb": (ids_b, offsets)}).values()
+        host = ebc({"fa": (ids_a, offsets, w), "fb": (ids_b, offsets)}).values()
+    torch.testing.assert_close(mixed, host)
+    unpooled = [tieredemb.EmbeddingConfig("u", 50, 4, ["fu"])]
+    ec = tieredemb.TieredEmbeddingCollection(unpooled, device="cuda")
+    keyed = tieredemb.InverseKeyed(torch.tensor([3, 4, 5]), torch.tensor([0, 2]), torch.tensor([1, 0, 1]))
+    on_gpu = tieredemb.InverseKeyed(keyed.values, keyed.offsets, keyed.inverse.cuda())
+    with torch.no_grad():
+        a, b = ec({"fu": keyed})["fu"], ec({"fu": on_gpu})["fu"]
+    torch.testing.assert_close(a.values(), b.values())
+    assert a.lengths().tolist() == b.lengths().tolist() == [1, 2, 1]

@@ -260,11 +260,13 @@ class _Collection(nn.Module):
                 weights.append(w)
                 parts.append((f, b, inverse))
                 start += len(values)
-        flat = _cat(ids)
+        flat = _cat(_on_one_device(ids))
         offsets = torch.from_numpy(np.concatenate(bounds))
         psw = None
         if any(w is not None for w in weights):
-            psw = _cat([w if w is not None else torch.ones(len(i), device=i.device) for w, i in zip(weights, ids)])
+            dev = next(w.device for w in weights if w is not None)  # (features without weights: 1 each)
+            psw = _cat(_on_one_device([w if w is not None else torch.ones(len(i), device=dev)
+                                       for w, i in zip(weights, ids)]))
         return flat, offsets, psw, parts
 
     @staticmethod
@@ -422,11 +424,12 @@ class TieredEmbeddingCollection(_Collection):
             n = int(b[-1])
             block, lengths = rows[at:at + n], b[1:] - b[:-1]
             if inverse is not None:  # each sample: its distinct bag's rows
+                inverse = inverse.cpu()  # (b and lengths are on the host)
                 starts, lengths = b[:-1][inverse], lengths[inverse]
                 pick = torch.repeat_interleave(starts - torch.cumsum(lengths, 0) + lengths, lengths) + \
                     torch.arange(int(lengths.sum()))
                 block = block.index_select(0, pick.to(block.device))
-            result[f] = jagged(block, lengths)
+            result[f] = jagged(block, lengths.to(block.device))
             at += n
         return result
 
@@ -435,6 +438,13 @@ def _check_range(feature: str, table, lo: int, hi: int) -> None:
     if lo < 0 or hi >= table.num_embeddings:
         raise IndexError(f"feature {feature!r}: id {lo if lo < 0 else hi} out of range [0, {table.num_embeddings}) "
                          f"of table {table.name!r}")
+
+
+def _on_one_device(parts: list[Tensor]) -> list[Tensor]:
+    """The parts on one device: where some are on a GPU (features given on different devices),
+    all of them there."""
+    dev = next((p.device for p in parts if p.device.type != "cpu"), None)
+    return parts if dev is None else [p.to(dev, non_blocking=True) for p in parts]
 
 
 def _cat(parts: list[Tensor]) -> Tensor:

@@ -68,7 +68,8 @@ class JaggedEmbeddings:
         return self._lengths
 
     def offsets(self) -> Tensor:
-        return torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(self._lengths, 0)])
+        zero = torch.zeros(1, dtype=torch.int64, device=self._lengths.device)
+        return torch.cat([zero, torch.cumsum(self._lengths, 0)])
 
     def to_dense(self) -> list[Tensor]:
         return list(torch.split(self._values, self._lengths.tolist()))

@@ -45,8 +45,9 @@ class _TieredBase(Persistence, nn.Module):
         super().__init__()
         self.config = config
         # A zero-size parameter that makes autograd call our backward (the rows themselves are
-        # not parameters: they live in the tiers and are updated by the fused optimizer).
-        self._grad_anchor = nn.Parameter(torch.empty(0))
+        # not parameters: they live in the tiers and are updated by the fused optimizer). On the
+        # table's device, where code that asks a module's parameters for its device looks.
+        self._grad_anchor = nn.Parameter(torch.empty(0, device=config.device))
         self._store = TableStore.from_config(config)
         self.step = restored_step(self._store, config.ssd_path)
         self._prefetch = Prefetcher(self._store)

@@ -152,11 +152,12 @@ class DeviceTier:
         on_device = ids.device.type != "cpu"
         if not on_device:
             _check_range(ids.numpy(), self.num_embeddings)
-        elif not in_plan or self.init_misses_here:  # (a whole-table tier drawing its misses has no transfer)
+        elif ids.numel() and (not in_plan or self.init_misses_here):  # (a tier drawing its misses has no transfer)
             if bool((ids.min() < 0) | (ids.max() >= self.num_embeddings)):
                 _check_range(ids.cpu().numpy(), self.num_embeddings)
         if self.stream is not None and on_device:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
+            ids.record_stream(self.stream)  # (the caller's tensor, read on the tier's stream)
         with self._on_stream():
             # host ids, checked: as int32 where they fit (the sort then needs half the radix passes)
             narrow = not on_device and self.num_embeddings <= 1 << 31
@@ -239,6 +240,8 @@ class DeviceTier:
                 grown = torch.zeros(self.index.slots_total, self.width, device=self.device)
                 grown[:self.pool.rows.shape[0]] = self.pool.rows
                 self.pool.rows = grown
+                if self.device.type == "cuda":  # (the copies are in place before a kernel on another stream reads them)
+                    torch.cuda.synchronize(self.device)
 
     def admit(self, unique: torch.Tensor, count: torch.Tensor, *, allow_overflow: bool = True):
         """A batch's distinct ids made resident and pinned: see resident()."""
@@ -255,8 +258,9 @@ class DeviceTier:
         self.init_misses_here = False
 
     def unpin(self, slots: torch.Tensor, stream=None) -> None:
-        """Unpins a batch's slots, on stream (the one its kernels ran on) if given."""
-        ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+        """Unpins a batch's slots, on stream (the one its kernels ran on) if given, else on the
+        tier's (a batch never computed with: after its residency, on the stream that made it)."""
+        ctx = torch.cuda.stream(stream) if stream is not None else self._on_stream()
         with ctx, self.index_lock:
             self.index.unpin(slots)
 
@@ -310,7 +314,7 @@ class DeviceTier:
 
     # The lookahead window: unique ids of the batches ahead, as dedup gives them.
     def window_push(self, unique: torch.Tensor, num_unique: torch.Tensor) -> None:
-        with self.index_lock:
+        with self._on_stream(), self.index_lock:  # (after the dedup that wrote them; read by plans there)
             self.index.window_push(unique.to(self.device), num_unique.to(self.device))
 
     def window_pop(self) -> None:

@@ -76,7 +76,7 @@ class ResidentBatch:
         """Orders the current stream after the batch's rows arrived in tier 0 (a no-op on the CPU);
         its release will run on this stream too."""
         if self.event is not None:
-            self.stream = torch.cuda.current_stream()
+            self.stream = torch.cuda.current_stream(self.slots.device)
             self.stream.wait_event(self.event)
             for t in (self.unique, self.inverse, self.count, self.slots, *(self.groups or ())):
                 t.record_stream(self.stream)  # (made on tier 0's stream)
