@@ -14,16 +14,26 @@ zero_copy: moved by a kernel); that tier 0 (without zero_copy) through a Prefetc
 (the training thread's step, and separately the prefetch worker's residency of that step's
 batch).
 
+With --host-time, also the host's time for the whole-table step with every Triton launch made a
+no-op (the kernels' outputs are then whatever memory held: only the whole-table step, whose host
+code reads none of them, runs through): the Python and torch dispatch a step costs the host on
+this machine, without the interpreter's own time and its effect on the caches. Small bags, so the
+torch ops' own work is small. Not a GPU figure: on a GPU each launch costs its own host time too.
+
     python bench/gpu_ops.py
     python bench/gpu_ops.py --rows 100000 --bags 1024 --detail
+    python bench/gpu_ops.py --host-time
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import gc
 import os
+import statistics
 import threading
+import time
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 
@@ -84,6 +94,36 @@ def count_kernels(counter_of_thread):
     InterpretedFunction.run = run
 
 
+def host_time(a, steps: int = 300) -> tuple[float, int]:
+    """(median host seconds of a whole-table step with every Triton launch a no-op, launches a
+    step): see the module's docstring."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    emb = table(a, None)
+    small = argparse.Namespace(**{**vars(a), "bags": 8, "length": 2})
+    data = batches(small, 6)
+    for ids, offsets, grad in data[:5]:  # (real kernels: the rows drawn, the code paths warm)
+        emb(ids, offsets).backward(grad)
+    launch, launches = InterpretedFunction.run, [0]
+
+    def no_op(self, *args, **kwargs):
+        launches[0] += 1
+
+    InterpretedFunction.run = no_op
+    ids, offsets, grad = data[5]
+    times = []
+    gc.disable()
+    try:
+        for _ in range(steps):
+            start = time.perf_counter()
+            emb(ids, offsets).backward(grad)
+            times.append(time.perf_counter() - start)
+    finally:
+        gc.enable()
+        InterpretedFunction.run = launch
+    return statistics.median(times), launches[0] // steps
+
+
 def batches(a, count: int, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     out = []
@@ -107,6 +147,7 @@ def main(argv=None) -> int:
     p.add_argument("--length", type=int, default=20, help="ids per bag")
     p.add_argument("--warmup", type=int, default=5, help="steps before the one counted")
     p.add_argument("--detail", action="store_true", help="also print each configuration's ops by name")
+    p.add_argument("--host-time", action="store_true", help="also time the whole-table step's host code (see above)")
     a = p.parse_args(argv)
     current = threading.local()
     count_kernels(lambda: getattr(current, "counter", None))
@@ -161,6 +202,10 @@ def main(argv=None) -> int:
               f"item() reads {s['scalar_reads']}")
         if a.detail:
             print("    " + ", ".join(f"{k} {n}" for k, n in c.ops.most_common()))
+    if a.host_time:
+        seconds, launches = host_time(a)
+        print(f"  whole-table step, 8 bags x 2 ids, Triton launches made no-ops: host {seconds * 1e6:.0f} us a step "
+              f"(median of 300; {launches} launches a step not counted in it)")
     return 0
 
 
