@@ -290,6 +290,36 @@ def test_dropped_output_releases_its_pins():
     train(m, [[4, 5, 6, 7]])  # needs every slot
 
 
+def test_a_batch_collected_inside_a_lock_is_released_after_it():
+    """The garbage collector may collect a pinned batch while its thread holds one of the
+    package's locks (here the store's room, which a prefetch worker holds as it waits for room):
+    it is released by the store's next residency, not there (its release takes that lock too: the
+    thread hung, before). A real collection in a real thread, no fake."""
+    import threading
+
+    m = te.TieredEmbeddingBag(N, D, "sum", cache_rows=4, optimizer=te.SGD(lr=0.1))
+    st = m._store
+    gc.disable()  # (until the thread collects: no collection of the cycle before)
+    try:
+        cycle = [st.prepare(torch.tensor([0, 1, 2]))]
+        cycle.append(cycle)
+        del cycle
+        collected = threading.Event()
+
+        def collect():
+            with st.room:
+                gc.collect()
+            collected.set()
+
+        threading.Thread(target=collect, daemon=True).start()
+        assert collected.wait(60), "the collecting thread hung"
+    finally:
+        gc.enable()
+    assert st.tier0.index.pinned == 3 and len(st.orphans) == 1
+    train(m, [[4, 5, 6, 7]])  # (its residency releases the collected batch first)
+    assert st.tier0.index.pinned == 0 and not st.orphans and st.batches_held() == 0
+
+
 def test_forward_without_grad_pins_nothing():
     m = te.TieredEmbeddingBag(N, D, "sum", cache_rows=4, optimizer=te.SGD(lr=0.1))
     with torch.no_grad():

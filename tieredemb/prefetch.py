@@ -45,7 +45,7 @@ from collections import deque
 import numpy as np
 import torch
 
-from . import _C
+from . import _C, locks
 
 _REGISTERED, _PLANNING, _RESIDENT, _FAILED = range(4)
 _IDLE_EXIT_S = 1.0  # a worker with nothing to do for this long exits (a later batch restarts one)
@@ -79,7 +79,7 @@ class Prefetcher:
 
     def __init__(self, store):
         self.store = store
-        self.cond = threading.Condition()
+        self.cond = threading.Condition(locks.Counted(reentrant=True))
         self.queue: deque[_Registered] = deque()  # registered, not yet taken by a forward
         self.next_seq = 0
         self.error: BaseException | None = None
@@ -231,9 +231,13 @@ class Prefetcher:
                 self.store.window_push(unique, count)
                 self.windowed.append(self._windowed_upto(p.seq) + 1)
         room = self.store.room
+        retry = False
         while not self.stopping:
             with room:
                 releases = self.store.releases
+            if retry:  # (after a release: its unpin done before this plan reads the pins)
+                self.store.after_releases()
+            retry = True
             batch = self.store.make_resident(p.deduped, allow_overflow=p.forced or self.store.batches_held() == 0)
             if batch is not None:
                 p.batch = batch

@@ -4,17 +4,16 @@ moves to and from host rows mapped into the GPU (moves.py, hostmap.py); the kern
 
 from __future__ import annotations
 
-import contextlib
-import os
-import threading
+from .. import locks
 
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-_TURNS = threading.Lock()
+_TURNS = locks.Counted(reentrant=True)
 
 
 def launch_turn():
-    """Held around each kernel launch. Under Triton's interpreter (kernels on CPU tensors: the
-    tests, bench/gpu_ops.py) launches take turns: the interpreter keeps one grid state per
-    process, which two threads launching at once (a prefetch worker's plan beside training's
-    kernels) corrupt. On a GPU nothing waits."""
-    return _TURNS if _INTERPRETED else contextlib.nullcontext()
+    """Held around each kernel launch: launches take turns. Under Triton's interpreter (kernels
+    on CPU tensors: the tests, bench/gpu_ops.py) the interpreter keeps one grid state per process,
+    which two threads launching at once (a prefetch worker's plan beside training's kernels)
+    corrupt; on a GPU a kernel's first launch compiles it, and Triton's compiler is not safe to run
+    on two threads at once (triton-lang/triton#5933). Most of a launch's host time is Python,
+    under the GIL anyway, so taking turns costs next to nothing once the kernels are compiled."""
+    return _TURNS

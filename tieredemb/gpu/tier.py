@@ -17,12 +17,11 @@ The same code runs on CPU tensors (device "cpu", no streams): that is how the te
 from __future__ import annotations
 
 import contextlib
-import threading
 
 import numpy as np
 import torch
 
-from .. import _C
+from .. import _C, locks
 from ..tiers.cache import Deduped
 from ..tiers.rowstore import DEFERRED_MARK
 from . import hostmap, moves, rowinit
@@ -113,6 +112,7 @@ class DeviceTier:
         # The store below leaves the misses it never stored for this tier to draw (RowInit.deferred);
         # a host cache between would keep such rows, so then the host draws them.
         self.draws_misses = lower_is_store
+        self._released = None  # the event after the last release (a GPU's; see after_releases)
         self.mapped = None  # zero_copy: the host rows below, which the kernels read and write
         self._unmap = None  # (and on a GPU, their release from it)
         if zero_copy:
@@ -125,10 +125,10 @@ class DeviceTier:
             self.mapped = lower.rows
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._before_residencies()  # (the pool's and the index's zeros are in place before any residency)
-        self.index_lock = threading.RLock()  # as CacheTier's (the worker plans while training releases)
-        # Held around each kernel launch on the pool or the index's dirty bits, and while they are
-        # replaced by larger ones (_plan), so no kernel is queued on a tensor being replaced.
-        self.pool_lock = threading.Lock()
+        self.index_lock = locks.Counted(reentrant=True)  # as CacheTier's (the worker plans while training releases)
+        # Held around each kernel launch on the pool, the index's dirty bits or its pins, and while
+        # they are replaced by larger ones (_plan), so no kernel is queued on a tensor being replaced.
+        self.pool_lock = locks.Counted()
 
     @property
     def state(self) -> dict:
@@ -261,8 +261,23 @@ class DeviceTier:
         """Unpins a batch's slots, on stream (the one its kernels ran on) if given, else on the
         tier's (a batch never computed with: after its residency, on the stream that made it)."""
         ctx = torch.cuda.stream(stream) if stream is not None else self._on_stream()
-        with ctx, self.index_lock:
+        # (not the index lock, which a plan holds across its wait for the device: a backward's
+        # release would wait for the prefetch worker's plan; the pins only must not be replaced
+        # meanwhile, which a grow does under the pool lock. A plan's kernels read the pins once
+        # each and take a release landing between them, as they must on a GPU anyway.)
+        with ctx, self.pool_lock:
             self.index.unpin(slots)
+            if self.stream is not None:  # (queued on that stream: a plan retried for room waits for it)
+                self._released = torch.cuda.Event()
+                self._released.record()
+
+    def after_releases(self) -> None:
+        """Orders the tier's stream after the last release's unpin (queued on the stream that
+        computed with its batch): a plan that found no room beside the pinned rows and is tried
+        again after a release must see that release's pins gone."""
+        released = self._released
+        if released is not None:
+            self.stream.wait_event(released)
 
     @property
     def dirty(self) -> torch.Tensor:

@@ -19,13 +19,12 @@ tier 0's misses and takes its write-backs, in chunks of at most its capacity.
 
 from __future__ import annotations
 
-import threading
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
-from .. import _C
+from .. import _C, locks
 from .pools import arange
 from .rowstore import RowStore
 
@@ -57,7 +56,7 @@ class CacheTier:
         # thread (plan and commit here; unpin and mark_dirty by the training thread), so that
         # releasing a batch never waits for another batch's rows to be read. Re-entrant: a batch
         # freed by the garbage collector unpins from whichever thread runs it.
-        self.index_lock = threading.RLock()
+        self.index_lock = locks.Counted(reentrant=True)
 
     @property
     def state(self) -> dict:
@@ -82,6 +81,9 @@ class CacheTier:
     def unpin(self, slots: torch.Tensor, stream=None) -> None:
         with self.index_lock:
             self.index.unpin(slots)
+
+    def after_releases(self) -> None:
+        """(A release here is done when unpin returns.)"""
 
     def mark_dirty(self, slots: torch.Tensor) -> None:
         """Pinned slots whose rows were updated in place (by backward)."""

@@ -10,13 +10,17 @@
 
 Thread-safety: every method that plans, moves rows or reads the layers holds the store's lock
 (re-entrant), so residencies and other row moves never interleave. release() and tier 0's
-mark_dirty() only take tier 0's index lock: they act on pinned slots, which no residency in progress chose
-or moves, so a backward does not wait for the prefetch worker's reads. Forward and backward
-kernels read and write pinned slots of tier 0 without a lock: nothing else touches a pinned slot.
+mark_dirty() only take one of tier 0's locks (a GPU tier's release: its pool lock, not the index
+lock its plans hold across their wait for the device): they act on pinned slots, which no
+residency in progress chose or moves, so a backward does not wait for the prefetch worker's
+reads. Forward and backward kernels read and write pinned slots of tier 0 without a lock: nothing
+else touches a pinned slot. A batch collected while its thread holds one of the package's locks
+is released later (locks.py).
 """
 
 from __future__ import annotations
 
+import collections
 import functools
 import threading
 
@@ -25,7 +29,7 @@ import torch
 
 import ssd_backend
 
-from .. import _C
+from .. import _C, locks
 from .cache import CacheTier
 from .host_store import HostStore
 from .pools import HostPool, reserve_host_rows
@@ -89,7 +93,13 @@ class ResidentBatch:
 
     def __del__(self):
         try:
-            self.release()
+            if self.released:
+                return
+            if locks.any_held():  # (collected inside one of the package's locks: see locks.py)
+                self.released = True
+                self.store.orphans.append((self.slots, self.stream))
+            else:
+                self.release()
         except Exception:
             pass
 
@@ -120,12 +130,15 @@ class TableStore:
                       _device_tier0(num_embeddings, width, cache_rows, policy, lower, init, device,
                                     lower_is_store=lower is self.bottom, partitions=partitions, zero_copy=zero_copy))
         self.tiers.insert(0, self.tier0)
-        self.lock = threading.RLock()
+        self.lock = locks.Counted(reentrant=True)
         # Notified whenever pinned rows are released (releases counts them): a residency
         # waiting for room retries. held: the batches made resident and not yet released.
-        self.room = threading.Condition(threading.Lock())
+        self.room = threading.Condition(locks.Counted())
         self.releases = 0
         self.held = 0
+        # (slots, stream) of batches collected while their thread held one of the package's locks:
+        # released by the next residency or release (locks.py). Appended without a lock.
+        self.orphans: collections.deque = collections.deque()
 
     def _host_tier0(self, num_embeddings: int, width: int, cache_rows: int | None, policy: str, lower,
                     partitions: tuple | None) -> CacheTier:
@@ -182,6 +195,7 @@ class TableStore:
         """Makes a deduplicated batch (dedup's Deduped) resident in tier 0, pinned. allow_overflow
         False: returns None, changing nothing, if rows pinned by other batches leave too little
         room. A failure changes no value; at most some rows leave tier 0."""
+        self.release_orphans()
         got = self.tier0.admit(deduped.unique, deduped.count, allow_overflow=allow_overflow)
         if got is None:
             return None
@@ -198,16 +212,38 @@ class TableStore:
 
     def release(self, batch: ResidentBatch) -> None:
         try:
-            self.tier0.unpin(batch.slots, batch.stream)
+            self._unpin(batch.slots, batch.stream)
+        finally:
+            self.release_orphans()
+
+    def _unpin(self, slots: torch.Tensor, stream) -> None:
+        try:
+            self.tier0.unpin(slots, stream)
         finally:
             with self.room:
                 self.releases += 1
                 self.held -= 1
                 self.room.notify_all()
 
+    def release_orphans(self) -> None:
+        """Releases the batches collected while their thread held one of the package's locks."""
+        while self.orphans:
+            try:
+                slots, stream = self.orphans.popleft()
+            except IndexError:  # (another thread took the last)
+                return
+            self._unpin(slots, stream)
+
+    def after_releases(self) -> None:
+        """Orders tier 0's next residency after every release so far (on a GPU a release is a
+        kernel queued on the stream that computed with its batch): for a residency tried again
+        once a release made room."""
+        self.tier0.after_releases()
+
     def batches_held(self) -> int:
         """Batches made resident and not yet released (only they pin rows): counted on the host,
         so asking waits for no device."""
+        self.release_orphans()
         with self.room:
             return self.held
 
@@ -279,6 +315,7 @@ class TableStore:
     def flush(self, state: dict | None = None) -> None:
         """Returns when every update made before it is in the bottom (durable for SSD), with
         state (a small JSON-able record) stored beside them."""
+        self.release_orphans()
         self.tier0.flush(state)
 
     @_locked
