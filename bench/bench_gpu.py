@@ -49,6 +49,7 @@ import statistics
 import sys
 import tempfile
 import time
+import traceback
 
 import torch
 
@@ -164,7 +165,22 @@ def run_system(name: str, w: Workload, source: BatchSource, a, dev: torch.device
     batches = [source.batch(i) for i in range(a.warmup + a.runs * w.batches + profiled)]
     module = getattr(step, "module", None)
     loader = tieredemb_loader(module, batches, depth=2) if prefetched(name) else None
-    stream = iter(loader if loader is not None else batches)
+    try:
+        return measure(name, what, step, module, iter(loader if loader is not None else batches), grad, w, a, dev,
+                       syncs, before)
+    finally:
+        if loader is not None:
+            loader.close()
+        if module is not None:
+            module.close()
+        del step
+        if on_gpu:
+            torch.cuda.empty_cache()
+
+
+def measure(name, what, step, module, stream, grad, w: Workload, a, dev: torch.device, syncs: SyncCounter,
+            before: int) -> dict:
+    on_gpu = dev.type == "cuda"
     for _ in range(a.warmup):
         ids, offsets = next(stream)[:2]
         step(ids, offsets, grad)
@@ -181,17 +197,15 @@ def run_system(name: str, w: Workload, source: BatchSource, a, dev: torch.device
         sync_rates.append((syncs.count - (2 if on_gpu else 0)) / w.batches)
     out = {"system": name, "config": what, "lookups_per_s": statistics.median(rates), "runs": rates,
            "gpu_bytes": (torch.cuda.max_memory_allocated(dev) - before) if on_gpu else 0}
-    if profiled:
-        out["profile"] = profile_steps(name, step, stream, profiled, grad, dev, a.profile)
-    if loader is not None:
-        loader.close()
     if module is not None:
         out["syncs_per_batch"] = statistics.median(sync_rates)
         out["tier0_hit_rate"] = module.stats()["tier0"]["hit_rate"]
-        module.close()
-    del step
-    if on_gpu:
-        torch.cuda.empty_cache()
+    if a.profile:
+        try:
+            out["profile"] = profile_steps(name, step, stream, PROFILED_STEPS, grad, dev, a.profile)
+        except Exception as e:  # (the timing stands without it)
+            traceback.print_exc()
+            out["profile_error"] = f"{type(e).__name__}: {e}"
     return out
 
 
@@ -283,7 +297,7 @@ def main(argv=None) -> int:
         a.runs, a.warmup = 1, 5
     source = BatchSource(w)
     syncs = SyncCounter()
-    results = {}
+    results, failed = {}, {}
     for name in a.only.split(","):
         if name not in SYSTEMS:
             p.error(f"unknown system {name!r}; systems: {', '.join(SYSTEMS)}")
@@ -294,6 +308,11 @@ def main(argv=None) -> int:
             except ImportError as e:
                 print(f"{name}: skipped ({e})", file=sys.stderr)
                 continue
+            except Exception as e:  # (the other systems still run, and the JSON keeps what failed)
+                traceback.print_exc()
+                failed[name] = f"{type(e).__name__}: {e}"
+                write_json(a.json, dev, w, results, failed)
+                continue
         r = results[name]
         print(f"{name:18s} {r['lookups_per_s'] / 1e6:8.1f} M lookups/s  (runs {', '.join(f'{x / 1e6:.1f}' for x in r['runs'])})"
               f"  GPU {r['gpu_bytes'] / 2**30:5.2f} GiB" + (f"  syncs/batch {r['syncs_per_batch']:.1f}"
@@ -303,8 +322,8 @@ def main(argv=None) -> int:
             pr = r["profile"]
             print(f"{'':18s} profiled {pr['steps']} steps: {pr['wall_ms_per_step']:.3f} ms a step, kernels "
                   f"{pr['kernel_ms_per_step']:.3f} ms a step ({a.profile}/{name}.txt)", flush=True)
-    device = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu (a check of the script: no GPU figure)"
-    print(f"\ndevice: {device}; torch {torch.__version__}")
+        write_json(a.json, dev, w, results, failed)  # (after each system: a later one may not finish)
+    print(f"\ndevice: {device_name(dev)}; torch {torch.__version__}")
     for ours, (peer, target) in TARGETS.items():
         if ours in results and peer in results:
             ratio = results[ours]["lookups_per_s"] / results[peer]["lookups_per_s"]
@@ -313,11 +332,19 @@ def main(argv=None) -> int:
     if dev.type == "cuda":
         idx = index_speed(dev, a)
         print(f"device index, 1M ids: {idx['lookups'] / 1e9:.2f} G lookups/s, {idx['inserts'] / 1e9:.3f} G inserts/s")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"device": device, "workload": vars(w) if hasattr(w, "__dict__") else str(w),
-                       "systems": results, "index": idx}, f, indent=1, default=str)
-    return 0
+    write_json(a.json, dev, w, results, failed, idx)
+    return 1 if failed else 0
+
+
+def device_name(dev: torch.device) -> str:
+    return torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu (a check of the script: no GPU figure)"
+
+
+def write_json(path, dev: torch.device, w: Workload, results: dict, failed: dict, index=None) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump({"device": device_name(dev), "workload": vars(w) if hasattr(w, "__dict__") else str(w),
+                       "systems": results, "failed": failed, "index": index}, f, indent=1, default=str)
 
 
 if __name__ == "__main__":

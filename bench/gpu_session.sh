@@ -3,28 +3,36 @@
 # limit), every log and result under $OUT (the folder that comes back). Each step builds the native
 # core first if this machine has not yet (about 11 s; a machine handed back and started again is bare).
 #
-#   bash bench/gpu_session.sh tests        tests/test_gpu.py (the GPU tests; the CPU-tensor ones in a child)
+#   bash bench/gpu_session.sh tests        tests/test_gpu.py: the GPU tests (not the child below)
+#   bash bench/gpu_session.sh interpreted  the CPU-tensor tests (marked interpreted) as a machine without a GPU
+#                                          runs them: what test_gpu.py's child test runs (about 8 minutes)
 #   bash bench/gpu_session.sh suite        every other test file (the CPU engine, on this machine)
 #   bash bench/gpu_session.sh hbm          bench_gpu.py: the table whole in HBM, ours and the peers
 #   bash bench/gpu_session.sh host         bench_gpu.py: tier 0 = 10% over host memory (copies, zero-copy,
 #                                          each with and without prefetch) against FBGEMM's UVM cache
 #   bash bench/gpu_session.sh ssd          bench_gpu.py: tier 0 = 10% over the log store, prefetch depth 2
-#   bash bench/gpu_session.sh profile      one run of ours and FBGEMM's under torch.profiler ($OUT/prof)
+#   bash bench/gpu_session.sh profile      one run of ours and FBGEMM's under torch.profiler ($OUT/prof.tgz)
 #   bash bench/gpu_session.sh collection   bench_collection.py --device cuda --quick
 #
 # FBGEMM's GPU TBE (the peer) and rocksdict / lz4 (for the SSD stores) do not come with the machine.
 # Stage them from here first (../shared/tools/stage_wheels.sh .wheels rocksdict lz4 fbgemm-gpu==1.6.0,
 # one `run` per .wheels/wK folder carrying it: mkdir -p /root/w && cp .wheels/wK/* /root/w/); the first
 # step after that assembles them into /tmp/site. Without them the FBGEMM systems print "skipped".
+#
+# Few files come back from a call: each step leaves a log, a JSON and at most one archive under $OUT.
+# A step that hangs is stopped before the call's limit (LIMIT seconds) with every thread's stack in
+# its log.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 step=${1:-}
 case "$step" in
-  tests|suite|hbm|host|ssd|profile|collection) ;;
-  *) echo "usage: bash bench/gpu_session.sh tests|suite|hbm|host|ssd|profile|collection" >&2; exit 2 ;;
+  tests|interpreted|suite|hbm|host|ssd|profile|collection) ;;
+  *) echo "usage: bash bench/gpu_session.sh tests|interpreted|suite|hbm|host|ssd|profile|collection" >&2; exit 2 ;;
 esac
 PY=${PYTHON:-python3}
 OUT=${OUT:-/tmp/gpu_session}
+export PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1  # (SIGABRT from `timeout -s ABRT`: every thread's stack)
+LIMIT=${LIMIT:-560}
 mkdir -p "$OUT"
 
 if [ -f /root/w/assemble.sh ] && [ ! -d /tmp/site ]; then
@@ -36,20 +44,32 @@ fi
 if ! "$PY" -c 'import tieredemb._C' 2>/dev/null; then
   "$PY" -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | tail -3
 fi
-nvidia-smi --query-gpu=name,memory.used,memory.total,utilization.gpu --format=csv | tee "$OUT/nvidia-smi.txt" || true
+nvidia-smi --query-gpu=name,memory.used,memory.total,utilization.gpu --format=csv || true
 
 bench() {  # bench NAME ARGS...: bench_gpu.py with a log and a JSON under $OUT
   local name=$1; shift
-  "$PY" bench/bench_gpu.py "$@" --json "$OUT/$name.json" 2>&1 | tee "$OUT/$name.log"
+  timeout -s ABRT "$LIMIT" "$PY" bench/bench_gpu.py "$@" --json "$OUT/$name.json" 2>&1 | tee "$OUT/$name.log"
+}
+tests() {  # tests NAME ARGS...: pytest with a log under $OUT
+  local name=$1; shift
+  timeout -s ABRT "$LIMIT" "$PY" -m pytest -q -p no:cacheprovider -rs "$@" 2>&1 | tee "$OUT/$name.log"
 }
 case "$step" in
-  tests) "$PY" -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py 2>&1 | tee "$OUT/test_gpu.log" ;;
-  suite) timeout 560 "$PY" -m pytest -q -p no:cacheprovider -rs --ignore tests/test_gpu.py -m "not interpreted" tests \
-           2>&1 | tee "$OUT/suite.log" ;;
+  tests) tests test_gpu tests/test_gpu.py --deselect tests/test_gpu.py::test_the_cpu_tensor_tests_pass_in_a_child ;;
+  interpreted)
+    par=$("$PY" -c 'import xdist; print("-n 8")' 2>/dev/null || true)
+    CUDA_VISIBLE_DEVICES="" TRITON_INTERPRET=1 tests interpreted -m interpreted $par tests ;;
+  suite) tests suite --ignore tests/test_gpu.py -m "not interpreted" tests ;;
   hbm) bench hbm --only fbgemm-hbm,ours-hbm,torch-ops,torch-sparse ;;
   host) bench host --only fbgemm-uvm10,ours-host10,ours-host10-zc,ours-host10-pf2,ours-host10-zc-pf2 ;;
   ssd) bench ssd --only fbgemm-uvm10,ours-ssd10 --ssd-path /tmp ;;
-  profile) bench profile --only fbgemm-hbm,ours-hbm,fbgemm-uvm10,ours-host10,ours-host10-zc --runs 1 --profile "$OUT/prof" ;;
+  profile)  # (the profiles packed into one archive: few files come back)
+    rc=0
+    rm -rf /tmp/prof
+    bench profile --only fbgemm-hbm,ours-hbm,fbgemm-uvm10,ours-host10,ours-host10-zc --runs 1 --profile /tmp/prof || rc=$?
+    [ -d /tmp/prof ] && tar czf "$OUT/prof.tgz" -C /tmp prof
+    exit $rc ;;
   collection)
-    "$PY" bench/bench_collection.py --device cuda --quick --json "$OUT/collection.json" 2>&1 | tee "$OUT/collection.log" ;;
+    timeout -s ABRT "$LIMIT" "$PY" bench/bench_collection.py --device cuda --quick --json "$OUT/collection.json" 2>&1 \
+      | tee "$OUT/collection.log" ;;
 esac

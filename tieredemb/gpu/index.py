@@ -26,7 +26,7 @@ import dataclasses
 
 import torch
 
-from . import plan_kernels
+from . import launch_turn, plan_kernels
 from .plan_kernels import HASH as _HASH, NEVER as _NEVER, USES_CAP as _USES_CAP, WINDOW_KEY as _WINDOW_KEY
 
 
@@ -284,7 +284,8 @@ class SetIndex:
             self.uses[fresh_at] = 0
             at = torch.where(plan.valid, plan.slots, self.slots_total)
             if pin:
-                self.pins.index_add_(0, at, torch.ones_like(at, dtype=torch.int32))
+                with launch_turn():  # (as the kernels' pins: a release may add to them at once)
+                    self.pins.index_add_(0, at, torch.ones_like(at, dtype=torch.int32))
             self.stamp[at] = self.clock
             self.uses.index_add_(0, at, torch.ones_like(at))
         self.clock += 1
@@ -333,7 +334,8 @@ class SetIndex:
             plan_kernels.release(slots, self.pins)
             return
         at = torch.where(slots >= 0, slots, self.slots_total)
-        self.pins.index_add_(0, at, torch.full_like(at, -1, dtype=torch.int32))
+        with launch_turn():  # (a commit may add to the pins at once: see commit)
+            self.pins.index_add_(0, at, torch.full_like(at, -1, dtype=torch.int32))
 
     def mark_clean(self, slots: torch.Tensor) -> None:
         self.dirty[slots] = 0
