@@ -175,7 +175,10 @@ class Prefetcher:
         late_rows: misses the forward waited on the worker for; demand_misses: misses of forwards
         of batches never registered (made resident by the forward itself); wait_seconds: time
         forwards spent waiting for their rows (late or demand); room_waits: times the worker found
-        too little room beside the rows pinned by batches in flight and waited for a backward."""
+        too little room beside the rows pinned by batches in flight and waited for a backward.
+        (A GPU tier 0 holding the whole table draws its misses on the device and counts them
+        there, so as not to wait for it: stats()["tier0"] has them, the three row counts here
+        leave them out.)"""
         with self.cond:
             return dict(self.counters)
 
