@@ -112,7 +112,7 @@ class DeviceTier:
         # The store below leaves the misses it never stored for this tier to draw (RowInit.deferred);
         # a host cache between would keep such rows, so then the host draws them.
         self.draws_misses = lower_is_store
-        self._released = None  # the event after the last release (a GPU's; see after_releases)
+        self._release_stream = None  # the stream of the last release (a GPU's; see after_releases)
         self.mapped = None  # zero_copy: the host rows below, which the kernels read and write
         self._unmap = None  # (and on a GPU, their release from it)
         if zero_copy:
@@ -268,16 +268,16 @@ class DeviceTier:
         with ctx, self.pool_lock:
             self.index.unpin(slots)
             if self.stream is not None:  # (queued on that stream: a plan retried for room waits for it)
-                self._released = torch.cuda.Event()
-                self._released.record()
+                self._release_stream = torch.cuda.current_stream(self.device)
 
     def after_releases(self) -> None:
         """Orders the tier's stream after the last release's unpin (queued on the stream that
-        computed with its batch): a plan that found no room beside the pinned rows and is tried
-        again after a release must see that release's pins gone."""
-        released = self._released
+        computed with its batch; the tier's stream then waits for all that stream queued so far):
+        a plan that found no room beside the pinned rows and is tried again after a release must
+        see that release's pins gone."""
+        released = self._release_stream
         if released is not None:
-            self.stream.wait_event(released)
+            self.stream.wait_stream(released)
 
     @property
     def dirty(self) -> torch.Tensor:

@@ -54,8 +54,8 @@ class CacheTier:
         self.bytes_out = 0
         # Held around each index call that may run beside a residency in progress on another
         # thread (plan and commit here; unpin and mark_dirty by the training thread), so that
-        # releasing a batch never waits for another batch's rows to be read. Re-entrant: a batch
-        # freed by the garbage collector unpins from whichever thread runs it.
+        # releasing a batch never waits for another batch's rows to be read. (A batch the garbage
+        # collector frees while its thread holds this lock is released later: see locks.py.)
         self.index_lock = locks.Counted(reentrant=True)
 
     @property
