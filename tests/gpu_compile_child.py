@@ -51,7 +51,7 @@ def main() -> None:
     JITFunction.run = compile_only
 
     import tieredemb
-    from tieredemb.gpu import dedup, moves, plan_kernels, pooling, rowinit
+    from tieredemb.gpu import checks, dedup, moves, plan_kernels, pooling, rowinit
     from tieredemb.gpu.index import DirectIndex, SetIndex
     from tieredemb.tiers.rowstore import RowInit
 
@@ -85,8 +85,17 @@ def main() -> None:
             moves.move_rows(rows, ids, rows, ids, mark=mark)
 
     for n in (1, 3000):  # a batch's dedup (n = 1: no scan to read), of device ids and of host ids as int32
-        for dtype in (torch.int64, torch.int32):
+        for dtype, sentinel in ((torch.int64, checks.SENTINEL64), (torch.int32, checks.SENTINEL32)):
             dedup.dedup(torch.zeros(n, dtype=dtype))
+            dedup.dedup(torch.zeros(n, dtype=dtype), sentinel)  # (ids after the last bag left out)
+    # device inputs' checks: ids of either type, with offsets of either type or none, include_last_offset
+    # or not, narrowed to int32 or not (a table of more than 2^31 - 1 rows)
+    for n in (1, 3000):
+        for ids_type in (torch.int64, torch.int32):
+            for offsets in (None, torch.tensor([0, 1]), torch.tensor([0, 1], dtype=torch.int32)):
+                for last in ((False, True) if offsets is not None else (False,)):
+                    for rows in (1000, 1 << 40):
+                        checks.check_on_device(torch.zeros(n, dtype=ids_type), offsets, rows, last)
 
     opts = [tieredemb.SGD(lr=0.1), tieredemb.Adagrad(lr=0.1), tieredemb.RowWiseAdagrad(lr=0.1),
             tieredemb.MomentumScaledRowWiseAdagrad(lr=0.1, scale=4), tieredemb.Adam(lr=0.1)]

@@ -173,7 +173,7 @@ def test_prefetch_keeps_the_training_thread_from_waiting_for_the_device(monkeypa
     for owner in (torch.cuda.Stream, torch.cuda.Event):
         original = owner.synchronize
         monkeypatch.setattr(owner, "synchronize",
-                            lambda self, _o=original: (waits.append(threading.get_ident()), _o(self))[1])
+                            lambda self, _o=original: (waits.append(threading.current_thread().name), _o(self))[1])
     emb = tieredemb.TieredEmbeddingBag(NUM, DIM, "sum", optimizer=tieredemb.SGD(lr=0.1), cache_rows=100,
                                        device="cuda")
     g = torch.Generator().manual_seed(1)
@@ -182,7 +182,7 @@ def test_prefetch_keeps_the_training_thread_from_waiting_for_the_device(monkeypa
         for ids, offsets in loader:
             emb(ids, offsets).sum().backward()
     torch.cuda.synchronize()
-    assert threading.get_ident() not in waits
+    assert set(waits) == {"tieredemb-prefetch"}  # (not the training thread, nor autograd's, which runs the backward)
     assert 0 < len(waits) <= 2 * len(data)
     assert emb.stats()["prefetch"]["prefetched_rows"] > 0
 
@@ -283,3 +283,107 @@ def test_a_collection_takes_features_on_either_device():
         a, b = ec({"fu": keyed})["fu"], ec({"fu": on_gpu})["fu"]
     torch.testing.assert_close(a.values(), b.values())
     assert a.lengths().tolist() == b.lengths().tolist() == [1, 2, 1]
+
+
+def _waits(monkeypatch):
+    """A list filled with the name of the thread of each wait of the host for the device: the
+    implicit ones (.item(), a copy to the host, a stream's synchronize: torch's sync debug mode warns
+    of each) and Event.synchronize. Use inside _warned_waits(). (A CUDA backward runs on autograd's
+    own thread: the training side is every thread but the prefetch worker, "tieredemb-prefetch".)"""
+    import threading
+
+    waits = []
+    original = torch.cuda.Event.synchronize
+    monkeypatch.setattr(torch.cuda.Event, "synchronize",
+                        lambda self: (waits.append(threading.current_thread().name), original(self))[1])
+    return waits
+
+
+class _warned_waits:
+    def __init__(self, waits):
+        self.waits = waits
+
+    def __enter__(self):
+        import threading
+        import warnings
+
+        self.caught = warnings.catch_warnings()
+        self.caught.__enter__()
+        warnings.simplefilter("always")
+        warnings.showwarning = lambda message, *a, **k: (
+            self.waits.append(threading.current_thread().name) if "synchroniz" in str(message) else None)
+        torch.cuda.set_sync_debug_mode("warn")
+        return self
+
+    def __exit__(self, *exc):
+        torch.cuda.set_sync_debug_mode("default")
+        self.caught.__exit__(*exc)
+
+
+def _device_batches(include_last_offset: bool, steps: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        ids = torch.randint(0, NUM, (64,), generator=g)
+        offsets = torch.arange(0, 64 + (1 if include_last_offset else 0), 4)
+        if include_last_offset:  # (ids after the last bag: no bag's, not even checked)
+            ids, offsets[-1] = torch.cat([ids, torch.tensor([NUM + 7, 3])]), 64
+        out.append((ids.cuda(), offsets.cuda(), torch.randn(16, DIM, generator=g).cuda()))
+    return out
+
+
+@pytest.mark.parametrize("include_last_offset", [False, True])
+@pytest.mark.parametrize("cache_rows", [None, 100])
+def test_ids_and_offsets_on_the_gpu_cost_one_wait_a_batch(monkeypatch, cache_rows, include_last_offset):
+    """Ids and offsets given on the GPU: checked there, the verdict read in the plan's one
+    transfer (a cached tier 0) or with one read (a new table whole in HBM, which draws its rows on
+    the device): one wait a step, as host inputs take at most."""
+    waits = _waits(monkeypatch)
+    emb = tieredemb.TieredEmbeddingBag(NUM, DIM, "sum", optimizer=tieredemb.SGD(lr=0.1), cache_rows=cache_rows,
+                                       include_last_offset=include_last_offset, device="cuda")
+    data = _device_batches(include_last_offset, 10)
+    emb(*data[0][:2]).sum().backward()  # (the kernels compiled)
+    torch.cuda.synchronize()
+    with _warned_waits(waits):
+        for ids, offsets, grad in data[1:]:
+            emb(ids, offsets).backward(grad)
+    assert len(waits) == len(data) - 1
+
+
+def test_prefetched_ids_and_offsets_on_the_gpu_leave_the_training_thread_waiting_for_nothing(monkeypatch):
+    """Through a PrefetchLoader of depth 2: the worker reads each batch's verdict with its plan;
+    the training side never waits (its forwards recognize the prefetched tensors by identity)."""
+    waits = _waits(monkeypatch)
+    emb = tieredemb.TieredEmbeddingBag(NUM, DIM, "sum", optimizer=tieredemb.SGD(lr=0.1), cache_rows=100,
+                                       include_last_offset=True, device="cuda")
+    data = _device_batches(True, 12)
+    with _warned_waits(waits), tieredemb.PrefetchLoader(data, [emb], depth=2) as loader:
+        for ids, offsets, grad in loader:
+            emb(ids, offsets).backward(grad)
+    torch.cuda.synchronize()
+    assert waits and set(waits) == {"tieredemb-prefetch"}
+    assert emb.stats()["prefetch"]["prefetched_rows"] > 0
+
+
+@pytest.mark.parametrize("cache_rows", [None, 100])
+def test_ids_and_offsets_on_the_gpu_train_bit_for_bit_as_host_ones(cache_rows):
+    """The same batches given on the host and on the GPU (ids after the last bag among them):
+    the same outputs, rows and state, bit for bit; a bad batch on the GPU raises the host's error."""
+    runs = []
+    for on_gpu in (False, True):
+        emb = tieredemb.TieredEmbeddingBag(NUM, DIM, "mean", optimizer=tieredemb.Adam(lr=0.05), cache_rows=cache_rows,
+                                           include_last_offset=True, device="cuda", seed=4)
+        outs = []
+        for ids, offsets, grad in _device_batches(True, 8, seed=3):
+            if not on_gpu:
+                ids, offsets = ids.cpu(), offsets.cpu()
+            out = emb(ids, offsets)
+            out.backward(grad)
+            outs.append(out.detach().cpu())
+        runs.append((torch.stack(outs), _table(emb)))
+        with pytest.raises(ValueError, match=r"offsets must be non-decreasing: offsets\[2\] = 1 < offsets\[1\] = 3"):
+            emb(torch.arange(4, device="cuda"), torch.tensor([0, 3, 1, 4], device="cuda"))
+        with pytest.raises(IndexError, match=rf"id {NUM} out of range \[0, {NUM}\)"):
+            emb(torch.tensor([1, NUM], device="cuda"), torch.tensor([0, 1, 2], device="cuda"))
+        assert torch.equal(_table(emb), runs[-1][1])
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])

@@ -23,7 +23,9 @@ class Part(NamedTuple):
     """One table's share of a lookup: the tiered module, its ids int64 [N], bag boundaries int64
     [B + 1], per-sample weights [N] or None, pooling mode (0 sum, 1 mean, 2 max), whether the
     padding row is left out of the bags, and out_at: where each bag's row starts in the output
-    block, in floats (int64 [B] on the host; None: the block is this part's own [B, dim])."""
+    block, in floats (int64 [B] on the host; None: the block is this part's own [B, dim]);
+    check: the verdict on device inputs (gpu/checks.py) or None; source: the caller's tensors
+    (a prefetched batch's forward recognizes them)."""
 
     table: object
     ids: Tensor
@@ -33,6 +35,8 @@ class Part(NamedTuple):
     exclude_padding: bool
     out_at: Tensor | None = None
     segments: tuple | None = None  # (starts [S + 1], row_ends [S]): runs of disjoint id ranges (CacheTier.dedup)
+    check: object = None
+    source: tuple = ()
 
 
 class Expand(NamedTuple):
@@ -76,11 +80,15 @@ class _Pool(torch.autograd.Function):
 _FROZEN = object()  # a part's saved state when its table takes no update
 
 
-def pooled(table, ids: Tensor, offsets: Tensor, psw: Tensor | None, mode: int, exclude_padding: bool) -> Tensor:
-    """ids int64 [N]; offsets int64 [B + 1] bag boundaries; psw [N] or None; mode 0 sum, 1 mean,
-    2 max. Returns [B, D]. table: the tiered module (its store, prefetcher, optimizer, step)."""
+def pooled(table, ids: Tensor, offsets: Tensor, psw: Tensor | None, mode: int, exclude_padding: bool,
+           check=None, source: tuple = ()) -> Tensor:
+    """ids int [N]; offsets int64 [B + 1] bag boundaries; psw [N] or None; mode 0 sum, 1 mean,
+    2 max. Returns [B, D]. table: the tiered module (its store, prefetcher, optimizer, step).
+    check, source: see Part (a check's added empty bag is pooled and left out of the result)."""
     bags = len(offsets) - 1
-    return pooled_block([Part(table, ids, offsets, psw, mode, exclude_padding)], (bags, table.embedding_dim), bags)
+    samples = bags - 1 if check is not None and check.extra_bag else bags
+    return pooled_block([Part(table, ids, offsets, psw, mode, exclude_padding, check=check, source=source)],
+                        (bags, table.embedding_dim), samples)
 
 
 def pooled_block(parts: list, shape: tuple, samples: int, expand: tuple = ()) -> Tensor:
@@ -92,7 +100,7 @@ def pooled_block(parts: list, shape: tuple, samples: int, expand: tuple = ()) ->
     taken = []
     try:
         for part in parts:
-            batch = part.table._prefetch.take(part.ids, part.offsets, part.segments)
+            batch = part.table._prefetch.take(part.ids, part.offsets, part.segments, part.check, part.source)
             taken.append(batch)
             batch.await_rows()
     except BaseException:

@@ -72,6 +72,10 @@ class _TieredBase(Persistence, nn.Module):
     width = property(lambda self: self.config.width)
     layout = property(lambda self: self.config.layout)
 
+    def _on_device(self, t: Tensor) -> bool:
+        """Whether t is on the GPU that tier 0's rows are on (its checks are then made there)."""
+        return t.device.type != "cpu" and t.device == getattr(self._store.tier0.pool, "device", None)
+
     # -- rows ---------------------------------------------------------------------------------
     def _check_ids(self, ids) -> Tensor:
         ids = torch.as_tensor(ids)
@@ -194,7 +198,7 @@ class TieredEmbeddingBag(_TieredBase):
         """input: int [N] ids with offsets int [B] bag starts (B + 1 with include_last_offset),
         or int [B, L] with offsets None. per_sample_weights: float, input's shape, mode 'sum'.
         Returns [B, D]."""
-        flat, offsets_full = self._bags(input, offsets)
+        flat, offsets_full, check = self._bags(input, offsets)
         psw = None
         if per_sample_weights is not None:
             if self.mode != "sum":
@@ -205,37 +209,51 @@ class TieredEmbeddingBag(_TieredBase):
                 raise ValueError(f"per_sample_weights has shape {tuple(per_sample_weights.shape)}, "
                                  f"expected input's shape {tuple(input.shape)}")
             psw = per_sample_weights.reshape(-1)[:len(flat)]
-        out = lookup.pooled(self, flat, offsets_full, psw, _MODES[self.mode], exclude_padding=True)
+        out = lookup.pooled(self, flat, offsets_full, psw, _MODES[self.mode], exclude_padding=True, check=check,
+                            source=(input, offsets))
         return out.to(per_sample_weights.dtype) if psw is not None and psw.dtype != out.dtype else out
 
     def prefetch(self, input: Tensor, offsets: Tensor | None = None) -> None:
         """Registers a future batch (forward's input and offsets): its rows are made resident in
         tier 0 by a background worker and stay pinned until that batch's backward. Forwards of
-        registered batches must come in registration order. Bad ids raise here; nothing changes."""
-        self._prefetch.register(*self._bags(input, offsets))
+        registered batches must come in registration order. Bad host ids and offsets raise here;
+        bad ids or offsets on the GPU are checked there, without a wait here, and raise at the
+        next call (that batch's forward, or a later prefetch). Nothing changes either way."""
+        self._prefetch.register(*self._bags(input, offsets), source=(input, offsets))
 
     @staticmethod
     def forward_inputs(input: Tensor) -> int:
         """How many tensors forward takes with this input: 2 (ids, offsets) for 1-D ids, else 1."""
         return 2 if input.dim() == 1 else 1
 
-    def _bags(self, input: Tensor, offsets: Tensor | None) -> tuple[Tensor, Tensor]:
-        """forward's (input, offsets), checked -> (ids [N], bag boundaries int64 [B + 1])."""
+    def _bags(self, input: Tensor, offsets: Tensor | None) -> tuple[Tensor, Tensor, object]:
+        """forward's (input, offsets), checked -> (ids [N], bag boundaries int64 [B + 1], the
+        verdict on device inputs or None). Host offsets are checked here. Ids and offsets both on
+        tier 0's GPU are checked there, without a wait (gpu/checks.py): the boundaries are then on
+        the GPU (with include_last_offset, B + 2 of them: the ids after the last bag stay, in an
+        added empty bag), and the verdict is read where the batch's residency waits for the
+        device anyway. (Other device ids are checked by tier 0's dedup, in the same way.)"""
         _check_int_tensor("input", input)
         if input.dim() == 2:
             if offsets is not None:
                 raise ValueError("offsets must be None when input is 2-D [B, L] (each row is a bag)")
             bags, length = input.shape
-            return input.reshape(-1), torch.from_numpy(np.arange(0, (bags + 1) * length, length, dtype=np.int64)[:bags + 1])
+            if self._on_device(input):
+                return input.reshape(-1), torch.arange(0, (bags + 1) * length, length, device=input.device), None
+            return input.reshape(-1), torch.from_numpy(np.arange(0, (bags + 1) * length, length, dtype=np.int64)[:bags + 1]), None
         if input.dim() == 1:
             if offsets is None:
                 raise ValueError("offsets is required when input is 1-D (bag starts, int [B])")
             _check_int_tensor("offsets", offsets)
             if offsets.dim() != 1:
                 raise ValueError(f"offsets must be 1-D, got shape {tuple(offsets.shape)}")
+            if len(offsets) and self._on_device(input) and self._on_device(offsets):
+                from .gpu.checks import check_on_device
+
+                return check_on_device(input, offsets, self.num_embeddings, self.include_last_offset)
             bounds = self._normalize_offsets(offsets.to("cpu", torch.int64), len(input))
             # (with include_last_offset, ids after the last bag's end belong to no bag: left out, as torch does)
-            return input[:int(bounds[-1])], bounds
+            return input[:int(bounds[-1])], bounds, None
         raise ValueError(f"input must be 1-D (with offsets) or 2-D [B, L], got shape {tuple(input.shape)}")
 
     def _normalize_offsets(self, offsets: Tensor, n: int) -> Tensor:
@@ -273,21 +291,24 @@ class TieredEmbedding(_TieredBase):
 
     def forward(self, input: Tensor) -> Tensor:
         """input: int ids of any shape [*]. Returns [*, D]."""
-        out = lookup.pooled(self, *self._bags(input), None, _MODES["sum"], exclude_padding=False)
+        ids, bounds = self._bags(input)
+        out = lookup.pooled(self, ids, bounds, None, _MODES["sum"], exclude_padding=False, source=(input,))
         return out.reshape(*input.shape, self.embedding_dim)
 
     def prefetch(self, input: Tensor) -> None:
         """Registers a future batch (forward's input): see TieredEmbeddingBag.prefetch."""
-        self._prefetch.register(*self._bags(input))
+        self._prefetch.register(*self._bags(input), source=(input,))
 
     @staticmethod
     def forward_inputs(input: Tensor) -> int:
         """How many tensors forward takes: 1 (the ids)."""
         return 1
 
-    @staticmethod
-    def _bags(input: Tensor) -> tuple[Tensor, Tensor]:
-        """ids of any shape -> (ids [N], one bag per id: boundaries [N + 1])."""
+    def _bags(self, input: Tensor) -> tuple[Tensor, Tensor]:
+        """ids of any shape -> (ids [N], one bag per id: boundaries [N + 1], on tier 0's GPU if
+        the ids are)."""
         _check_int_tensor("input", input)
         flat = input.reshape(-1)
+        if self._on_device(flat):
+            return flat, torch.arange(len(flat) + 1, device=flat.device)
         return flat, torch.from_numpy(np.arange(len(flat) + 1, dtype=np.int64))

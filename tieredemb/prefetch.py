@@ -58,11 +58,11 @@ class PrefetchOrderError(ValueError):
 class _Registered:
     """A batch registered by prefetch(): its ids, dedup, and (once resident) its ResidentBatch."""
 
-    __slots__ = ("seq", "ids", "offsets", "source", "version", "deduped", "batch", "state", "forced")
+    __slots__ = ("seq", "ids", "offsets", "source", "versions", "deduped", "batch", "state", "forced")
 
-    def __init__(self, seq: int, ids: torch.Tensor, offsets: torch.Tensor, source: torch.Tensor, deduped):
+    def __init__(self, seq: int, ids: torch.Tensor, offsets: torch.Tensor, source: tuple, deduped):
         self.seq, self.ids, self.offsets = seq, ids, offsets
-        self.source, self.version = source, source._version  # the caller's tensor, as it was
+        self.source, self.versions = source, _versions(source)  # the caller's tensors, as they were
         self.deduped = deduped  # (the store's Deduped)
         self.batch = None
         self.state = _REGISTERED
@@ -108,34 +108,44 @@ class Prefetcher:
             self.cond.notify_all()
 
     # -- training thread ----------------------------------------------------------------------
-    def register(self, ids: torch.Tensor, offsets: torch.Tensor) -> None:
-        """Queues a batch (flat ids [N], bag boundaries [B + 1]) for residency. IndexError for
-        an id out of range, before anything changes."""
+    def register(self, ids: torch.Tensor, offsets: torch.Tensor, check=None, source: tuple = ()) -> None:
+        """Queues a batch (flat ids [N], bag boundaries [B + 1]) for residency. Host ids: IndexError
+        for an id out of range, here, before anything changes. Device ids (check: the verdict on
+        device inputs, gpu/checks.py) are checked by the worker, without a wait here: their error
+        is raised by the next call on this thread (that batch's forward, or a later register),
+        before anything changes. source: the caller's tensors
+        (the forward's, given again, are recognized without comparing their values)."""
         # Copies (the caller may reuse its tensors); host ones made by numpy: a torch copy this
         # large runs on an OpenMP team of this thread's, whose threads spin between batches and
-        # take CPU from the worker (measured: ~10 ms per batch on 2 cores). Device ids stay there.
-        source = ids
-        ids = (torch.from_numpy(np.array(ids.numpy(), dtype=np.int64)) if ids.device.type == "cpu"
-               else ids.to(torch.int64).clone())
-        offsets = torch.from_numpy(offsets.numpy().copy())
-        deduped = self.store.dedup(ids)
+        # take CPU from the worker (measured: ~10 ms per batch on 2 cores). Device ids stay there
+        # (ids and boundaries a device check wrote are copies already).
+        if ids.device.type == "cpu" and check is None:
+            ids = torch.from_numpy(np.array(ids.numpy(), dtype=np.int64))
+        elif check is None:
+            ids = ids.to(torch.int64).clone()
+        if offsets.device.type == "cpu":
+            offsets = torch.from_numpy(offsets.numpy().copy())
+        elif check is None:
+            offsets = offsets.clone()
+        deduped = self.store.dedup(ids, check=check, in_plan=True)
         with self.cond:
             self._raise_error()
-            self.queue.append(_Registered(self.next_seq, ids, offsets, source, deduped))
+            self.queue.append(_Registered(self.next_seq, ids, offsets, tuple(source), deduped))
             self.next_seq += 1
             self.counters["registered"] += 1
             self._ensure_worker()
 
-    def take(self, ids: torch.Tensor, offsets: torch.Tensor, segments=None):
+    def take(self, ids: torch.Tensor, offsets: torch.Tensor, segments=None, check=None, source: tuple = ()):
         """A forward's batch, resident and pinned (a ResidentBatch). The oldest registered batch
-        (checked), waited for; else (nothing registered) made resident here (segments: as
-        TableStore.dedup takes them). A background error surfaces here."""
+        (checked: source, the caller's tensors, as register takes them), waited for; else
+        (nothing registered) made resident here (segments, check: as TableStore.dedup takes them).
+        A background error surfaces here."""
         start = time.perf_counter()
         with self.cond:
             self._raise_error()
             if self.queue:
                 p = self.queue[0]
-                self._check_order(p, ids, offsets)
+                self._check_order(p, ids, offsets, check, tuple(source))
                 found = p.state
                 if found != _RESIDENT:  # the worker takes it now, whatever the window and the room
                     p.forced = True
@@ -148,7 +158,7 @@ class Prefetcher:
                 self._count(p.batch.misses, "prefetched_rows" if found == _RESIDENT else "late_rows", start)
                 batch, p.batch = p.batch, None
                 return batch
-        batch = self.store.prepare(ids, segments)
+        batch = self.store.prepare(ids, segments, check)
         with self.cond:
             self._count(batch.misses, "demand_misses", start)
         return batch
@@ -279,20 +289,25 @@ class Prefetcher:
             self.thread.start()
         self.cond.notify_all()
 
-    def _check_order(self, p: _Registered, ids: torch.Tensor, offsets: torch.Tensor) -> None:
-        if np.array_equal(p.offsets.numpy(), offsets.numpy()):
-            if ids is p.source and ids._version == p.version:
-                return  # the very tensor registered, unchanged since: no copy to compare
-            if ids.device.type == "cpu" and p.ids.device.type == "cpu":
-                if np.array_equal(p.ids.numpy(), ids.numpy()):  # numpy, not torch.equal: see register
-                    return
-            elif len(ids) == len(p.ids) and bool(torch.equal(p.ids, ids.to(p.ids.device, torch.int64))):
-                return
-        ids = ids.cpu()
+    def _check_order(self, p: _Registered, ids: torch.Tensor, offsets: torch.Tensor, check, source: tuple) -> None:
+        """Whether the forward's batch is p: the very tensors registered, unchanged since (no
+        copy to compare), or the same values (a device comparison waits for the device; a batch
+        checked on the device is compared as its ids in bags and its boundaries without the added
+        bag, and its verdict is read then too: ids past int32 compare equal to their low bits)."""
+        if source and len(source) == len(p.source) and all(a is b for a, b in zip(source, p.source)) \
+                and _versions(source) == p.versions:
+            return
+        want_ids, want_offsets = _in_bags(p.ids, p.offsets, p.deduped.check)
+        got_ids, got_offsets = _in_bags(ids, offsets, check)
+        if _equal(want_offsets, got_offsets) and _equal(want_ids, got_ids):
+            if check is not None:
+                check.resolve()
+            return
+        got_ids = got_ids.cpu()
         raise PrefetchOrderError(
             f"forward of a batch that is not the oldest prefetched one: expected prefetched batch #{p.seq} "
-            f"({len(p.ids)} ids {_head(p.ids)}, {len(p.offsets) - 1} bags), got {len(ids)} ids {_head(ids)}, "
-            f"{len(offsets) - 1} bags. Run forwards in the order the batches were prefetched "
+            f"({len(want_ids)} ids {_head(want_ids)}, {len(want_offsets) - 1} bags), got {len(got_ids)} ids "
+            f"{_head(got_ids)}, {len(got_offsets) - 1} bags. Run forwards in the order the batches were prefetched "
             f"({len(self.queue)} registered)")
 
     def _raise_error(self) -> None:
@@ -320,6 +335,30 @@ class Prefetcher:
         self.counters[key] += misses
         if key != "prefetched_rows":
             self.counters["wait_seconds"] += time.perf_counter() - start
+
+
+def _versions(tensors: tuple) -> tuple:
+    return tuple(None if t is None else t._version for t in tensors)
+
+
+def _in_bags(ids: torch.Tensor, offsets: torch.Tensor, check) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch's ids in bags and its boundaries, as host inputs give them: a device check's added
+    empty bag, and the ids after the last bag, left out (reading where the bags end: a wait)."""
+    if check is None or not check.extra_bag:
+        return ids, offsets
+    offsets = offsets[:-1]
+    return ids[:int(offsets[-1])], offsets
+
+
+def _equal(registered: torch.Tensor, given: torch.Tensor) -> bool:
+    """Whether a registered copy holds the values given (host tensors compared by numpy, not
+    torch.equal: see register; a device tensor's comparison waits for the device)."""
+    if len(registered) != len(given):
+        return False
+    if registered.device.type == "cpu" and given.device.type == "cpu":
+        return np.array_equal(registered.numpy(), given.numpy())
+    return len(registered) == len(given) and bool(torch.equal(registered, given.to(registered.device,
+                                                                                        registered.dtype)))
 
 
 def _head(ids: torch.Tensor, k: int = 4) -> str:

@@ -1,5 +1,5 @@
-"""Tier 0 on a GPU: the tier (tier.py), its index (index.py, plan_kernels.py), the batch's dedup
-(dedup.py), the lookup kernels (pooling.py), rows drawn on the device (rowinit.py), and zero-copy
+"""Tier 0 on a GPU: the tier (tier.py), its index (index.py, plan_kernels.py), device inputs'
+checks (checks.py), the batch's dedup (dedup.py), the lookup kernels (pooling.py), rows drawn on the device (rowinit.py), and zero-copy
 moves to and from host rows mapped into the GPU (moves.py, hostmap.py); the kernels in Triton."""
 
 from __future__ import annotations

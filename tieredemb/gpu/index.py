@@ -151,22 +151,23 @@ class SetIndex:
 
     # -- residency ----------------------------------------------------------------------------
     def plan(self, ids: torch.Tensor, num_unique: torch.Tensor, num_embeddings: int, rows: torch.Tensor | None = None,
-             guess: int = 0) -> DevicePlan | int:
+             guess: int = 0, check=None) -> DevicePlan | int:
         """Slots for the distinct ids[:U] (U = num_unique, int64 [1] on the device) and the victims
         that make room; overflow slots for the misses that find none. Changes nothing. Returns the
         plan, or the number of overflow slots to add (grow(), then plan again) when there are too
         few. IndexError for an id out of [0, num_embeddings). Ends with its one device-to-host
         transfer. rows (the tier's pool) and guess: that transfer also carries the rows of the
         first `guess` dirty victims; plan.dirty_rows holds them when they are all of them (so
-        writing them down waits for nothing more), else None."""
-        plan, need, free = self._plan(ids, num_unique, num_embeddings, rows, guess)
+        writing them down waits for nothing more), else None. check: a DeviceCheck whose verdict
+        the transfer carries too (its error raised first)."""
+        plan, need, free = self._plan(ids, num_unique, num_embeddings, rows, guess, check)
         return plan if need <= free else max(self.overflow_slots, need - free)
 
     def grow(self, slots: int) -> None:
         """Adds overflow slots (the caller makes sure no queued kernel uses the state tensors)."""
         self._alloc(self.overflow_slots + slots)
 
-    def _plan(self, ids, num_unique, num_embeddings, rows=None, guess=0):
+    def _plan(self, ids, num_unique, num_embeddings, rows=None, guess=0, check=None):
         n, dev = ids.numel(), self.device
         guess = min(guess, n + self.overflow_slots) if rows is not None else 0
         if self.kernels == "triton":
@@ -178,7 +179,10 @@ class SetIndex:
             placed = plan_kernels.place(ids, num_unique, num_embeddings, self, found, chosen, self.tag, rows, guess)
         else:
             placed = self._place_twin(ids, num_unique, rows, guess, num_embeddings)
-        host, *guessed = _to_host(placed.xfer, *([placed.guessed] if guess else []))
+        host, *guessed = _to_host(placed.xfer, *([placed.guessed] if guess else []),
+                                  *([check.fault] if check is not None else []))
+        if check is not None:
+            check.raise_if(bool(guessed.pop().any()))
         k = plan_kernels.KINDS
         c = host[:k].tolist()
         if c[plan_kernels.BAD]:
@@ -451,10 +455,10 @@ class DirectIndex:
         return torch.where(self.held[ids], ids, -1)
 
     def plan(self, ids: torch.Tensor, num_unique: torch.Tensor, num_embeddings: int, rows=None,
-             guess: int = 0) -> DevicePlan:
+             guess: int = 0, check=None) -> DevicePlan:
         """The misses of ids[:U] (rows not held yet), their ids on the host (the caller reads them
         from below), with one wait for the device. IndexError for an id out of range. Changes
-        nothing. (rows, guess: SetIndex.plan's; this tier evicts nothing.)"""
+        nothing. (rows, guess, check: SetIndex.plan's; this tier evicts nothing.)"""
         n, dev = ids.numel(), self.device
         valid = torch.arange(n, device=dev) < num_unique
         slots = torch.where(valid, ids, -1)
@@ -462,7 +466,10 @@ class DirectIndex:
         fresh = valid & ~bad & ~self.held[torch.where(valid & ~bad, ids, self.slots_total)]
         miss_slots = _compact(fresh, ids, n)
         none = torch.empty(0, dtype=torch.int64, device=dev)
-        (host,) = _to_host(torch.cat([torch.stack([fresh.sum(), valid.sum(), bad.sum()]), miss_slots]))
+        host, *fault = _to_host(torch.cat([torch.stack([fresh.sum(), valid.sum(), bad.sum()]), miss_slots]),
+                                *([check.fault] if check is not None else []))
+        if check is not None:
+            check.raise_if(bool(fault[0].any()))
         n_miss, n_valid, n_bad = host[:3].tolist()
         if n_bad:
             raise IndexError(f"id {int(ids[bad][0])} out of range [0, {num_embeddings})")

@@ -9,7 +9,9 @@ slots int64 [>= U] (unique row u lives in pool row slots[u]); unique int64 [>= U
 find the padding row); inverse int64 [N] (occurrence i is unique row inverse[i]); offsets int64
 [B + 1] (bag b is occurrences offsets[b] .. offsets[b+1]); psw float32 [N] or None. Buffers may
 be longer than U (a batch deduplicated on the device, its U never read by the host): occurrences
-only name u < U.
+in a bag only name u < U. Occurrences in no bag (include_last_offset's ids after the last bag,
+on the device path: gpu/checks.py) name u = U, whose unique id and slot are -1: the kernels that
+read every occurrence leave them out.
 """
 
 from __future__ import annotations
@@ -111,13 +113,14 @@ def forward(pool: torch.Tensor, dim: int, slots: torch.Tensor, unique: torch.Ten
 @triton.jit
 def _psw_grad_kernel(pool_ptr, slots_ptr, unique_ptr, inverse_ptr, bag_ptr, grad_ptr, at_ptr, out_ptr, dim, width,
                      skip_id, HAS_AT: tl.constexpr, WEIGHTS: tl.constexpr, BLOCK: tl.constexpr):
-    """Occurrence i: out[i] = <row of i, grad of its bag> (0 for row skip_id)."""
+    """Occurrence i: out[i] = <row of i, grad of its bag> (0 for row skip_id, and for an id after
+    the last bag, which has no row: slot -1)."""
     i = tl.program_id(0)
     u = tl.load(inverse_ptr + i)
     cols = tl.arange(0, BLOCK)
     acc = tl.zeros([BLOCK], dtype=tl.float32)
-    if tl.load(unique_ptr + u) != skip_id:
-        slot = tl.load(slots_ptr + u)
+    slot = tl.load(slots_ptr + u)
+    if (tl.load(unique_ptr + u) != skip_id) & (slot >= 0):
         g_base = _out_row(at_ptr, tl.load(bag_ptr + i), dim, HAS_AT)
         for start in range(0, dim, BLOCK):
             c = start + cols
@@ -182,7 +185,7 @@ def _chunk_kernel(sorted_ptr, order_ptr, start_ptr, chunk_ptr, unique_ptr, bag_p
         if p < n:
             row = tl.load(sorted_ptr + p)
             uid = tl.load(unique_ptr + row)
-            if (uid != skip_id) & (uid != frozen_id):
+            if (uid >= 0) & (uid != skip_id) & (uid != frozen_id):  # (-1: ids after the last bag)
                 row_start = tl.load(start_ptr + row)
                 g = _tile_grad(order_ptr, p, tl.load(start_ptr + row + 1), bag_ptr, scale_ptr, grad_ptr, at_ptr,
                                argmax_ptr, dim, cols, w, MODE, HAS_AT, SCALE, TILE)

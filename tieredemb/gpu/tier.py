@@ -138,50 +138,66 @@ class DeviceTier:
         return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
 
     # -- batches ------------------------------------------------------------------------------
-    def dedup(self, ids: torch.Tensor, segments=None, *, in_plan: bool = False):
+    def dedup(self, ids: torch.Tensor, segments=None, *, in_plan: bool = False, check=None):
         """ids int [N] (any device) -> Deduped (gpu/dedup.py: unique [N], the distinct ids
         ascending in the first U entries; inverse [N]; U as an int64 [1] tensor; the grouping the
         backward reuses), computed on the tier's stream, without waiting for the device.
         IndexError for an id out of range: checked on the host for host ids (the cheap way); for
-        device ids with one wait for the device, or, with in_plan (the batch's plan follows at
-        once), by that plan in its one transfer, where the tier has one. Changes nothing. Device
+        device ids on the device (gpu/checks.py), the verdict read with one wait here, or, with
+        in_plan (the batch is made resident next, here or by a prefetch worker), by that residency
+        (Deduped.check), in the transfer its plan makes anyway. Changes nothing. check: the
+        verdict on ids already checked on the device (by the module, with their offsets). Device
         ids may come from the caller's stream: the tier's stream waits for it then (only then:
         host ids let residency run beside the compute queued before). segments (a collection's
         runs of disjoint id ranges) are not needed: one sort dedups the whole batch on the
         device."""
-        on_device = ids.device.type != "cpu"
+        on_device = check is not None or ids.device.type != "cpu"
         if not on_device:
             _check_range(ids.numpy(), self.num_embeddings)
-        elif ids.numel() and (not in_plan or self.init_misses_here):  # (a tier drawing its misses has no transfer)
-            if bool((ids.min() < 0) | (ids.max() >= self.num_embeddings)):
-                _check_range(ids.cpu().numpy(), self.num_embeddings)
         if self.stream is not None and on_device:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
             ids.record_stream(self.stream)  # (the caller's tensor, read on the tier's stream)
         with self._on_stream():
+            if on_device and check is None:
+                from .checks import check_on_device
+
+                ids, _, check = check_on_device(ids.to(self.device, non_blocking=True), None, self.num_embeddings)
             # host ids, checked: as int32 where they fit (the sort then needs half the radix passes)
             narrow = not on_device and self.num_embeddings <= 1 << 31
-            ids = ids.to(self.device, torch.int32 if narrow else torch.int64, non_blocking=True)
+            ids = ids.to(self.device, torch.int32 if narrow else ids.dtype if on_device else torch.int64,
+                         non_blocking=True)
             if ids.numel() == 0:
                 empty = torch.empty(0, dtype=torch.int64, device=self.device)
-                return Deduped(empty, empty, torch.zeros(1, dtype=torch.int64, device=self.device))
-            return device_dedup(ids)
+                deduped = Deduped(empty, empty, torch.zeros(1, dtype=torch.int64, device=self.device))
+            else:
+                deduped = device_dedup(ids, None if check is None else check.sentinel)
+            if check is None:
+                return deduped
+            if in_plan:
+                return deduped._replace(check=check)
+            check.resolve()  # (on the tier's stream, which the verdict was written on or waited for)
+            return deduped
 
-    def resident(self, unique: torch.Tensor, num_unique: torch.Tensor, *, pin: bool, allow_overflow: bool = True):
+    def resident(self, unique: torch.Tensor, num_unique: torch.Tensor, *, pin: bool, allow_overflow: bool = True,
+                 check=None):
         """Makes the distinct ids unique[:U] resident, on the tier's stream. Returns (slots [N] on
         the device, misses (an int; 0 when only the device counted them), the event after which the
         rows are in place), or None (nothing changed) if the batch needs overflow slots and
         allow_overflow is False. The dirty victims are written down, then the misses read from
         below, and only then does tier 0 change: a failed write or read leaves it as it was (the
-        victims written down already stay dirty in it)."""
+        victims written down already stay dirty in it). check: the verdict on the batch's device
+        inputs (Deduped.check), read before anything changes: in the plan's transfer, or, with no
+        plan to make, with one wait of its own; the inputs' error raised if they break a rule."""
         with self._on_stream():
             if self.init_misses_here:  # every miss drawn here: the whole residency is one launch
+                if check is not None:
+                    check.resolve()
                 with self.index_lock:
                     slots = self.index.draw(unique, num_unique, self.pool.rows, self.init)
                 # (it counts its misses on the device: see stats())
                 return slots, 0, self._record()
             with self.index_lock:
-                plan = self._plan(unique, num_unique)
+                plan = self._plan(unique, num_unique, check)
             if plan.num_overflow and not allow_overflow:
                 return None
             dirty = plan.dirty_ids.numel()
@@ -222,7 +238,7 @@ class DeviceTier:
         event.record(self.stream)
         return event
 
-    def _plan(self, unique: torch.Tensor, num_unique: torch.Tensor):
+    def _plan(self, unique: torch.Tensor, num_unique: torch.Tensor, check=None):
         """The index's plan, after adding the overflow slots it asks for (rare: the first batches
         wider than any before). Growing replaces the pool and the index's state tensors: under
         pool_lock, which every kernel launch on them takes, and after the device is idle, so no
@@ -230,7 +246,7 @@ class DeviceTier:
         while True:
             # (the transfer brings dirty rows for the host to write down; zero-copy writes them from the device)
             rows = self.pool.rows if self.mapped is None else None
-            plan = self.index.plan(unique, num_unique, self.num_embeddings, rows, self.dirty_guess)
+            plan = self.index.plan(unique, num_unique, self.num_embeddings, rows, self.dirty_guess, check)
             if not isinstance(plan, int):
                 return plan
             with self.pool_lock:
@@ -243,9 +259,9 @@ class DeviceTier:
                 if self.device.type == "cuda":  # (the copies are in place before a kernel on another stream reads them)
                     torch.cuda.synchronize(self.device)
 
-    def admit(self, unique: torch.Tensor, count: torch.Tensor, *, allow_overflow: bool = True):
+    def admit(self, unique: torch.Tensor, count: torch.Tensor, *, allow_overflow: bool = True, check=None):
         """A batch's distinct ids made resident and pinned: see resident()."""
-        return self.resident(unique, count, pin=True, allow_overflow=allow_overflow)
+        return self.resident(unique, count, pin=True, allow_overflow=allow_overflow, check=check)
 
     def mark_dirty(self, slots: torch.Tensor) -> None:
         """Slots whose rows were updated in place (the Triton backward marks them itself)."""

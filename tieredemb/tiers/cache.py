@@ -33,12 +33,14 @@ class Deduped(NamedTuple):
     """A batch's ids deduplicated by its tier 0: the distinct ids in unique[:count], inverse [N]
     (ids[i] == unique[inverse[i]]), count (an int, or an int64 [1] tensor on the device), and
     groups: None, or (order, row, start) on the device, which the backward would otherwise sort
-    for (gpu/dedup.py)."""
+    for (gpu/dedup.py). check: None, or the verdict on device inputs that the batch's residency
+    reads (gpu/checks.py's DeviceCheck)."""
 
     unique: torch.Tensor
     inverse: torch.Tensor
     count: object
     groups: tuple | None = None
+    check: object = None
 
 
 class CacheTier:
@@ -72,9 +74,10 @@ class CacheTier:
                                    *(segments or (None, None)))
         return Deduped(torch.from_numpy(unique), torch.from_numpy(inverse), len(unique))
 
-    def admit(self, unique: torch.Tensor, count: int, *, allow_overflow: bool = True):
+    def admit(self, unique: torch.Tensor, count: int, *, allow_overflow: bool = True, check=None):
         """A batch's distinct ids made resident and pinned: (slots, misses, None), or None (nothing
-        changed) if it needs overflow slots and allow_overflow is False."""
+        changed) if it needs overflow slots and allow_overflow is False. (check: a device tier's;
+        host ids were checked by dedup.)"""
         got = self.resident(unique, pin=True, allow_overflow=allow_overflow)
         return None if got is None else (*got, None)
 

@@ -71,7 +71,7 @@ class ResidentBatch:
 
     def __init__(self, store: "TableStore", deduped, slots, misses: int, event):
         self.store = store
-        self.unique, self.inverse, self.count, self.groups = deduped
+        self.unique, self.inverse, self.count, self.groups = deduped[:4]
         self.slots, self.misses, self.event = slots, misses, event
         self.stream = None
         self.released = False
@@ -182,13 +182,16 @@ class TableStore:
         return self.bottom.state
 
     # -- batches ------------------------------------------------------------------------------
-    def dedup(self, ids: torch.Tensor, segments=None):
+    def dedup(self, ids: torch.Tensor, segments=None, *, check=None, in_plan: bool = False):
         """ids: int [N] (any order, duplicates allowed) -> Deduped (tiers/cache.py): the distinct
         ids in unique[:count], ids[i] == unique[inverse[i]], where tier 0 is (see its dedup).
         segments: None, or (starts [S + 1], row_ends [S]) when the ids are runs of disjoint id
         ranges (a collection's tables: native/kernels/dedup.h); the same result. IndexError for an
-        id out of range. Changes nothing."""
-        return self.tier0.dedup(ids, segments)
+        id out of range (with in_plan, device ids' may be raised by make_resident instead; check:
+        device inputs checked on the device, gpu/checks.py). Changes nothing."""
+        if check is None:
+            return self.tier0.dedup(ids, segments, in_plan=in_plan)
+        return self.tier0.dedup(ids, segments, in_plan=in_plan, check=check)
 
     @_locked
     def make_resident(self, deduped, *, allow_overflow: bool = True) -> ResidentBatch | None:
@@ -196,7 +199,7 @@ class TableStore:
         False: returns None, changing nothing, if rows pinned by other batches leave too little
         room. A failure changes no value; at most some rows leave tier 0."""
         self.release_orphans()
-        got = self.tier0.admit(deduped.unique, deduped.count, allow_overflow=allow_overflow)
+        got = self.tier0.admit(deduped.unique, deduped.count, allow_overflow=allow_overflow, check=deduped.check)
         if got is None:
             return None
         slots, misses, event = got
@@ -204,11 +207,11 @@ class TableStore:
             self.held += 1
         return ResidentBatch(self, deduped, slots, misses, event)
 
-    def prepare(self, ids: torch.Tensor, segments=None) -> ResidentBatch:
-        """ids: int [N] (segments: see dedup). Dedups them and makes them resident in tier 0,
-        pinned. IndexError for an id out of range, before any tier changes (a device tier 0's plan
-        may check device ids, in the transfer it makes anyway)."""
-        return self.make_resident(self.tier0.dedup(ids, segments, in_plan=True))
+    def prepare(self, ids: torch.Tensor, segments=None, check=None) -> ResidentBatch:
+        """ids: int [N] (segments, check: see dedup). Dedups them and makes them resident in tier
+        0, pinned. IndexError for an id out of range, before any tier changes (a device tier 0's
+        plan checks device ids in the transfer it makes anyway)."""
+        return self.make_resident(self.dedup(ids, segments, check=check, in_plan=True))
 
     def release(self, batch: ResidentBatch) -> None:
         try:

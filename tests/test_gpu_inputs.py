@@ -1,0 +1,224 @@
+"""Ids and offsets on the GPU: checked there by one kernel (gpu/checks.py), the verdict read where
+the batch's residency waits for the device anyway (or by the prefetch worker), so device inputs
+cost the training thread no wait of their own; a bad batch raises the error host inputs give,
+before anything changes; training equals the host inputs' bit for bit.
+
+Run on CPU tensors, the kernels under Triton's interpreter, with the module's device-input path
+forced: the `device_inputs` fixture makes `_on_device` answer True for a table whose tier 0 is a
+DeviceTier on CPU tensors (the seam these tests use: on a GPU, CUDA tensors take that path
+themselves, and tests/test_gpu.py counts its waits)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tieredemb
+from training import rows_and_state, train
+
+pytestmark = pytest.mark.interpreted
+pytest.importorskip("triton")
+from tieredemb.gpu.checks import SENTINEL32, SENTINEL64, check_on_device  # noqa: E402
+from tieredemb.gpu.dedup import dedup  # noqa: E402
+from tieredemb.gpu.tier import DeviceTier, on_cpu_tensors  # noqa: E402
+from tieredemb.module import _TieredBase  # noqa: E402
+
+NUM, D = 300, 8
+
+
+@pytest.fixture
+def device_inputs(monkeypatch):
+    monkeypatch.setattr(_TieredBase, "_on_device", lambda self, t: isinstance(self._store.tier0, DeviceTier))
+
+
+def weights():
+    return torch.randn(NUM, D, generator=torch.Generator().manual_seed(1))
+
+
+def table(cache_rows, mode="sum", opt=lambda: tieredemb.Adam(lr=0.05), on_device=True, pretrained=True, **kw):
+    emb = tieredemb.TieredEmbeddingBag(NUM, D, mode, optimizer=opt(), cache_rows=cache_rows, seed=5,
+                                       **({"_weight": weights()} if pretrained else {}), **kw)
+    return on_cpu_tensors(emb, cache_rows) if on_device else emb
+
+
+def batches(include_last_offset, seed=0, steps=6, bags=10, length=6):
+    """Bags of `length` ids, Zipf-like; with include_last_offset, B + 1 offsets and 5 ids after
+    the last bag: rows 290..294 (which no bag reads) and one far out of range (no bag's either)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        ids = (torch.rand(bags * length, generator=g) ** 2 * 280).long()
+        offsets = torch.arange(0, bags * length + (1 if include_last_offset else 0), length)
+        if include_last_offset:
+            ids = torch.cat([ids, torch.tensor([290, 291, 292, 10**9, 294])])
+        out.append((ids, offsets, torch.randn(bags, D, generator=g)))
+    return out
+
+
+@pytest.mark.parametrize("include_last_offset", [False, True], ids=["starts", "last-offset"])
+@pytest.mark.parametrize("tiers, mode", [(dict(cache_rows=None), "mean"), (dict(cache_rows=None, pretrained=False), "sum"),
+                                         (dict(cache_rows=64), "max"), (dict(cache_rows=8), "sum")],
+                         ids=["whole-mean", "new-whole-sum", "cache64-max", "cache8-sum"])
+@pytest.mark.parametrize("depth", [0, 2])
+def test_device_inputs_train_bit_for_bit_as_host_inputs(device_inputs, include_last_offset, tiers, mode, depth):
+    """The same table fed the same batches as host tensors and as device ones (the device path):
+    equal outputs, rows and optimizer state, bit for bit; Adam, so a row that only the ids after
+    the last bag name would show an update (a zero gradient still moves Adam's moments)."""
+    runs = []
+    for on_device in (False, True):
+        emb = table(**tiers, mode=mode, include_last_offset=include_last_offset)
+        if not on_device:
+            emb._on_device = lambda t: False  # (the host path, on the same DeviceTier)
+        outs = train(emb, batches(include_last_offset), depth=depth)
+        runs.append((torch.stack(outs), rows_and_state(emb)))
+        assert emb._store.tier0.index.pinned == 0
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
+    if include_last_offset:
+        assert torch.equal(runs[1][1][290:295], rows_and_state(table(**tiers, mode=mode))[290:295])
+
+
+def test_per_sample_weights_of_ids_after_the_last_bag_get_no_gradient(device_inputs):
+    """The device path keeps the ids after the last bag (their rows never read): their weights'
+    gradient is zero, the others' as host inputs give them."""
+    ids, offsets = torch.tensor([1, 2, 3, 4, 5, 7]), torch.tensor([0, 2, 4])
+    grad = torch.randn(2, D, generator=torch.Generator().manual_seed(3))
+    got = []
+    for on_device in (False, True):
+        emb = table(16, opt=lambda: tieredemb.SGD(lr=1.0), include_last_offset=True)
+        if not on_device:
+            emb._on_device = lambda t: False
+        psw = torch.linspace(0.5, 1.5, 6, requires_grad=True)
+        out = emb(ids, offsets, per_sample_weights=psw)
+        out.backward(grad)
+        got.append((out.detach(), psw.grad, rows_and_state(emb)))
+    for a, b in zip(*got):
+        assert torch.equal(a, b)
+    assert torch.equal(got[1][1][4:], torch.zeros(2))
+
+
+BAD = [  # (ids, offsets, include_last_offset, error, message)
+    ([1, 2, 3], [1, 2], False, ValueError, r"offsets\[0\] must be 0"),
+    ([1, 2, 3], [0, 2, 1], False, ValueError, r"offsets must be non-decreasing: offsets\[2\] = 1 < offsets\[1\] = 2"),
+    ([1, 2, 3], [0, 4], False, ValueError, r"offsets\[-1\] = 4 is past the end of input \(length 3\)"),
+    ([1, 2, 3], [0, 1, 5], True, ValueError, r"offsets\[-1\] = 5 is past the end of input \(length 3\)"),
+    ([1, NUM + 4, 3], [0, 2], False, IndexError, rf"id {NUM + 4} out of range \[0, {NUM}\)"),
+    ([1, -2, 3], [0, 1, 2], True, IndexError, rf"id -2 out of range \[0, {NUM}\)"),
+]
+
+
+@pytest.mark.parametrize("ids, offsets, last, error, message", BAD)
+@pytest.mark.parametrize("tiers", [dict(cache_rows=None), dict(cache_rows=None, pretrained=False),
+                                   dict(cache_rows=8)], ids=["whole", "new-whole", "cache8"])
+@pytest.mark.parametrize("prefetched", [False, True])
+def test_bad_device_inputs_raise_the_host_error_before_anything_changes(device_inputs, ids, offsets, last, error,
+                                                                       message, tiers, prefetched):
+    """The error host inputs give (the same type and message), raised by the forward; a
+    prefetched batch's by its forward too, prefetch() itself not waiting for the verdict. The
+    rows, the optimizer state and the pins are as they were."""
+    emb = table(**tiers, include_last_offset=last, opt=lambda: tieredemb.SGD(lr=0.1))
+    host = table(**tiers, include_last_offset=last, on_device=False)
+    with pytest.raises(error, match=message):
+        host(torch.tensor(ids), torch.tensor(offsets))
+    train(emb, batches(last, steps=2))
+    before = rows_and_state(emb)
+    ids, offsets = torch.tensor(ids), torch.tensor(offsets)
+    if prefetched:
+        emb.prefetch(ids, offsets)
+    with pytest.raises(error, match=message):
+        emb(ids, offsets)
+    assert torch.equal(rows_and_state(emb), before) and emb._store.tier0.index.pinned == 0
+    train(emb, batches(last, seed=1, steps=2))  # (and it trains on)
+
+
+def test_a_prefetched_batch_is_recognized_by_its_tensors_without_comparing_values(device_inputs, monkeypatch):
+    """A forward given the very tensors prefetched (as PrefetchLoader gives them) is matched to
+    its registered batch by identity: on a GPU a comparison of values would wait for the device."""
+    import tieredemb.prefetch
+
+    emb = table(8)
+    monkeypatch.setattr(tieredemb.prefetch, "_equal", lambda *a: pytest.fail("values compared"))
+    train(emb, batches(False), depth=2)
+    assert emb.stats()["prefetch"]["forwards"] == 6
+
+
+@pytest.mark.parametrize("n", [0, 5, 2500])
+@pytest.mark.parametrize("last", [False, True])
+def test_the_check_kernel_writes_the_boundaries_and_the_ids_looked_up(n, last):
+    """Good inputs: the boundaries (with include_last_offset, an empty bag added after the last),
+    the ids as int32 (they fit) with the ids after the last bag (bad ones among them) replaced by
+    the sentinel, no fault. A bad id in a later block of the kernel is found."""
+    g = torch.Generator().manual_seed(n)
+    ids = torch.randint(0, NUM, (n,), generator=g)
+    end = n - 3 if last and n > 3 else n
+    offsets = torch.arange(0, end, 4)
+    if last:
+        offsets = torch.cat([offsets, torch.tensor([end])])
+        ids[end:] = 10**12
+    out, bounds, check = check_on_device(ids, offsets, NUM, last)
+    assert out.dtype == torch.int32 and not bool(check.fault.any())
+    assert torch.equal(out[:end], ids[:end].int()) and (out[end:] == SENTINEL32).all()
+    assert torch.equal(bounds, torch.cat([offsets, offsets[-1:] if last else torch.tensor([n])]))
+    assert check.extra_bag == last and check.sentinel == (SENTINEL32 if last else None)
+    if n > 1024:
+        ids[2000] = NUM
+        assert bool(check_on_device(ids, offsets, NUM, last)[2].fault.any())
+    big = check_on_device(ids[:end], None, 1 << 40)[0]
+    assert big.dtype == torch.int64 and torch.equal(big, ids[:end])
+
+
+def test_the_dedup_leaves_the_sentinel_out():
+    ids = torch.tensor([7, SENTINEL64, 3, 7, SENTINEL64, 1])
+    d = dedup(ids, SENTINEL64)
+    assert int(d.count) == 3 and torch.equal(d.unique[:4], torch.tensor([1, 3, 7, -1]))
+    assert torch.equal(d.inverse, torch.tensor([2, 3, 1, 2, 3, 0]))
+    order, row, start = d.groups  # (the dropped id's group starts where the last distinct id's ends)
+    assert torch.equal(start, torch.tensor([0, 1, 2, 4, 6, 6, 6]))
+    only = dedup(torch.full((4,), SENTINEL32, dtype=torch.int32), SENTINEL32)
+    assert int(only.count) == 0 and (only.unique == -1).all() and torch.equal(only.groups[2], torch.tensor([0, 4, 4, 4, 4]))
+
+
+def _both_paths(make, run):
+    """run(emb) on a table the host-input path takes and on one the device-input path takes."""
+    got = []
+    for on_device in (False, True):
+        emb = make()
+        emb._on_device = lambda t, _d=on_device: _d
+        got.append(run(emb))
+    return got
+
+
+def test_many_ids_after_the_last_bag_add_nothing_to_the_largest_ids_gradient(device_inputs):
+    """100 ids after the last bag (several of the backward's tiles, next to the batch's largest
+    id in the sort): the largest id's update is the host inputs', bit for bit; with a padding row
+    too (the kernels that read every occurrence leave the ids after the last bag out)."""
+    ids, offsets = torch.tensor([5, 6, 250, 3] + [1] * 100), torch.tensor([0, 3, 4])
+    grad = torch.randn(2, D, generator=torch.Generator().manual_seed(5))
+    for cache_rows in (None, 64):
+        def run(emb):
+            out = emb(ids, offsets)
+            out.backward(grad)
+            return out.detach(), rows_and_state(emb)
+
+        host, dev = _both_paths(lambda: table(cache_rows, opt=lambda: tieredemb.SGD(lr=1.0), include_last_offset=True,
+                                              padding_idx=3), run)
+        assert torch.equal(host[0], dev[0]) and torch.equal(host[1], dev[1])
+
+
+def test_strided_ids_and_offsets_are_read_as_given(device_inputs):
+    """Ids and offsets that are views with strides (a column of a batch): looked up as given."""
+    ids, offsets = torch.arange(200).reshape(100, 2)[:, 1] % NUM, torch.arange(0, 100, 5).reshape(10, 2)[:, 0]
+    host, dev = _both_paths(lambda: table(None), lambda emb: emb(ids, offsets).detach())
+    assert torch.equal(host, dev)
+
+
+def test_a_batch_prefetched_on_one_path_is_taken_by_a_forward_on_the_other(device_inputs):
+    """prefetch() given host tensors and the forward device ones (or the other way round), equal
+    values, ids after the last bag among them: the forward takes the registered batch."""
+    ids, offsets, grad = batches(True, steps=1)[0]
+    for prefetch_on_device in (False, True):
+        emb = table(8, include_last_offset=True)
+        emb._on_device = lambda t: prefetch_on_device
+        emb.prefetch(ids, offsets)
+        emb._on_device = lambda t: not prefetch_on_device
+        emb(ids.clone(), offsets.clone()).backward(grad)
+        assert emb.stats()["prefetch"]["forwards"] == 1 and emb._store.tier0.index.pinned == 0

@@ -1,0 +1,125 @@
+"""A batch's input checks on the device, so that ids and offsets on the GPU cost the training
+thread no wait of their own.
+
+Ids and offsets that live on the GPU are checked there by one kernel launch (ids in
+[0, num_embeddings); offsets from 0, non-decreasing, none past the end), which also writes the
+int64 bag boundaries and the ids the batch looks up. The host learns the verdict (a DeviceCheck)
+where it waits for the device anyway: in the plan's one transfer of a cached tier 0, or with one
+read of its own before a whole-table tier 0 draws the batch's rows; for a prefetched batch, on
+the prefetch worker, the error then raised by that batch's forward. Either way before anything
+changes. A failed check is explained on the host (the inputs read back, the host's checks run on
+them), so the error is the one host inputs give, naming the value and the rule.
+
+With include_last_offset, the ids after the last bag belong to no bag (torch leaves them out).
+Slicing them off would need their count on the host, so they stay, each replaced by SENTINEL (past
+every table's rows: never checked, never made resident), and an empty bag is added after the
+last: the backward finds them there, in a bag whose gradient is zero. The dedup leaves SENTINEL
+out of the distinct ids (gpu/dedup.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import triton
+import triton.language as tl
+
+from . import launch_turn
+
+SENTINEL64 = (1 << 63) - 1
+SENTINEL32 = (1 << 31) - 1
+_BLOCK = 1024
+
+
+class DeviceCheck:
+    """The verdict on a batch's device inputs, on the device: fault int8 [k], nonzero where a
+    rule is broken. extra_bag: the boundaries end with an added empty bag (include_last_offset);
+    sentinel: the id that stands for the ids after the last bag (None: there are none)."""
+
+    __slots__ = ("fault", "ids", "offsets", "num_embeddings", "include_last_offset", "extra_bag", "sentinel")
+
+    def __init__(self, fault, ids, offsets, num_embeddings, include_last_offset, sentinel):
+        self.fault = fault
+        self.ids, self.offsets = ids, offsets  # (the caller's, to explain a fault)
+        self.num_embeddings = num_embeddings
+        self.include_last_offset = include_last_offset
+        self.extra_bag = include_last_offset
+        self.sentinel = sentinel
+
+    def resolve(self) -> None:
+        """Reads the verdict (one wait for the device); raises if a rule is broken."""
+        self.raise_if(bool(self.fault.any()))
+
+    def raise_if(self, faulty: bool) -> None:
+        """Raises the host's error for these inputs if faulty (the verdict, read by the caller)."""
+        if not faulty:
+            return
+        from ..keyed import check_starts
+
+        ids = self.ids.cpu().numpy()
+        end = len(ids)
+        if self.offsets is not None:
+            o = self.offsets.to("cpu", torch.int64).numpy()
+            check_starts(o, end)
+            if self.include_last_offset:
+                end = int(o[-1])
+        live = ids[:end]
+        if live.size and (live.min() < 0 or live.max() >= self.num_embeddings):
+            bad = int(live.min()) if live.min() < 0 else int(live.max())
+            raise IndexError(f"id {bad} out of range [0, {self.num_embeddings})")
+        raise RuntimeError("the device found this batch's ids or offsets faulty, and they read as valid now: were "
+                           "they changed after prefetch() was given them? (if not, please report this)")
+
+
+@triton.jit(do_not_specialize=["n", "m", "num_embeddings"])
+def _check_kernel(ids_ptr, n, offsets_ptr, m, num_embeddings, out_ids_ptr, bounds_ptr, fault_ptr, sentinel,
+                  HAS_OFFSETS: tl.constexpr, LAST_GIVEN: tl.constexpr, BLOCK: tl.constexpr):
+    """Positions BLOCK * program 0 onwards. Offsets o[0 .. m-1] (HAS_OFFSETS): bounds[p] = o[p],
+    and bounds[m] = o[m-1] (LAST_GIVEN: include_last_offset's, an empty bag added) or n; o[0] must
+    be 0, o non-decreasing, none past n. Ids before the bags' end (bounds[m]; n without offsets):
+    in [0, num_embeddings), copied to out_ids; ids after it: sentinel. fault[program] = 1 if this
+    program found a rule broken, else 0."""
+    p = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    bad = tl.zeros([BLOCK], dtype=tl.int1)
+    end = n.to(tl.int64)
+    if HAS_OFFSETS:
+        o_live = p < m
+        o = tl.load(offsets_ptr + p, mask=o_live, other=0).to(tl.int64)
+        prev = tl.load(offsets_ptr + p - 1, mask=o_live & (p > 0), other=0).to(tl.int64)
+        bad = o_live & (((p == 0) & (o != 0)) | (o < prev) | (o > n))
+        tl.store(bounds_ptr + p, o, mask=o_live)
+        if LAST_GIVEN:
+            end = tl.load(offsets_ptr + m - 1).to(tl.int64)
+        tl.store(bounds_ptr + p, tl.zeros([BLOCK], dtype=tl.int64) + end, mask=p == m)
+    live = p < n
+    ids = tl.load(ids_ptr + p, mask=live, other=0).to(tl.int64)
+    in_bag = live & (p < end)
+    bad = bad | (in_bag & ((ids < 0) | (ids >= num_embeddings)))
+    tl.store(out_ids_ptr + p, tl.where(in_bag, ids, sentinel), mask=live)
+    tl.store(fault_ptr + tl.program_id(0), tl.max(bad.to(tl.int8), axis=0))
+
+
+def check_on_device(ids: torch.Tensor, offsets: torch.Tensor | None, num_embeddings: int,
+                    include_last_offset: bool = False):
+    """ids int [N] on the device; offsets int [B] bag starts (B + 1 with include_last_offset, B >=
+    1 then) on the same device, or None -> (ids [N] as the batch looks them up: int32 where every
+    id fits, else int64, SENTINEL* after the last bag; bounds int64 [B + 1] (B + 2 with
+    include_last_offset: an empty bag added) or None; the DeviceCheck). One kernel launch; waits
+    for nothing."""
+    n, dev = ids.numel(), ids.device
+    ids = ids.contiguous()  # (the kernel reads them as flat arrays)
+    offsets = None if offsets is None else offsets.contiguous()
+    m = 0 if offsets is None else offsets.numel()
+    narrow = num_embeddings <= SENTINEL32  # (ids sort in half the radix passes; SENTINEL32 is no row)
+    sentinel = SENTINEL32 if narrow else SENTINEL64
+    out = torch.empty(n, dtype=torch.int32 if narrow else torch.int64, device=dev)
+    bounds = None if offsets is None else torch.empty(m + 1, dtype=torch.int64, device=dev)
+    programs = max(1, triton.cdiv(max(n, m + 1), _BLOCK))
+    fault = torch.empty(programs, dtype=torch.int8, device=dev)
+    with launch_turn(), torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
+        _check_kernel[(programs,)](ids, n, offsets if offsets is not None else ids, m, num_embeddings, out,
+                                   bounds if bounds is not None else out, fault, sentinel,
+                                   HAS_OFFSETS=offsets is not None, LAST_GIVEN=include_last_offset, BLOCK=_BLOCK)
+    last = offsets is not None and include_last_offset
+    return out, bounds, DeviceCheck(fault, ids, offsets, num_embeddings, last, sentinel if last else None)
