@@ -5,7 +5,8 @@ Workload (the GPU issue's): 10M rows x 128 fp32, batches of 8192 bags x 20 ids, 
 permuted rows; forward + backward + row-wise Adagrad. Each system: 20 warm-up batches, then
 --runs runs of 20 timed batches (the device synchronized around each run); lookups/s is the
 median over runs. Batches are made on the host (as a data loader gives them) and each system
-moves them to the device as it needs, inside the timed step.
+moves them to the device as it needs, inside the timed step; with --ids-on-device every system
+is given them on the GPU (ours then checks them there, gpu/checks.py).
 
 Systems:
   fbgemm-hbm     FBGEMM TBE, the table in HBM (EmbeddingLocation.DEVICE), EXACT_ROWWISE_ADAGRAD
@@ -23,8 +24,9 @@ Systems:
                  and the tier's own stream while the training thread computes
 
 Also the device index alone: lookups and plan+commit (inserts) per second for a batch of 1M ids.
-Printed: lookups/s, the ratio to each FBGEMM figure, peak GPU memory, device syncs per batch
-(ours: the waits our code makes, counted, a prefetch worker's included), and the targets.
+Printed: lookups/s, the ratio to each FBGEMM figure, peak GPU memory, the host's waits for the
+device per batch (every system's, counted over 5 more steps under torch's sync debug mode: on the
+training side, and on a prefetch worker's thread), and the targets.
 --json for the record. --profile DIR: after the timed runs, each system trains 5 more batches
 under torch.profiler: DIR/<system>.txt (the ops and kernels by device time) and
 DIR/<system>.trace.json (a Chrome trace), and the wall and kernel time per step are printed (a
@@ -36,6 +38,7 @@ this script's plumbing where there is no GPU, not a figure of the GPU path.
     python bench/bench_gpu.py --only fbgemm-hbm,ours-hbm --runs 3
     python bench/bench_gpu.py --rows 1000000 --quick
     python bench/bench_gpu.py --dtype float16      # 16-bit weights (FBGEMM: weights_precision FP16)
+    python bench/bench_gpu.py --only fbgemm-hbm,ours-hbm --ids-on-device
     python bench/bench_gpu.py --only fbgemm-uvm10,ours-host10-zc --profile $OUT/prof
     python bench/bench_gpu.py --device cpu --rows 20000 --quick --only torch-ops,ours-hbm,ours-host10-pf2
 """
@@ -75,21 +78,40 @@ def synchronize(dev: torch.device) -> None:
         torch.cuda.synchronize(dev)
 
 
-class SyncCounter:
-    """Counts the host's waits for the device made by our code: stream / event / device
-    synchronizations (patched), and implicit ones torch reports (sync debug mode)."""
+COUNTED_STEPS = 5  # steps after the timed runs whose waits for the device are counted
 
-    def __init__(self):
-        self.count = 0
-        for owner, name in ((torch.cuda.Stream, "synchronize"), (torch.cuda.Event, "synchronize"),
-                            (torch.cuda, "synchronize")):
-            original = getattr(owner, name)
 
-            def counted(*args, _original=original, **kwargs):
-                self.count += 1
-                return _original(*args, **kwargs)
+def count_waits(step, stream, grad, steps: int) -> dict:
+    """`steps` more training steps with every wait of the host for the device counted, by thread:
+    the implicit ones torch's sync debug mode warns of (.item(), a copy to pageable host memory,
+    a stream's or the device's synchronize, ...) and Event.synchronize (which it does not see).
+    Not in the timed runs: a warning costs host time. Returns waits per step on the training
+    side (the training thread, and autograd's device thread, which runs a CUDA backward) and on
+    the prefetch worker's thread."""
+    import threading
+    import warnings
 
-            setattr(owner, name, counted)
+    counts = {"training": 0, "other": 0}
+
+    def seen():
+        counts["other" if threading.current_thread().name == "tieredemb-prefetch" else "training"] += 1
+
+    event_sync = torch.cuda.Event.synchronize
+    torch.cuda.Event.synchronize = lambda self: (seen(), event_sync(self))[1]
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = lambda message, *a, **k: seen() if "synchroniz" in str(message) else None
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                for _ in range(steps):
+                    ids, offsets = next(stream)[:2]
+                    step(ids, offsets, grad)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+    finally:
+        torch.cuda.Event.synchronize = event_sync
+    return {k: v / steps for k, v in counts.items()}
 
 
 def build(name: str, w: Workload, a, dev: torch.device):
@@ -154,20 +176,23 @@ def build(name: str, w: Workload, a, dev: torch.device):
                   + (", zero_copy" if zero_copy else "") + (", prefetch depth 2" if prefetched(name) else ""))
 
 
-def run_system(name: str, w: Workload, source: BatchSource, a, dev: torch.device, syncs: SyncCounter) -> dict:
+def run_system(name: str, w: Workload, source: BatchSource, a, dev: torch.device) -> dict:
     on_gpu = dev.type == "cuda"
+    profiled = PROFILED_STEPS if a.profile else 0
+    counted = COUNTED_STEPS if on_gpu else 0
+    batches = [source.batch(i) for i in range(a.warmup + a.runs * w.batches + counted + profiled)]
+    if a.ids_on_device:  # (staged before the memory baseline: the batches are not the system's)
+        batches = [(ids.to(dev), offsets.to(dev)) for ids, offsets in batches]
     if on_gpu:
         torch.cuda.reset_peak_memory_stats(dev)
     before = torch.cuda.memory_allocated(dev) if on_gpu else 0
     step, what = build(name, w, a, dev)
     grad = torch.randn(w.bags, w.dim, device=dev, generator=torch.Generator(dev).manual_seed(7))
-    profiled = PROFILED_STEPS if a.profile else 0
-    batches = [source.batch(i) for i in range(a.warmup + a.runs * w.batches + profiled)]
     module = getattr(step, "module", None)
     loader = tieredemb_loader(module, batches, depth=2) if prefetched(name) else None
     try:
         return measure(name, what, step, module, iter(loader if loader is not None else batches), grad, w, a, dev,
-                       syncs, before)
+                       before)
     finally:
         if loader is not None:
             loader.close()
@@ -178,27 +203,27 @@ def run_system(name: str, w: Workload, source: BatchSource, a, dev: torch.device
             torch.cuda.empty_cache()
 
 
-def measure(name, what, step, module, stream, grad, w: Workload, a, dev: torch.device, syncs: SyncCounter,
-            before: int) -> dict:
+def measure(name, what, step, module, stream, grad, w: Workload, a, dev: torch.device, before: int) -> dict:
     on_gpu = dev.type == "cuda"
     for _ in range(a.warmup):
         ids, offsets = next(stream)[:2]
         step(ids, offsets, grad)
-    rates, sync_rates = [], []
+    rates = []
     for _ in range(a.runs):
         synchronize(dev)
-        syncs.count, start = 0, time.perf_counter()
+        start = time.perf_counter()
         for _ in range(w.batches):
             ids, offsets = next(stream)[:2]
             step(ids, offsets, grad)
         synchronize(dev)
         seconds = time.perf_counter() - start
         rates.append(w.batches * w.lookups_per_batch / seconds)
-        sync_rates.append((syncs.count - (2 if on_gpu else 0)) / w.batches)
     out = {"system": name, "config": what, "lookups_per_s": statistics.median(rates), "runs": rates,
            "gpu_bytes": (torch.cuda.max_memory_allocated(dev) - before) if on_gpu else 0}
+    if on_gpu:
+        waits = count_waits(step, stream, grad, COUNTED_STEPS)
+        out["waits_per_batch"], out["worker_waits_per_batch"] = waits["training"], waits["other"]
     if module is not None:
-        out["syncs_per_batch"] = statistics.median(sync_rates)
         out["tier0_hit_rate"] = module.stats()["tier0"]["hit_rate"]
     if a.profile:
         try:
@@ -284,6 +309,9 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--profile", default=None, metavar="DIR",
                    help=f"profile {PROFILED_STEPS} more steps of each system into DIR (see above)")
+    p.add_argument("--ids-on-device", action="store_true",
+                   help="every system is given its batches' ids and offsets on the device (as a loader that moves "
+                        "them ahead gives them), not on the host")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                    help="cpu: a check of this script where there is no GPU (FBGEMM's GPU TBE skipped)")
     a = p.parse_args(argv)
@@ -296,7 +324,6 @@ def main(argv=None) -> int:
     if a.quick:
         a.runs, a.warmup = 1, 5
     source = BatchSource(w)
-    syncs = SyncCounter()
     results, failed = {}, {}
     for name in a.only.split(","):
         if name not in SYSTEMS:
@@ -304,7 +331,7 @@ def main(argv=None) -> int:
         with tempfile.TemporaryDirectory(dir=a.ssd_path) as tmp:
             a.ssd_dir = os.path.join(tmp, "table")
             try:
-                results[name] = run_system(name, w, source, a, dev, syncs)
+                results[name] = run_system(name, w, source, a, dev)
             except ImportError as e:
                 print(f"{name}: skipped ({e})", file=sys.stderr)
                 continue
@@ -315,8 +342,10 @@ def main(argv=None) -> int:
                 continue
         r = results[name]
         print(f"{name:18s} {r['lookups_per_s'] / 1e6:8.1f} M lookups/s  (runs {', '.join(f'{x / 1e6:.1f}' for x in r['runs'])})"
-              f"  GPU {r['gpu_bytes'] / 2**30:5.2f} GiB" + (f"  syncs/batch {r['syncs_per_batch']:.1f}"
-                                                           f"  tier-0 hit {r['tier0_hit_rate']:.3f}" if "syncs_per_batch" in r else "")
+              f"  GPU {r['gpu_bytes'] / 2**30:5.2f} GiB"
+              + (f"  waits/batch {r['waits_per_batch']:.1f} (+{r['worker_waits_per_batch']:.1f} on the prefetch worker)"
+                 if "waits_per_batch" in r else "")
+              + (f"  tier-0 hit {r['tier0_hit_rate']:.3f}" if "tier0_hit_rate" in r else "")
               + f"  [{r['config']}]", flush=True)
         if "profile" in r:
             pr = r["profile"]

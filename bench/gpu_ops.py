@@ -10,7 +10,8 @@ Counted for one step after a few warm-up steps, per configuration: torch ops tha
 on a GPU (not views, allocations or wrapped Python numbers; outside the Triton kernels), Triton
 kernel launches, and item() reads. Configurations: the whole table in
 tier 0; tier 0 = 10% of the rows over host memory (rows copied through host blocks, and with
-zero_copy: moved by a kernel); that tier 0 (without zero_copy) through a PrefetchLoader of depth 2
+zero_copy: moved by a kernel); the first two also with the ids and offsets given as CUDA inputs
+are (the module's device-input path, forced on CPU tensors: gpu/checks.py); that tier 0 (without zero_copy) through a PrefetchLoader of depth 2
 (the training thread's step, and separately the prefetch worker's residency of that step's
 batch).
 
@@ -154,18 +155,23 @@ def main(argv=None) -> int:
     data = batches(a, a.warmup + 1)
     print(f"{a.rows:,} rows x {a.dim}, {a.bags} bags x {a.length} ids; one step (forward + backward + row-wise "
           f"Adagrad) after {a.warmup}, on CPU tensors (Triton interpreted)")
-    results = {}
-    for name, cache_rows, zero_copy in (("whole table in tier 0", None, False),
-                                        ("tier 0 = 10% over host memory", a.rows // 10, False),
-                                        ("the same, zero_copy", a.rows // 10, True)):
+    results = []  # (name, Counter)
+    for name, cache_rows, zero_copy, on_device in (
+            ("whole table in tier 0", None, False, False),
+            ("  ... ids and offsets given on the device", None, False, True),
+            ("tier 0 = 10% over host memory", a.rows // 10, False, False),
+            ("  ... ids and offsets given on the device", a.rows // 10, False, True),
+            ("the same, zero_copy", a.rows // 10, True, False)):
         emb = table(a, cache_rows, zero_copy)
+        if on_device:  # (the path CUDA inputs take: checked by a kernel, the verdict read once)
+            emb._on_device = lambda t: True
         for ids, offsets, grad in data[:-1]:
             emb(ids, offsets).backward(grad)
         ids, offsets, grad = data[-1]
         current.counter = Counter()
         with current.counter:
             emb(ids, offsets).backward(grad)
-        results[name] = current.counter
+        results.append((name, current.counter))
         current.counter = None
     # Prefetch: the training thread's step, and the worker's residency of one batch.
     emb = table(a, a.rows // 10)
@@ -194,9 +200,9 @@ def main(argv=None) -> int:
                 current.counter = None
             else:
                 emb(ids, offsets).backward(grad)
-    results["tier 0 = 10%, PrefetchLoader depth 2: the step"] = step
-    results["  ... and the worker's residency of its batch"] = worker
-    for name, c in results.items():
+    results += [("tier 0 = 10%, PrefetchLoader depth 2: the step", step),
+                ("  ... and the worker's residency of its batch", worker)]
+    for name, c in results:
         s = c.summary()
         print(f"  {name:48s} torch kernels {s['torch_ops']:4d}  triton launches {s['triton_launches']:2d}  "
               f"item() reads {s['scalar_reads']}")

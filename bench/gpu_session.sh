@@ -11,6 +11,7 @@
 #   bash bench/gpu_session.sh host         bench_gpu.py: tier 0 = 10% over host memory (copies, zero-copy,
 #                                          each with and without prefetch) against FBGEMM's UVM cache
 #   bash bench/gpu_session.sh ssd          bench_gpu.py: tier 0 = 10% over the log store, prefetch depth 2
+#   bash bench/gpu_session.sh device-ids   bench_gpu.py with every system given its ids and offsets on the GPU
 #   bash bench/gpu_session.sh profile      one run of ours and FBGEMM's under torch.profiler ($OUT/prof.tgz)
 #   bash bench/gpu_session.sh collection   bench_collection.py --device cuda --quick
 #
@@ -26,8 +27,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 step=${1:-}
 case "$step" in
-  tests|interpreted|suite|hbm|host|ssd|profile|collection) ;;
-  *) echo "usage: bash bench/gpu_session.sh tests|interpreted|suite|hbm|host|ssd|profile|collection" >&2; exit 2 ;;
+  tests|interpreted|suite|hbm|host|ssd|device-ids|profile|collection) ;;
+  *) echo "usage: bash bench/gpu_session.sh tests|interpreted|suite|hbm|host|ssd|device-ids|profile|collection" >&2; exit 2 ;;
 esac
 PY=${PYTHON:-python3}
 OUT=${OUT:-/tmp/gpu_session}
@@ -63,6 +64,7 @@ case "$step" in
   hbm) bench hbm --only fbgemm-hbm,ours-hbm,torch-ops,torch-sparse ;;
   host) bench host --only fbgemm-uvm10,ours-host10,ours-host10-zc,ours-host10-pf2,ours-host10-zc-pf2 ;;
   ssd) bench ssd --only fbgemm-uvm10,ours-ssd10 --ssd-path /tmp ;;
+  device-ids) bench device_ids --only fbgemm-hbm,ours-hbm,fbgemm-uvm10,ours-host10,ours-host10-pf2 --ids-on-device ;;
   profile)  # (the profiles packed into one archive: few files come back)
     rc=0
     rm -rf /tmp/prof
