@@ -387,3 +387,18 @@ def test_ids_and_offsets_on_the_gpu_train_bit_for_bit_as_host_ones(cache_rows):
             emb(torch.tensor([1, NUM], device="cuda"), torch.tensor([0, 1, 2], device="cuda"))
         assert torch.equal(_table(emb), runs[-1][1])
     assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
+
+
+def test_a_bad_id_prefetched_on_the_gpu_raises_at_its_forward():
+    """prefetch() of CUDA ids does not wait for their check: a bad id raises at that batch's
+    forward, the host's error, nothing changed; unpooled lookups (no offsets) and bags alike."""
+    for emb, bad in (
+            (tieredemb.TieredEmbedding(NUM, DIM, optimizer=tieredemb.SGD(lr=0.1), cache_rows=100, device="cuda"),
+             (torch.tensor([[1, NUM + 2]], device="cuda"),)),
+            (tieredemb.TieredEmbeddingBag(NUM, DIM, "sum", optimizer=tieredemb.SGD(lr=0.1), device="cuda"),
+             (torch.tensor([1, NUM + 2], device="cuda"), torch.tensor([0, 1], device="cuda")))):
+        before = _table(emb)
+        emb.prefetch(*bad)
+        with pytest.raises(IndexError, match=rf"id {NUM + 2} out of range \[0, {NUM}\)"):
+            emb(*bad)
+        assert torch.equal(_table(emb), before)

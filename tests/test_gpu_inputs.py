@@ -3,10 +3,11 @@ the batch's residency waits for the device anyway (or by the prefetch worker), s
 cost the training thread no wait of their own; a bad batch raises the error host inputs give,
 before anything changes; training equals the host inputs' bit for bit.
 
-Run on CPU tensors, the kernels under Triton's interpreter, with the module's device-input path
-forced: the `device_inputs` fixture makes `_on_device` answer True for a table whose tier 0 is a
-DeviceTier on CPU tensors (the seam these tests use: on a GPU, CUDA tensors take that path
-themselves, and tests/test_gpu.py counts its waits)."""
+Run on CPU tensors, the kernels under Triton's interpreter, with the device-input path forced:
+the `device_inputs` fixture makes the module's and tier 0's `_on_device` answer True for a table
+whose tier 0 is a DeviceTier on CPU tensors (the seam these tests use: on a GPU, CUDA tensors take
+that path themselves, and tests/test_gpu.py counts its waits); host_path() undoes it for one
+table."""
 
 from __future__ import annotations
 
@@ -29,6 +30,15 @@ NUM, D = 300, 8
 @pytest.fixture
 def device_inputs(monkeypatch):
     monkeypatch.setattr(_TieredBase, "_on_device", lambda self, t: isinstance(self._store.tier0, DeviceTier))
+    monkeypatch.setattr(DeviceTier, "_on_device", lambda self, t: True)
+
+
+def host_path(emb):
+    """emb's inputs taken as host inputs, in the module and in tier 0's dedup."""
+    emb._on_device = lambda t: False
+    if isinstance(emb._store.tier0, DeviceTier):
+        emb._store.tier0._on_device = lambda t: False
+    return emb
 
 
 def weights():
@@ -68,7 +78,7 @@ def test_device_inputs_train_bit_for_bit_as_host_inputs(device_inputs, include_l
     for on_device in (False, True):
         emb = table(**tiers, mode=mode, include_last_offset=include_last_offset)
         if not on_device:
-            emb._on_device = lambda t: False  # (the host path, on the same DeviceTier)
+            host_path(emb)  # (on the same kind of tier)
         outs = train(emb, batches(include_last_offset), depth=depth)
         runs.append((torch.stack(outs), rows_and_state(emb)))
         assert emb._store.tier0.index.pinned == 0
@@ -86,7 +96,7 @@ def test_per_sample_weights_of_ids_after_the_last_bag_get_no_gradient(device_inp
     for on_device in (False, True):
         emb = table(16, opt=lambda: tieredemb.SGD(lr=1.0), include_last_offset=True)
         if not on_device:
-            emb._on_device = lambda t: False
+            host_path(emb)
         psw = torch.linspace(0.5, 1.5, 6, requires_grad=True)
         out = emb(ids, offsets, per_sample_weights=psw)
         out.backward(grad)
@@ -179,12 +189,7 @@ def test_the_dedup_leaves_the_sentinel_out():
 
 def _both_paths(make, run):
     """run(emb) on a table the host-input path takes and on one the device-input path takes."""
-    got = []
-    for on_device in (False, True):
-        emb = make()
-        emb._on_device = lambda t, _d=on_device: _d
-        got.append(run(emb))
-    return got
+    return [run(host_path(make())), run(make())]
 
 
 def test_many_ids_after_the_last_bag_add_nothing_to_the_largest_ids_gradient(device_inputs):
@@ -217,8 +222,43 @@ def test_a_batch_prefetched_on_one_path_is_taken_by_a_forward_on_the_other(devic
     ids, offsets, grad = batches(True, steps=1)[0]
     for prefetch_on_device in (False, True):
         emb = table(8, include_last_offset=True)
-        emb._on_device = lambda t: prefetch_on_device
+        tier0 = emb._store.tier0
+        emb._on_device = tier0._on_device = lambda t: prefetch_on_device
         emb.prefetch(ids, offsets)
-        emb._on_device = lambda t: not prefetch_on_device
+        emb._on_device = tier0._on_device = lambda t: not prefetch_on_device
         emb(ids.clone(), offsets.clone()).backward(grad)
         assert emb.stats()["prefetch"]["forwards"] == 1 and emb._store.tier0.index.pinned == 0
+
+
+@pytest.mark.parametrize("cache_rows", [None, 8])
+def test_unpooled_lookups_of_device_ids_train_as_host_ones_and_refuse_bad_ids_at_their_forward(device_inputs,
+                                                                                               cache_rows):
+    """TieredEmbedding given device ids (checked by tier 0's dedup, with no offsets): the host ids'
+    training bit for bit, through a PrefetchLoader; a bad id prefetched raises at its forward,
+    the host's error, nothing changed."""
+    g = torch.Generator().manual_seed(6)
+    data = [((torch.rand(4, 5, generator=g) ** 2 * NUM).long(), torch.randn(4, 5, D, generator=g)) for _ in range(6)]
+
+    def make():
+        emb = tieredemb.TieredEmbedding(NUM, D, optimizer=tieredemb.Adam(lr=0.05), cache_rows=cache_rows, seed=2)
+        return on_cpu_tensors(emb, cache_rows)
+
+    def run(emb):
+        outs = []
+        with tieredemb.PrefetchLoader(data, [emb], depth=2) as loader:
+            for ids, grad in loader:
+                out = emb(ids)
+                out.backward(grad)
+                outs.append(out.detach())
+        return torch.stack(outs), rows_and_state(emb)
+
+    host, dev = _both_paths(make, run)
+    assert torch.equal(host[0], dev[0]) and torch.equal(host[1], dev[1])
+    emb = make()
+    train_ids = data[0][0]
+    emb(train_ids).backward(data[0][1])
+    before = rows_and_state(emb)
+    emb.prefetch(torch.tensor([[1, NUM + 2]]))
+    with pytest.raises(IndexError, match=rf"id {NUM + 2} out of range \[0, {NUM}\)"):
+        emb(torch.tensor([[1, NUM + 2]]))
+    assert torch.equal(rows_and_state(emb), before) and emb._store.tier0.index.pinned == 0

@@ -151,7 +151,7 @@ class DeviceTier:
         host ids let residency run beside the compute queued before). segments (a collection's
         runs of disjoint id ranges) are not needed: one sort dedups the whole batch on the
         device."""
-        on_device = check is not None or ids.device.type != "cpu"
+        on_device = check is not None or self._on_device(ids)
         if not on_device:
             _check_range(ids.numpy(), self.num_embeddings)
         if self.stream is not None and on_device:
@@ -177,6 +177,11 @@ class DeviceTier:
                 return deduped._replace(check=check)
             check.resolve()  # (on the tier's stream, which the verdict was written on or waited for)
             return deduped
+
+    @staticmethod
+    def _on_device(ids: torch.Tensor) -> bool:
+        """Whether ids are checked on the device (gpu/checks.py) rather than on the host."""
+        return ids.device.type != "cpu"
 
     def resident(self, unique: torch.Tensor, num_unique: torch.Tensor, *, pin: bool, allow_overflow: bool = True,
                  check=None):
