@@ -10,10 +10,10 @@ Counted for one step after a few warm-up steps, per configuration: torch ops tha
 on a GPU (not views, allocations or wrapped Python numbers; outside the Triton kernels), Triton
 kernel launches, and item() reads. Configurations: the whole table in
 tier 0; tier 0 = 10% of the rows over host memory (rows copied through host blocks, and with
-zero_copy: moved by a kernel); the first two also with the ids and offsets given as CUDA inputs
-are (the module's device-input path, forced on CPU tensors: gpu/checks.py); that tier 0 (without zero_copy) through a PrefetchLoader of depth 2
-(the training thread's step, and separately the prefetch worker's residency of that step's
-batch).
+zero_copy: moved by a kernel); the first two also with the ids and offsets taken as CUDA inputs
+are (the module's device-input path, forced on CPU tensors: gpu/checks.py); that tier 0 (without
+zero_copy) through a PrefetchLoader of depth 2 (the training thread's step, and separately the
+prefetch worker's residency of that step's batch).
 
 With --host-time, also the host's time for the whole-table step with every Triton launch made a
 no-op (the kernels' outputs are then whatever memory held: only the whole-table step, whose host

@@ -74,7 +74,7 @@ class _TieredBase(Persistence, nn.Module):
 
     def _on_device(self, t: Tensor) -> bool:
         """Whether t is on the GPU that tier 0's rows are on (its checks are then made there)."""
-        return t.device.type != "cpu" and t.device == getattr(self._store.tier0.pool, "device", None)
+        return t.device.type != "cpu" and t.device == self._store.tier0.pool.device
 
     # -- rows ---------------------------------------------------------------------------------
     def _check_ids(self, ids) -> Tensor:

@@ -357,8 +357,7 @@ def _equal(registered: torch.Tensor, given: torch.Tensor) -> bool:
         return False
     if registered.device.type == "cpu" and given.device.type == "cpu":
         return np.array_equal(registered.numpy(), given.numpy())
-    return len(registered) == len(given) and bool(torch.equal(registered, given.to(registered.device,
-                                                                                        registered.dtype)))
+    return bool(torch.equal(registered, given.to(registered.device, registered.dtype)))
 
 
 def _head(ids: torch.Tensor, k: int = 4) -> str:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -32,20 +33,27 @@ SENTINEL32 = (1 << 31) - 1
 _BLOCK = 1024
 
 
+def check_range(ids: np.ndarray, num_embeddings: int) -> None:
+    """IndexError naming an id of ids out of [0, num_embeddings), if there is one (host ids)."""
+    if ids.size and (ids.min() < 0 or ids.max() >= num_embeddings):
+        bad = int(ids.min()) if ids.min() < 0 else int(ids.max())
+        raise IndexError(f"id {bad} out of range [0, {num_embeddings})")
+
+
 class DeviceCheck:
     """The verdict on a batch's device inputs, on the device: fault int8 [k], nonzero where a
-    rule is broken. extra_bag: the boundaries end with an added empty bag (include_last_offset);
-    sentinel: the id that stands for the ids after the last bag (None: there are none)."""
+    rule is broken. extra_bag: the boundaries end with an added empty bag (include_last_offset's
+    offsets were given); sentinel: then the id that stands for the ids after the last bag, else
+    None."""
 
-    __slots__ = ("fault", "ids", "offsets", "num_embeddings", "include_last_offset", "extra_bag", "sentinel")
+    __slots__ = ("fault", "ids", "offsets", "num_embeddings", "extra_bag", "sentinel")
 
-    def __init__(self, fault, ids, offsets, num_embeddings, include_last_offset, sentinel):
+    def __init__(self, fault, ids, offsets, num_embeddings, extra_bag, sentinel):
         self.fault = fault
         self.ids, self.offsets = ids, offsets  # (the caller's, to explain a fault)
         self.num_embeddings = num_embeddings
-        self.include_last_offset = include_last_offset
-        self.extra_bag = include_last_offset
-        self.sentinel = sentinel
+        self.extra_bag = extra_bag
+        self.sentinel = sentinel if extra_bag else None
 
     def resolve(self) -> None:
         """Reads the verdict (one wait for the device); raises if a rule is broken."""
@@ -62,12 +70,9 @@ class DeviceCheck:
         if self.offsets is not None:
             o = self.offsets.to("cpu", torch.int64).numpy()
             check_starts(o, end)
-            if self.include_last_offset:
+            if self.extra_bag:
                 end = int(o[-1])
-        live = ids[:end]
-        if live.size and (live.min() < 0 or live.max() >= self.num_embeddings):
-            bad = int(live.min()) if live.min() < 0 else int(live.max())
-            raise IndexError(f"id {bad} out of range [0, {self.num_embeddings})")
+        check_range(ids[:end], self.num_embeddings)
         raise RuntimeError("the device found this batch's ids or offsets faulty, and they read as valid now: were "
                            "they changed after prefetch() was given them? (if not, please report this)")
 
@@ -121,5 +126,5 @@ def check_on_device(ids: torch.Tensor, offsets: torch.Tensor | None, num_embeddi
         _check_kernel[(programs,)](ids, n, offsets if offsets is not None else ids, m, num_embeddings, out,
                                    bounds if bounds is not None else out, fault, sentinel,
                                    HAS_OFFSETS=offsets is not None, LAST_GIVEN=include_last_offset, BLOCK=_BLOCK)
-    last = offsets is not None and include_last_offset
-    return out, bounds, DeviceCheck(fault, ids, offsets, num_embeddings, last, sentinel if last else None)
+    return out, bounds, DeviceCheck(fault, ids, offsets, num_embeddings, offsets is not None and include_last_offset,
+                                    sentinel)

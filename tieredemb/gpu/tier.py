@@ -25,6 +25,7 @@ from .. import _C, locks
 from ..tiers.cache import Deduped
 from ..tiers.rowstore import DEFERRED_MARK
 from . import hostmap, moves, rowinit
+from .checks import check_on_device, check_range
 from .dedup import dedup as device_dedup
 from .index import DirectIndex, SetIndex
 
@@ -153,19 +154,16 @@ class DeviceTier:
         device."""
         on_device = check is not None or self._on_device(ids)
         if not on_device:
-            _check_range(ids.numpy(), self.num_embeddings)
+            check_range(ids.numpy(), self.num_embeddings)
         if self.stream is not None and on_device:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
             ids.record_stream(self.stream)  # (the caller's tensor, read on the tier's stream)
         with self._on_stream():
-            if on_device and check is None:
-                from .checks import check_on_device
-
+            if not on_device:  # host ids, checked: as int32 where they fit (the sort then needs half the radix passes)
+                ids = ids.to(self.device, torch.int32 if self.num_embeddings <= 1 << 31 else torch.int64,
+                             non_blocking=True)
+            elif check is None:  # (the check writes them as the sort takes them, narrowed where they fit)
                 ids, _, check = check_on_device(ids.to(self.device, non_blocking=True), None, self.num_embeddings)
-            # host ids, checked: as int32 where they fit (the sort then needs half the radix passes)
-            narrow = not on_device and self.num_embeddings <= 1 << 31
-            ids = ids.to(self.device, torch.int32 if narrow else ids.dtype if on_device else torch.int64,
-                         non_blocking=True)
             if ids.numel() == 0:
                 empty = torch.empty(0, dtype=torch.int64, device=self.device)
                 deduped = Deduped(empty, empty, torch.zeros(1, dtype=torch.int64, device=self.device))
@@ -417,12 +415,6 @@ def on_cpu_tensors(table, cache_rows: int | None, policy: str = "lru", partition
                       lower_is_store=lower is st.bottom, partitions=partitions, zero_copy=zero_copy)
     st.tier0 = st.tiers[0] = tier
     return table
-
-
-def _check_range(ids: np.ndarray, num_embeddings: int) -> None:
-    if ids.size and (ids.min() < 0 or ids.max() >= num_embeddings):
-        bad = int(ids.min()) if ids.min() < 0 else int(ids.max())
-        raise IndexError(f"id {bad} out of range [0, {num_embeddings})")
 
 
 def _stores_nothing(store) -> bool:

@@ -65,11 +65,11 @@ class CacheTier:
         return self.lower.state
 
     # -- tier 0: batches ---------------------------------------------------------------------------
-    def dedup(self, ids: torch.Tensor, segments=None, *, in_plan: bool = False):
+    def dedup(self, ids: torch.Tensor, segments=None, *, in_plan: bool = False, check=None):
         """ids int [N] -> Deduped (unique [U] in order of first occurrence, inverse [N], U); segments
         (starts, row_ends): runs of disjoint id ranges, each deduplicated alone, in parallel.
-        IndexError for an id out of range (here, whatever in_plan: see DeviceTier.dedup). Changes
-        nothing."""
+        IndexError for an id out of range (here, whatever in_plan: see DeviceTier.dedup; check, a
+        device tier's verdict on device inputs, never comes to a host tier 0). Changes nothing."""
         unique, inverse = _C.dedup(ids.to(device="cpu", dtype=torch.int64).contiguous(), self.num_embeddings,
                                    *(segments or (None, None)))
         return Deduped(torch.from_numpy(unique), torch.from_numpy(inverse), len(unique))

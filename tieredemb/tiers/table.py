@@ -189,8 +189,6 @@ class TableStore:
         ranges (a collection's tables: native/kernels/dedup.h); the same result. IndexError for an
         id out of range (with in_plan, device ids' may be raised by make_resident instead; check:
         device inputs checked on the device, gpu/checks.py). Changes nothing."""
-        if check is None:
-            return self.tier0.dedup(ids, segments, in_plan=in_plan)
         return self.tier0.dedup(ids, segments, in_plan=in_plan, check=check)
 
     @_locked
