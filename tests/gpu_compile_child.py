@@ -3,7 +3,8 @@ to machine code for an NVIDIA GPU (argv[1]: compute capability, e.g. 90 for an H
 GPU present: Triton's own launcher binds the arguments (its real specialization of each one),
 then compiles through ptxas to a cubin instead of launching. Run by tests/test_gpu_compile.py in
 a process of its own (without TRITON_INTERPRET, which chooses the interpreter at import).
-Prints one line per kernel compiled: name, then the constexpr values, then the cubin's bytes."""
+Prints one line per kernel compiled: name, then the constexpr values, the barriers in its PTX, and
+the cubin's bytes."""
 
 from __future__ import annotations
 
@@ -45,7 +46,7 @@ def main() -> None:
     def compile_only(self, *args, grid, warmup, **kwargs):
         kernel = launch(self, *args, grid=grid, warmup=True, **kwargs)
         constants = {k: v for k, v in kwargs.items() if k.isupper()}
-        print(self.fn.__name__, constants, len(kernel.asm["cubin"]), flush=True)
+        print(self.fn.__name__, constants, kernel.asm["ptx"].count("bar.sync"), len(kernel.asm["cubin"]), flush=True)
         return kernel
 
     JITFunction.run = compile_only

@@ -158,12 +158,13 @@ def _draw_kernel(ids_ptr, num_unique_ptr, num_rows, held_ptr, slots_ptr, counts_
     tl.store(slots_ptr + i, tl.where(ok, row_id, -1))
     if i == 0:
         tl.store(counts_ptr + 1, tl.load(counts_ptr + 1) + num_unique)
-    if ok:
-        if tl.load(held_ptr + row_id) == 0:
-            init_row(out_ptr, row_id, row_id, dim, width, weight_words, seed.to(tl.uint64), kind, a, b, below_high,
-                     zero_id, WEIGHTS, BLOCK)
-            tl.store(held_ptr + row_id, 1)  # (clean: a row never held was never marked dirty)
-            tl.atomic_add(counts_ptr, 1)  # (an integer sum: the same whatever the order)
+    held = tl.load(held_ptr + tl.where(ok, row_id, 0))
+    tl.debug_barrier()  # (every thread has read held before any marks it, whatever num_warps is)
+    if ok & (held == 0):
+        init_row(out_ptr, row_id, row_id, dim, width, weight_words, seed.to(tl.uint64), kind, a, b, below_high,
+                 zero_id, WEIGHTS, BLOCK)
+        tl.store(held_ptr + row_id, 1)  # (clean: a row never held was never marked dirty)
+        tl.atomic_add(counts_ptr, 1)  # (an integer sum: the same whatever the order)
 
 
 def draw(ids, num_unique, index, rows, init, slots) -> None:

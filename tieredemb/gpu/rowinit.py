@@ -152,6 +152,9 @@ def _init_rows_kernel(ids_ptr, out_ptr, rows_ptr, n, dim, width, weight_words, s
     dst = tl.load(rows_ptr + i) if HAS_ROWS else i.to(tl.int64)
     if MARKED:
         dst = tl.where(tl.load(out_ptr + tl.maximum(dst, 0) * width).to(tl.int32, bitcast=True) == mark, dst, -1)
+        # Every thread has read the mark before any overwrites it (word 0 is a weight's): else a
+        # warp that reads late sees a drawn weight, skips its columns, and leaves the row half drawn.
+        tl.debug_barrier()
     if dst >= 0:
         init_row(out_ptr, dst, row_id, dim, width, weight_words, seed.to(tl.uint64), kind, a, b, below_high,
                  zero_id, WEIGHTS, BLOCK)
