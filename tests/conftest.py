@@ -15,6 +15,44 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 def pytest_addoption(parser):
     parser.addoption("--runslow", action="store_true", default=False, help="run long soaks and crash runs")
+    parser.addoption("--program-order", choices=["grid", "reversed", "shuffled"], default="grid",
+                     help="the order in which Triton's interpreter runs a launch's programs: a GPU runs them "
+                          "in any order, at once, so a kernel's result must not depend on it")
+
+
+def pytest_configure(config):
+    order = config.getoption("--program-order")
+    if order != "grid":
+        if not INTERPRETED:
+            raise pytest.UsageError("--program-order applies to Triton's interpreter (TRITON_INTERPRET=1)")
+        program_order(order)
+
+
+def program_order(order: str, seed: int = 0):
+    """Makes Triton's interpreter run each launch's programs in another order than the grid's: it
+    runs them one after another, in order, so a kernel that reads what an earlier program wrote
+    passes under it and fails on a GPU. Reversed or shuffled, such a kernel's tests fail here too.
+    (Programs still run whole, one at a time: lost updates between programs that interleave on a
+    GPU are not shown.) Returns what undoes it."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    builder, rng = interpreter.interpreter_builder, np.random.default_rng(seed)
+    grid_dim = type(builder).set_grid_dim
+    perm = {}
+
+    def set_grid_dim(nx, ny, nz):
+        grid_dim(builder, nx, ny, nz)
+        n = nx * ny * nz
+        perm["p"] = np.arange(n)[::-1] if order == "reversed" else rng.permutation(n)
+
+    def set_grid_idx(x, y, z):
+        nx, ny, nz = builder.grid_dim
+        k = int(perm["p"][(x * ny + y) * nz + z])
+        builder.grid_idx = (k // (ny * nz), k // nz % ny, k % nz)
+
+    builder.set_grid_dim, builder.set_grid_idx = set_grid_dim, set_grid_idx
+    return lambda: (vars(builder).pop("set_grid_dim"), vars(builder).pop("set_grid_idx"))
 
 
 def pytest_collection_modifyitems(config, items):

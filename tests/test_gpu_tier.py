@@ -605,3 +605,33 @@ def test_zero_copy_is_refused_where_no_host_rows_sit_right_below(tmp_path):
     emb = tieredemb.TieredEmbeddingBag(NUM, D, cache_rows=8, host_rows=40)
     with pytest.raises(ValueError, match="zero_copy needs the table's rows in host memory right below tier 0"):
         device_tier(emb, 8, zero_copy=True)
+
+
+@pytest.mark.parametrize("order", ["reversed", "shuffled"])
+def test_the_interpreter_can_run_a_launchs_programs_out_of_order(order, request):
+    """conftest's --program-order, which shows a kernel that depends on the order of its programs
+    (a GPU keeps none), does reorder them: each program takes a ticket as it runs."""
+    if request.config.getoption("--program-order") != "grid":
+        pytest.skip("this run already reorders every launch's programs")
+    import triton
+    import triton.language as tl
+    from conftest import program_order
+
+    @triton.jit
+    def ticket(counter, out):
+        tl.store(out + tl.atomic_add(counter, 1), tl.program_id(0) * 4 + tl.program_id(1))
+
+    def run():
+        counter, out = torch.zeros(1, dtype=torch.int32), torch.full((24,), -1, dtype=torch.int32)
+        ticket[(6, 4)](counter, out)
+        return out.tolist()
+
+    assert run() == list(range(24))
+    undo = program_order(order, seed=3)
+    try:
+        seen = run()
+    finally:
+        undo()
+    assert sorted(seen) == list(range(24))
+    assert seen == (list(range(23, -1, -1)) if order == "reversed" else seen) and seen != list(range(24))
+    assert run() == list(range(24))
