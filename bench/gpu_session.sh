@@ -3,6 +3,17 @@
 # limit), every log and result under $OUT (the folder that comes back). Each step builds the native
 # core first if this machine has not yet (about 11 s; a machine handed back and started again is bare).
 #
+# A session has 15 minutes of device time in all, starts and idle waits included: staging the wheels
+# (below) takes about 10 calls, so the rest is about one call. Make it `first`:
+#
+#   bash bench/gpu_session.sh first        in one call, in this order, each part stopped in time for the next:
+#                                          the GPU tests; the table whole in HBM (FBGEMM, ours, torch ops);
+#                                          tier 0 = 10% over host memory and over the log store (FBGEMM's UVM
+#                                          cache, ours with copies, with prefetch, over SSD, zero-copy); then
+#                                          the same with ids on the device, as time allows
+#
+# and, where time is left, one of the parts alone:
+#
 #   bash bench/gpu_session.sh tests        tests/test_gpu.py: the GPU tests (not the child below)
 #   bash bench/gpu_session.sh interpreted  the CPU-tensor tests (marked interpreted) as a machine without a GPU
 #                                          runs them: what test_gpu.py's child test runs (about 8 minutes)
@@ -27,8 +38,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 step=${1:-}
 case "$step" in
-  tests|interpreted|suite|hbm|host|ssd|device-ids|profile|collection) ;;
-  *) echo "usage: bash bench/gpu_session.sh tests|interpreted|suite|hbm|host|ssd|device-ids|profile|collection" >&2; exit 2 ;;
+  first|tests|interpreted|suite|hbm|host|ssd|device-ids|profile|collection) ;;
+  *) echo "usage: bash bench/gpu_session.sh first|tests|interpreted|suite|hbm|host|ssd|device-ids|profile|collection" >&2; exit 2 ;;
 esac
 PY=${PYTHON:-python3}
 OUT=${OUT:-/tmp/gpu_session}
@@ -47,15 +58,31 @@ if ! "$PY" -c 'import tieredemb._C' 2>/dev/null; then
 fi
 nvidia-smi --query-gpu=name,memory.used,memory.total,utilization.gpu --format=csv || true
 
+STOP=$LIMIT  # a part is stopped at min(its cap, STOP - the seconds since this script started)
 bench() {  # bench NAME ARGS...: bench_gpu.py with a log and a JSON under $OUT
   local name=$1; shift
-  timeout -s ABRT "$LIMIT" "$PY" bench/bench_gpu.py "$@" --json "$OUT/$name.json" 2>&1 | tee "$OUT/$name.log"
+  timeout -s ABRT "$(budget "$LIMIT")" "$PY" bench/bench_gpu.py "$@" --json "$OUT/$name.json" 2>&1 | tee "$OUT/$name.log"
 }
 tests() {  # tests NAME ARGS...: pytest with a log under $OUT
   local name=$1; shift
-  timeout -s ABRT "$LIMIT" "$PY" -m pytest -q -p no:cacheprovider -rs "$@" 2>&1 | tee "$OUT/$name.log"
+  timeout -s ABRT "$(budget "$LIMIT")" "$PY" -m pytest -q -p no:cacheprovider -rs "$@" 2>&1 | tee "$OUT/$name.log"
+}
+budget() {  # budget CAP: seconds the next part may take
+  local left=$((STOP - SECONDS)); echo $(( left < $1 ? (left > 1 ? left : 1) : $1 ))
+}
+part() {  # part CAP COMMAND...: one part of `first`, its outcome in $OUT/first.log; the next runs anyway
+  local cap=$1 rc=0; shift
+  if [ $((STOP - SECONDS)) -lt 30 ]; then echo "first: no time left for: $*" | tee -a "$OUT/first.log"; return; fi
+  local LIMIT; LIMIT=$(budget "$cap")
+  "$@" || rc=$?
+  echo "first: $* -> exit $rc after $SECONDS s (cap $LIMIT s)" | tee -a "$OUT/first.log"
 }
 case "$step" in
+  first)  # (8 files at most come back: first.log, and a log and a JSON of each part but the tests' JSON)
+    part 170 tests test_gpu -v --durations=15 tests/test_gpu.py --deselect tests/test_gpu.py::test_the_cpu_tensor_tests_pass_in_a_child
+    part 110 bench hbm --only fbgemm-hbm,ours-hbm,torch-ops
+    part 170 bench cached --only fbgemm-uvm10,ours-host10,ours-host10-pf2,ours-ssd10,ours-host10-zc --ssd-path /tmp
+    part 600 bench device_ids --only fbgemm-hbm,ours-hbm,fbgemm-uvm10,ours-host10-pf2 --ids-on-device ;;
   tests) tests test_gpu tests/test_gpu.py --deselect tests/test_gpu.py::test_the_cpu_tensor_tests_pass_in_a_child ;;
   interpreted)
     par=$("$PY" -c 'import xdist; print("-n 8")' 2>/dev/null || true)
