@@ -59,28 +59,34 @@ fi
 nvidia-smi --query-gpu=name,memory.used,memory.total,utilization.gpu --format=csv || true
 
 STOP=$LIMIT  # a part is stopped at min(its cap, STOP - the seconds since this script started)
+LOG=  # where every log goes (first: one file, since few come back), else $OUT/NAME.log
+log() { tee ${LOG:+-a} "${LOG:-$OUT/$1.log}"; }
 bench() {  # bench NAME ARGS...: bench_gpu.py with a log and a JSON under $OUT
   local name=$1; shift
-  timeout -s ABRT "$(budget "$LIMIT")" "$PY" bench/bench_gpu.py "$@" --json "$OUT/$name.json" 2>&1 | tee "$OUT/$name.log"
+  timeout -s ABRT "$(budget "$LIMIT")" "$PY" bench/bench_gpu.py "$@" --json "$OUT/$name.json" 2>&1 | log "$name"
 }
 tests() {  # tests NAME ARGS...: pytest with a log under $OUT
   local name=$1; shift
-  timeout -s ABRT "$(budget "$LIMIT")" "$PY" -m pytest -q -p no:cacheprovider -rs "$@" 2>&1 | tee "$OUT/$name.log"
+  timeout -s ABRT "$(budget "$LIMIT")" "$PY" -m pytest -q -p no:cacheprovider -rs "$@" 2>&1 | log "$name"
 }
 budget() {  # budget CAP: seconds the next part may take
   local left=$((STOP - SECONDS)); echo $(( left < $1 ? (left > 1 ? left : 1) : $1 ))
 }
 part() {  # part CAP COMMAND...: one part of `first`, its outcome in $OUT/first.log; the next runs anyway
   local cap=$1 rc=0; shift
-  if [ $((STOP - SECONDS)) -lt 30 ]; then echo "first: no time left for: $*" | tee -a "$OUT/first.log"; return; fi
+  if [ $((STOP - SECONDS)) -lt 30 ]; then echo "first: no time left for: $*" | log first; return; fi
   local LIMIT; LIMIT=$(budget "$cap")
+  echo "first: $* (cap $LIMIT s)" | log first
   "$@" || rc=$?
-  echo "first: $* -> exit $rc after $SECONDS s (cap $LIMIT s)" | tee -a "$OUT/first.log"
+  echo "first: exit $rc after $SECONDS s" | log first
 }
 case "$step" in
-  first)  # (8 files at most come back: first.log, and a log and a JSON of each part but the tests' JSON)
+  first)  # (what comes back: first.log, each bench's JSON, prof.tgz: the profiles of the whole-table systems)
+    LOG=$OUT/first.log
+    rm -rf /tmp/prof
     part 170 tests test_gpu -v --durations=15 tests/test_gpu.py --deselect tests/test_gpu.py::test_the_cpu_tensor_tests_pass_in_a_child
-    part 110 bench hbm --only fbgemm-hbm,ours-hbm,torch-ops
+    part 120 bench hbm --only fbgemm-hbm,ours-hbm,torch-ops --profile /tmp/prof
+    [ -d /tmp/prof ] && tar czf "$OUT/prof.tgz" -C /tmp prof
     part 170 bench cached --only fbgemm-uvm10,ours-host10,ours-host10-pf2,ours-ssd10,ours-host10-zc --ssd-path /tmp
     part 600 bench device_ids --only fbgemm-hbm,ours-hbm,fbgemm-uvm10,ours-host10-pf2 --ids-on-device ;;
   tests) tests test_gpu tests/test_gpu.py --deselect tests/test_gpu.py::test_the_cpu_tensor_tests_pass_in_a_child ;;
