@@ -179,9 +179,56 @@ def test_prefetch_deeper_than_tier0_holds_never_fails(tmp_path, seed):
     emb.close()
 
 
-def test_prefetch_waits_for_room_instead_of_overflowing():
+def test_a_worker_waiting_for_room_finds_a_batch_released_without_a_notify(monkeypatch):
+    """A batch collected while its thread holds one of the package's locks is released at the
+    next residency, with no notify (locks.py): a worker waiting for room looks for such batches
+    when its wait times out, and plans again then."""
+    import gc
+
+    import tieredemb.prefetch
+
+    monkeypatch.setattr(tieredemb.prefetch, "_IDLE_EXIT_S", 0.05)
+    data = batches(seed=5, steps=2, num=600, bags=16, length=8)
+    distinct = [len(torch.unique(ids)) for ids, _, _ in data]
+    emb = make("host", max(distinct) + 5, "sgd", num=600)
+    st = emb._store
+    gc.disable()  # (until the thread below collects the cycle)
+    try:
+        cycle = [st.prepare(data[0][0])]
+        cycle.append(cycle)
+        del cycle
+        emb.prefetch(data[1][0], data[1][1])
+        deadline = time.monotonic() + 30
+        while emb.stats()["prefetch"]["room_waits"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert emb.stats()["prefetch"]["room_waits"] == 1 and st.tier0.index.pinned == distinct[0]
+
+        def collect():
+            with st.room:
+                gc.collect()
+
+        collector = threading.Thread(target=collect, daemon=True)
+        collector.start()
+        collector.join(60)
+    finally:
+        gc.enable()
+    deadline = time.monotonic() + 30
+    while st.tier0.index.pinned != distinct[1] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert st.tier0.index.pinned == distinct[1] and not st.orphans
+    emb(data[1][0], data[1][1]).backward(data[1][2])
+    assert st.tier0.index.pinned == 0
+    emb.close()
+
+
+def test_prefetch_waits_for_room_instead_of_overflowing(monkeypatch):
     """Two registered batches that do not fit together: the worker makes the first resident and
-    waits for its backward before the second (no overflow slot is used)."""
+    waits for its backward before the second (no overflow slot is used). While nothing is released
+    it does not plan again (on a GPU each plan waits for the device), though its wait wakes up to
+    look for batches released without a notify."""
+    import tieredemb.prefetch
+
+    monkeypatch.setattr(tieredemb.prefetch, "_IDLE_EXIT_S", 0.05)
     data = batches(seed=5, steps=2, num=600, bags=16, length=8)
     distinct = [len(torch.unique(ids)) for ids, _, _ in data]
     emb = make("host", max(distinct) + 5, "sgd", num=600)
@@ -190,7 +237,8 @@ def test_prefetch_waits_for_room_instead_of_overflowing():
     deadline = time.monotonic() + 30
     while emb.stats()["prefetch"]["room_waits"] == 0 and time.monotonic() < deadline:
         time.sleep(0.01)  # the worker made batch 0 resident and found no room for batch 1
-    assert emb.stats()["prefetch"]["room_waits"] >= 1
+    time.sleep(0.5)  # (ten of the worker's wake-ups)
+    assert emb.stats()["prefetch"]["room_waits"] == 1
     assert emb._store.tier0.index.pinned == distinct[0]
     for ids, offsets, grad in data:
         emb(ids, offsets).backward(grad)

@@ -257,9 +257,13 @@ class Prefetcher:
                 return
             with self.cond:
                 self.counters["room_waits"] += 1
-            with room:  # no room: wait for a release (or for p's forward to ask for it)
-                room.wait_for(lambda: self.store.releases != releases or p.forced or self.stopping,
-                              timeout=_IDLE_EXIT_S)
+            with room:  # no room: wait for a release (or for p's forward to ask for it). Planned
+                # again only then: each plan on a GPU waits for the device. (A batch collected
+                # under a lock is released at the next residency, without a notify: looked for
+                # every second.)
+                while not room.wait_for(lambda: self.store.releases != releases or p.forced or self.stopping
+                                        or bool(self.store.orphans), timeout=_IDLE_EXIT_S):
+                    pass
 
     # -- helpers (cond held) ------------------------------------------------------------------
     def _next_ready(self) -> _Registered | None:
