@@ -79,13 +79,23 @@ def test_zero_copy_trains_bit_for_bit_as_the_host_copies(cache_rows, depth):
     mapped.close()
 
 
+def test_a_bare_cuda_device_names_the_gpu_current_at_creation():
+    """device="cuda" is fixed to the GPU current when the table is made (as torch's modules take
+    it): its stream and its waits then never follow whichever GPU a later caller has current."""
+    emb = tieredemb.TieredEmbeddingBag(NUM, DIM, "sum", optimizer=tieredemb.SGD(lr=0.1), cache_rows=100, device="cuda")
+    assert emb.device == torch.device("cuda", torch.cuda.current_device())
+    assert emb._store.tier0.stream.device == emb.device
+    emb.close()
+
+
 def test_zero_copy_tables_made_and_closed_again_and_again():
     """close() unregisters the host rows (a table made after at the same address registers
     anew), and a forked child gets no copy of the pinned rows (MADV_DONTFORK) yet runs."""
     import os
 
     for _ in range(3):
-        emb = tieredemb.TieredEmbeddingBag(10_000, 64, cache_rows=100, device="cuda", zero_copy=True)
+        emb = tieredemb.TieredEmbeddingBag(10_000, 64, cache_rows=100, device="cuda", zero_copy=True,
+                                           optimizer=tieredemb.SGD(lr=0.1))
         emb(torch.arange(300), torch.arange(0, 300, 3)).sum().backward()
         pid = os.fork()
         if pid == 0:

@@ -190,6 +190,10 @@ class TableConfig:
         device = torch.device(self.device)
         if device.type not in ("cpu", "cuda"):
             raise ValueError(f"device {device} is not supported: use 'cpu' or 'cuda'")
+        if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+            # the GPU current now, as torch's modules take it: a bare "cuda" would name whichever
+            # GPU is current on the calling thread at each later use (its streams, its waits)
+            device = torch.device("cuda", torch.cuda.current_device())
         set_("device", device)
         row_bytes = self.width * 4
         set_("cache_rows", parse_rows("cache_rows", self.cache_rows, row_bytes))

@@ -124,6 +124,8 @@ class DeviceTier:
             if device.type == "cuda":  # pinned and mapped: Triton kernels take the host tensor as it is
                 self._unmap = hostmap.pin_and_map(lower, lower.rows, device)
             self.mapped = lower.rows
+        # (torch hands streams out of a pool of 32 a device, round robin: past 32 tables, or beside
+        # a user's own torch.cuda.Stream, one may be shared; that orders more, never less)
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._before_residencies()  # (the pool's and the index's zeros are in place before any residency)
         self.index_lock = locks.Counted(reentrant=True)  # as CacheTier's (the worker plans while training releases)

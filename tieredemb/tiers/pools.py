@@ -35,7 +35,7 @@ def reserve_host_rows(rows: int, width: int, *, populate_rows: int) -> torch.Ten
 
 
 class HostPool:
-    """A tier's slots as one host tensor (pinned when a GPU tier sits above it)."""
+    """A tier's slots as one host tensor."""
 
     kernels = "native"  # tier 0's lookup math on these rows (tieredemb/kernels.py)
 

@@ -122,8 +122,9 @@ class TableStore:
         self.tiers: list = []  # the cache tiers, top first: tier 0 (CacheTier or DeviceTier), the host cache
         on_host = device.type == "cpu"
         if host_rows is not None and host_rows < num_embeddings:
-            pool = (torch.empty(host_rows, width, pin_memory=True) if not on_host and torch.cuda.is_available()
-                    else reserve_host_rows(host_rows, width, populate_rows=host_rows))
+            # (not pinned under a GPU tier 0 either: rows cross to the GPU through its own pinned
+            # staging blocks, and torch's pinned allocator would round the pool up to a power of 2)
+            pool = reserve_host_rows(host_rows, width, populate_rows=host_rows)
             lower = CacheTier("host", _C.CacheIndex(host_rows, policy), HostPool(pool), lower, num_embeddings)
             self.tiers.append(lower)
         self.tier0 = (self._host_tier0(num_embeddings, width, cache_rows, policy, lower, partitions) if on_host else
