@@ -97,6 +97,9 @@ def main() -> None:
                 for last in ((False, True) if offsets is not None else (False,)):
                     for rows in (1000, 1 << 40):
                         checks.check_on_device(torch.zeros(n, dtype=ids_type), offsets, rows, last)
+        # a collection's features, one run each (of one type, and of both)
+        for types in ((torch.int64,), (torch.int32,), (torch.int64, torch.int32)):
+            checks.check_runs_on_device([torch.zeros(n, dtype=t) for t in types], [1000] * len(types), None)
 
     opts = [tieredemb.SGD(lr=0.1), tieredemb.Adagrad(lr=0.1), tieredemb.RowWiseAdagrad(lr=0.1),
             tieredemb.MomentumScaledRowWiseAdagrad(lr=0.1, scale=4), tieredemb.Adam(lr=0.1)]

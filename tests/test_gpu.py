@@ -360,6 +360,59 @@ def test_ids_and_offsets_on_the_gpu_cost_one_wait_a_batch(monkeypatch, cache_row
     assert len(waits) == len(data) - 1
 
 
+@pytest.mark.parametrize("cache_bytes", [None, 4 * DIM * 4 * 60], ids=["whole", "cached"])
+@pytest.mark.parametrize("keyed", [False, True], ids=["dict", "kjt"])
+def test_a_collections_features_on_the_gpu_cost_no_wait_of_their_own(monkeypatch, cache_bytes, keyed):
+    """A collection's features given on the GPU are range-checked there, each in its own table,
+    by one launch for them all, the verdict read by the first group's residency: the same waits a
+    step as the same features from the host, but for the new whole tables' one read of the verdict
+    (host ids need none there), and a KeyedJaggedTensor's lengths, read to cut it into features."""
+    tables = [tieredemb.EmbeddingBagConfig("a", 200, DIM, ["fa"]), tieredemb.EmbeddingBagConfig("b", 100, DIM, ["fb"]),
+              tieredemb.EmbeddingBagConfig("c", 100, 8, ["fc"])]
+    rows = {"fa": 200, "fb": 100, "fc": 100}
+
+    class KJT:
+        def __init__(self, values, lengths):
+            self._v, self._l = values, lengths
+
+        def keys(self):
+            return list(rows)
+
+        def values(self):
+            return self._v
+
+        def lengths(self):
+            return self._l
+
+        def weights_or_none(self):
+            return None
+
+    g = torch.Generator().manual_seed(0)
+    data = [{f: torch.randint(0, n, (40,), generator=g) for f, n in rows.items()} for _ in range(8)]
+
+    def step(ebc, feats, on_gpu):
+        if keyed:
+            values, lengths = torch.cat(list(feats.values())), torch.full((30,), 4)
+            given = KJT(values.cuda(), lengths.cuda()) if on_gpu else KJT(values, lengths)
+        else:
+            given = {f: (ids.cuda() if on_gpu else ids, torch.arange(0, 40, 4)) for f, ids in feats.items()}
+        ebc(given).values().square().sum().backward()
+
+    counted = {}
+    for on_gpu in (False, True):
+        waits = _waits(monkeypatch)
+        ebc = tieredemb.TieredEmbeddingBagCollection(tables, cache_bytes=cache_bytes, device="cuda",
+                                                     optimizer=tieredemb.SGD(lr=0.1))
+        step(ebc, data[0], on_gpu)  # (the kernels compiled)
+        torch.cuda.synchronize()
+        with _warned_waits(waits):
+            for feats in data[1:]:
+                step(ebc, feats, on_gpu)
+        counted[on_gpu] = len(waits) / (len(data) - 1)
+        monkeypatch.undo()
+    assert counted[True] == counted[False] + (cache_bytes is None) + keyed, counted
+
+
 def test_prefetched_ids_and_offsets_on_the_gpu_leave_the_training_thread_waiting_for_nothing(monkeypatch):
     """Through a PrefetchLoader of depth 2: the worker reads each batch's verdict with its plan;
     the training side never waits (its forwards recognize the prefetched tensors by identity)."""

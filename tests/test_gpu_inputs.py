@@ -262,3 +262,109 @@ def test_unpooled_lookups_of_device_ids_train_as_host_ones_and_refuse_bad_ids_at
     with pytest.raises(IndexError, match=rf"id {NUM + 2} out of range \[0, {NUM}\)"):
         emb(torch.tensor([[1, NUM + 2]]))
     assert torch.equal(rows_and_state(emb), before) and emb._store.tier0.index.pinned == 0
+
+
+def _collection(pooled: bool, cache_bytes, on_device=True):
+    """A collection whose groups' tier 0 are device tiers on CPU tensors: tables u and x share a
+    group (a row past u's end is x's, in the group's range), v and w make groups of their own."""
+    if pooled:
+        tables = [tieredemb.EmbeddingBagConfig("u", 120, D, ["a", "b"]), tieredemb.EmbeddingBagConfig("x", 50, D, ["e"]),
+                  tieredemb.EmbeddingBagConfig("v", 80, D, ["c"], pooling="mean"),
+                  tieredemb.EmbeddingBagConfig("w", 40, 4, ["d"])]
+        make = tieredemb.TieredEmbeddingBagCollection
+    else:
+        tables = [tieredemb.EmbeddingConfig("u", 120, D, ["a", "b"]), tieredemb.EmbeddingConfig("x", 50, D, ["e"]),
+                  tieredemb.EmbeddingConfig("w", 40, 4, ["d"])]
+        make = tieredemb.TieredEmbeddingCollection
+    col = make(tables, optimizer=tieredemb.Adam(lr=0.05), cache_bytes=cache_bytes, seed=4)
+    for engine in col.engines:
+        part = engine.config.partitions
+        on_cpu_tensors(engine, None if part is None else sum(c for _, c in part), partitions=part)
+        if not on_device:
+            host_path(engine)
+    return col
+
+
+def _features(col, seed):
+    g = torch.Generator().manual_seed(seed)
+    feats = {}
+    for f, t in col.feature_table.items():
+        ids = (torch.rand(12, generator=g) ** 2 * t.num_embeddings).long()
+        if f == "b":
+            feats[f] = tieredemb.InverseKeyed(ids, torch.tensor([0, 2, 2, 5, 9, 10]), torch.tensor([5, 0, 0, 3, 2, 5]))
+        else:
+            feats[f] = (ids, torch.tensor([0, 2, 2, 5, 9, 10]))
+    return feats
+
+
+def _step(col, feats, seed):
+    out = col(feats)
+    if isinstance(out, dict):  # (unpooled: {feature: jagged rows})
+        values = torch.cat([out[f].values().reshape(-1) for f in out])
+    else:
+        values = out.values()
+    values.backward(torch.randn(values.shape, generator=torch.Generator().manual_seed(seed)))
+    return values.detach()
+
+
+def _collection_rows(col):
+    return [torch.cat([col.read_rows(t.name, torch.arange(t.num_embeddings)),
+                       col.read_optimizer_state(t.name, torch.arange(t.num_embeddings))], 1) for t in col.tables]
+
+
+@pytest.mark.parametrize("pooled", [True, False], ids=["bags", "unpooled"])
+@pytest.mark.parametrize("cache_bytes", [None, 3000], ids=["whole", "cached"])
+def test_a_collections_device_features_are_checked_by_one_launch_and_train_as_host_ones(device_inputs, monkeypatch,
+                                                                                         pooled, cache_bytes):
+    """Every feature on the tables' device is range-checked by one kernel launch for the whole
+    batch (gpu/checks.py check_runs_on_device), no group's tier 0 checking its ids again, the
+    verdict read by the first group's residency: outputs, rows and optimizer state bit for bit
+    those of the same batches given on the host."""
+    from tieredemb.gpu import checks
+
+    launches = {"runs": 0, "tier": 0}
+    runs, on_device = checks.check_runs_on_device, checks.check_on_device
+
+    def counted(name, fn):
+        def call(*a, **k):
+            launches[name] += 1
+            return fn(*a, **k)
+        return call
+
+    monkeypatch.setattr(checks, "check_runs_on_device", counted("runs", runs))
+    monkeypatch.setattr("tieredemb.gpu.tier.check_on_device", counted("tier", on_device))
+    results = []
+    for dev in (False, True):
+        col = _collection(pooled, cache_bytes, on_device=dev)
+        outs = [_step(col, _features(col, seed), seed) for seed in range(5)]
+        results.append((outs, _collection_rows(col)))
+    assert launches == {"runs": 5, "tier": 0}
+    (host_outs, host_rows), (dev_outs, dev_rows) = results
+    assert all(torch.equal(a, b) for a, b in zip(host_outs, dev_outs))
+    assert all(torch.equal(a, b) for a, b in zip(host_rows, dev_rows))
+
+
+@pytest.mark.parametrize("pooled", [True, False], ids=["bags", "unpooled"])
+@pytest.mark.parametrize("feature, bad", [("a", 120), ("e", -1), ("d", 40)])
+def test_a_collections_bad_device_feature_raises_the_host_error_before_any_group_changes(device_inputs, pooled,
+                                                                                          feature, bad):
+    """An id past its own table (120 in u is x's row 0 in their group: in the group's range,
+    which is all a tier 0 knows), or below it, given on the device: the host's error, raised by
+    the first group's residency before it or any other group changes (rows, optimizer state,
+    tier-0 counts, pins)."""
+    host, col = _collection(pooled, 3000, on_device=False), _collection(pooled, 3000)
+    for c in (host, col):
+        _step(c, _features(c, 0), 0)
+    feats = _features(col, 1)
+    ids, *rest = feats[feature]
+    feats[feature] = (torch.cat([ids[:3], torch.tensor([bad]), ids[4:]]), *rest)
+    with pytest.raises(IndexError) as want:
+        host(feats)
+    rows = _collection_rows(col)
+    stats = col.stats()  # (after reading the rows, which counts in the stats)
+    with pytest.raises(IndexError) as got:
+        col(feats)
+    assert str(got.value) == str(want.value) and f"feature {feature!r}: id {bad} out of range" in str(got.value)
+    assert col.stats() == stats and all(torch.equal(a, b) for a, b in zip(rows, _collection_rows(col)))
+    assert all(e._store.tier0.index.pinned == 0 for e in col.engines)
+    _step(col, _features(col, 2), 2)  # (and it trains on)

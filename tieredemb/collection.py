@@ -209,10 +209,13 @@ class _Collection(nn.Module):
                 {t.name: chosen[t.name][1] for t in self.tables})
 
     # -- input and output -----------------------------------------------------------------------
-    def _lookups_of(self, features) -> list:
+    def _lookups_of(self, features) -> tuple[list, object, dict]:
         """Every feature checked, before any group is looked up (a bad one changes nothing), then
-        each group's features as one lookup: [(group, engine, (ids, bag boundaries [B + 1],
-        per_sample_weights, parts))] (see _batch)."""
+        each group's features as one lookup: ([(group, engine, (ids, bag boundaries [B + 1],
+        per_sample_weights, parts))] (see _batch), the verdict on the ids on the tables' GPU or
+        None, {table: ids looked up}: for _count once the lookup is done). That verdict, on the
+        device, is read by the first group's residency, before it changes anything: pass it with
+        every group's lookup."""
         given = features_of(features)
         missing = [f for f in self.feature_table if f not in given]
         unknown = [f for f in given if f not in self.feature_table]
@@ -220,47 +223,70 @@ class _Collection(nn.Module):
             raise ValueError(f"features: missing {missing}, unknown {unknown} (this collection reads "
                              f"{list(self.feature_table)})")
         self._check_batch(given)
-        self._check_ranges(given)
-        batches = [self._batch(group, given) for group in self.groups]
+        check = self._check_ranges(given)
+        batches = [self._batch(group, given, check is not None) for group in self.groups]
         self.looked_up = [flat for flat, _, _, _ in batches]  # each group's ids (tieredemb.record reads them)
-        for group in self.groups:
-            for t in group.tables:
-                self.lookups[t.name] += sum(len(given[f][0]) for f in t.feature_names)
-        return list(zip(self.groups, self.engines, batches))
+        counts = {t.name: sum(len(given[f][0]) for f in t.feature_names) for t in self.tables}
+        return list(zip(self.groups, self.engines, batches)), check, counts
+
+    def _count(self, counts: dict) -> None:
+        for name, n in counts.items():
+            self.lookups[name] += n
 
     def _check_batch(self, given: dict) -> None:
         """Checks that hold across features (the bag collection's: one batch size)."""
 
-    def _check_ranges(self, given: dict) -> None:
+    def _check_ranges(self, given: dict):
         """Each feature's ids within its own table (else they would read a neighbour's rows): by
-        numpy on the host (torch's intra-op threads cost more there), and one transfer for every
-        feature whose ids are on a device."""
-        on_device = []
+        numpy on the host (torch's intra-op threads cost more there); those on the tables' GPU
+        there, by one kernel launch and no wait (gpu/checks.py), the verdict returned (else None);
+        those on another device by one transfer."""
+        on_tables, elsewhere = [], []
         for f, (values, _, _, _) in given.items():
-            if len(values) and values.device.type == "cpu":
+            if not len(values):
+                continue
+            if self.engines[0]._on_device(values):
+                on_tables.append(f)
+            elif values.device.type == "cpu":
                 v = values.numpy()
                 _check_range(f, self.feature_table[f], int(v.min()), int(v.max()))
-            elif len(values):
-                on_device.append((f, torch.stack(torch.aminmax(values))))
-        if on_device:
-            for (f, _), (lo, hi) in zip(on_device, torch.stack([r for _, r in on_device]).tolist()):
+            else:
+                elsewhere.append((f, torch.stack(torch.aminmax(values))))
+        if elsewhere:
+            for (f, _), (lo, hi) in zip(elsewhere, torch.stack([r for _, r in elsewhere]).tolist()):
                 _check_range(f, self.feature_table[f], lo, hi)
+        if not on_tables:
+            return None
+        from .gpu.checks import check_runs_on_device
 
-    def _batch(self, group: _Group, given: dict) -> tuple:
+        def explain():  # (the host's checks, on the ids read back)
+            for f in on_tables:
+                v = given[f][0].cpu().numpy()
+                _check_range(f, self.feature_table[f], int(v.min()), int(v.max()))
+
+        return check_runs_on_device([given[f][0] for f in on_tables],
+                                    [self.feature_table[f].num_embeddings for f in on_tables], explain)
+
+    def _batch(self, group: _Group, given: dict, on_device: bool) -> tuple:
         """Every feature of the group's tables as one lookup (the features' bags one after another;
-        ids already checked): (ids, bag boundaries [B + 1], per_sample_weights, parts: [(feature,
-        its boundaries, its InverseKeyed inverse or None)])."""
+        ids already checked, or on_device: checked there, the verdict not yet read): (ids, bag
+        boundaries [B + 1], per_sample_weights, parts: [(feature, its boundaries, its InverseKeyed
+        inverse or None)]). on_device: the ids on the tables' GPU, as int32 where the group's rows
+        allow (its dedup sorts them in half the radix passes)."""
         ids, bounds, weights, parts = [], [np.zeros(1, dtype=np.int64)], [], []
         start = 0
+        narrow = torch.int32 if on_device and group.rows < 1 << 31 else torch.int64
         for t in group.tables:
             for f in t.feature_names:
                 values, b, w, inverse = given[f]
-                ids.append(values.to(torch.int64) + int(group.offsets[t.name]))
+                ids.append(values.to(narrow) + int(group.offsets[t.name]))
                 bounds.append(b.numpy()[1:] + start)
                 weights.append(w)
                 parts.append((f, b, inverse))
                 start += len(values)
         flat = _cat(_on_one_device(ids))
+        if on_device:  # (host features too: the group's lookup then reads the device's verdict)
+            flat = flat.to(self.engines[0].device, non_blocking=True)
         offsets = torch.from_numpy(np.concatenate(bounds))
         psw = None
         if any(w is not None for w in weights):
@@ -354,7 +380,7 @@ class TieredEmbeddingBagCollection(_Collection):
         given, with the same B. Returns the pooled features in the tables' order (a torchrec
         KeyedTensor where torchrec imports, else a KeyedEmbeddings). Each group's kernels write
         its features' rows straight into the [B, sum of dims] block, one autograd node for all."""
-        lookups = self._lookups_of(features)
+        lookups, check, counts = self._lookups_of(features)
         keys = [f for t in self.tables for f in t.feature_names]
         dims = [self.feature_table[f].embedding_dim for f in keys]
         width = sum(dims)
@@ -375,8 +401,9 @@ class TieredEmbeddingBagCollection(_Collection):
                     at.append(np.arange(bags, dtype=np.int64) * dim + side)
                     side += bags * dim
             parts.append(lookup.Part(engine, flat, offsets, psw, _MODES[group.tables[0].pooling], True,
-                                     torch.from_numpy(np.concatenate(at)), self._segments(group, features)))
+                                     torch.from_numpy(np.concatenate(at)), self._segments(group, features), check))
         values = lookup.pooled_block(parts, (-(-side // width), width), samples, expand)
+        self._count(counts)
         return keyed(keys, dims, values)
 
     def _check_batch(self, given: dict) -> None:
@@ -408,8 +435,15 @@ class TieredEmbeddingCollection(_Collection):
         JaggedTensor (values [N, D], lengths [B]) where torchrec imports, else a JaggedEmbeddings};
         an InverseKeyed feature's samples get their distinct bag's rows."""
         out = {}
-        for group, engine, (flat, _, _, parts) in self._lookups_of(features):
-            out.update(self._jagged(engine(flat), parts))
+        lookups, check, counts = self._lookups_of(features)
+        for group, engine, (flat, _, _, parts) in lookups:
+            if check is None:
+                rows = engine(flat)
+            else:  # (TieredEmbedding's forward, with the verdict)
+                bounds = torch.arange(len(flat) + 1, device=flat.device)
+                rows = lookup.pooled(engine, flat, bounds, None, _MODES["sum"], exclude_padding=False, check=check)
+            out.update(self._jagged(rows, parts))
+        self._count(counts)
         return {f: out[f] for t in self.tables for f in t.feature_names}
 
     def _check_batch(self, given: dict) -> None:

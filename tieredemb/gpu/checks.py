@@ -10,6 +10,10 @@ the prefetch worker, the error then raised by that batch's forward. Either way b
 changes. A failed check is explained on the host (the inputs read back, the host's checks run on
 them), so the error is the one host inputs give, naming the value and the rule.
 
+A collection's features on the GPU (collection.py) are checked the same way, each against its
+own table's rows, by one launch for them all (check_runs_on_device); the first group's residency
+reads the verdict, before any group changes.
+
 With include_last_offset, the ids after the last bag belong to no bag (torch leaves them out).
 Slicing them off would need their count on the host, so they stay, each replaced by SENTINEL (past
 every table's rows: never checked, never made resident), and an empty bag is added after the
@@ -44,25 +48,35 @@ class DeviceCheck:
     """The verdict on a batch's device inputs, on the device: fault int8 [k], nonzero where a
     rule is broken. extra_bag: the boundaries end with an added empty bag (include_last_offset's
     offsets were given); sentinel: then the id that stands for the ids after the last bag, else
-    None."""
+    None. explain: a function that raises the caller's own error for a fault (else the module's
+    host checks are run on the inputs read back). One verdict may cover several lookups (a
+    collection's groups): read as passed once, it is not read again."""
 
-    __slots__ = ("fault", "ids", "offsets", "num_embeddings", "extra_bag", "sentinel")
+    __slots__ = ("fault", "ids", "offsets", "num_embeddings", "extra_bag", "sentinel", "explain", "passed")
 
-    def __init__(self, fault, ids, offsets, num_embeddings, extra_bag, sentinel):
+    def __init__(self, fault, ids, offsets, num_embeddings, extra_bag, sentinel, explain=None):
         self.fault = fault
         self.ids, self.offsets = ids, offsets  # (the caller's, to explain a fault)
         self.num_embeddings = num_embeddings
         self.extra_bag = extra_bag
         self.sentinel = sentinel if extra_bag else None
+        self.explain = explain
+        self.passed = False
 
     def resolve(self) -> None:
-        """Reads the verdict (one wait for the device); raises if a rule is broken."""
-        self.raise_if(bool(self.fault.any()))
+        """Reads the verdict (one wait for the device, unless it was read already); raises if a
+        rule is broken."""
+        if not self.passed:
+            self.raise_if(bool(self.fault.any()))
 
     def raise_if(self, faulty: bool) -> None:
         """Raises the host's error for these inputs if faulty (the verdict, read by the caller)."""
         if not faulty:
+            self.passed = True
             return
+        if self.explain is not None:
+            self.explain()
+            raise _changed()
         from ..keyed import check_starts
 
         ids = self.ids.cpu().numpy()
@@ -73,18 +87,25 @@ class DeviceCheck:
             if self.extra_bag:
                 end = int(o[-1])
         check_range(ids[:end], self.num_embeddings)
-        raise RuntimeError("the device found this batch's ids or offsets faulty, and they read as valid now: were "
-                           "they changed after prefetch() was given them? (if not, please report this)")
+        raise _changed()
 
 
-@triton.jit(do_not_specialize=["n", "m", "num_embeddings"])
+def _changed() -> RuntimeError:
+    return RuntimeError("the device found this batch's ids or offsets faulty, and they read as valid now: were "
+                        "they changed after prefetch() was given them? (if not, please report this)")
+
+
+@triton.jit(do_not_specialize=["n", "m", "num_embeddings", "runs"])
 def _check_kernel(ids_ptr, n, offsets_ptr, m, num_embeddings, out_ids_ptr, bounds_ptr, fault_ptr, sentinel,
-                  HAS_OFFSETS: tl.constexpr, LAST_GIVEN: tl.constexpr, BLOCK: tl.constexpr):
+                  runs_ptr, runs, HAS_OFFSETS: tl.constexpr, LAST_GIVEN: tl.constexpr, RUNS: tl.constexpr,
+                  BLOCK: tl.constexpr):
     """Positions BLOCK * program 0 onwards. Offsets o[0 .. m-1] (HAS_OFFSETS): bounds[p] = o[p],
     and bounds[m] = o[m-1] (LAST_GIVEN: include_last_offset's, an empty bag added) or n; o[0] must
     be 0, o non-decreasing, none past n. Ids before the bags' end (bounds[m]; n without offsets):
-    in [0, num_embeddings), copied to out_ids; ids after it: sentinel. fault[program] = 1 if this
-    program found a rule broken, else 0."""
+    in [0, num_embeddings), copied to out_ids; ids after it: sentinel. RUNS (instead): the ids are
+    runs, run r at positions [starts[r], starts[r + 1]) in [0, rows[r]) (runs_ptr: starts [runs +
+    1], then rows [runs]); nothing is written but the verdict. fault[program] = 1 if this program
+    found a rule broken, else 0."""
     p = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     bad = tl.zeros([BLOCK], dtype=tl.int1)
     end = n.to(tl.int64)
@@ -100,8 +121,15 @@ def _check_kernel(ids_ptr, n, offsets_ptr, m, num_embeddings, out_ids_ptr, bound
     live = p < n
     ids = tl.load(ids_ptr + p, mask=live, other=0).to(tl.int64)
     in_bag = live & (p < end)
-    bad = bad | (in_bag & ((ids < 0) | (ids >= num_embeddings)))
-    tl.store(out_ids_ptr + p, tl.where(in_bag, ids, sentinel), mask=live)
+    if RUNS:
+        limit = tl.zeros([BLOCK], dtype=tl.int64)
+        for r in range(runs):  # (a run per feature: few)
+            in_run = (p >= tl.load(runs_ptr + r)) & (p < tl.load(runs_ptr + r + 1))
+            limit = tl.where(in_run, tl.load(runs_ptr + runs + 1 + r), limit)
+        bad = bad | (in_bag & ((ids < 0) | (ids >= limit)))
+    else:
+        bad = bad | (in_bag & ((ids < 0) | (ids >= num_embeddings)))
+        tl.store(out_ids_ptr + p, tl.where(in_bag, ids, sentinel), mask=live)
     tl.store(fault_ptr + tl.program_id(0), tl.max(bad.to(tl.int8), axis=0))
 
 
@@ -124,7 +152,25 @@ def check_on_device(ids: torch.Tensor, offsets: torch.Tensor | None, num_embeddi
     fault = torch.empty(programs, dtype=torch.int8, device=dev)
     with launch_turn(), torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
         _check_kernel[(programs,)](ids, n, offsets if offsets is not None else ids, m, num_embeddings, out,
-                                   bounds if bounds is not None else out, fault, sentinel,
-                                   HAS_OFFSETS=offsets is not None, LAST_GIVEN=include_last_offset, BLOCK=_BLOCK)
+                                   bounds if bounds is not None else out, fault, sentinel, ids, 0,
+                                   HAS_OFFSETS=offsets is not None, LAST_GIVEN=include_last_offset, RUNS=False,
+                                   BLOCK=_BLOCK)
     return out, bounds, DeviceCheck(fault, ids, offsets, num_embeddings, offsets is not None and include_last_offset,
                                     sentinel)
+
+
+def check_runs_on_device(runs: list, rows: list, explain) -> DeviceCheck:
+    """Each of runs (int tensors [n_r] on one GPU, say a collection's features) in [0, rows[r]),
+    by one kernel launch over their concatenation; waits for nothing. explain: raises the
+    caller's error for a fault (called once the verdict is read)."""
+    dev = runs[0].device
+    ids = torch.cat([r.reshape(-1) for r in runs]) if len(runs) > 1 else runs[0].reshape(-1).contiguous()
+    n = ids.numel()
+    table = torch.tensor(np.concatenate([np.cumsum([0] + [r.numel() for r in runs]), rows]), dtype=torch.int64)
+    table = table.to(dev, non_blocking=True)
+    programs = max(1, triton.cdiv(n, _BLOCK))
+    fault = torch.empty(programs, dtype=torch.int8, device=dev)
+    with launch_turn(), torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
+        _check_kernel[(programs,)](ids, n, ids, 0, 0, ids, ids, fault, 0, table, len(runs), HAS_OFFSETS=False,
+                                   LAST_GIVEN=False, RUNS=True, BLOCK=_BLOCK)
+    return DeviceCheck(fault, ids, None, max(rows), False, None, explain)
