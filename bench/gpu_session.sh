@@ -26,10 +26,12 @@
 #   bash bench/gpu_session.sh profile      one run of ours and FBGEMM's under torch.profiler ($OUT/prof.tgz)
 #   bash bench/gpu_session.sh collection   bench_collection.py --device cuda --quick
 #
-# FBGEMM's GPU TBE (the peer) and rocksdict / lz4 (for the SSD stores) do not come with the machine.
-# Stage them from here first (../shared/tools/stage_wheels.sh .wheels rocksdict lz4 fbgemm-gpu==1.6.0,
-# one `run` per .wheels/wK folder carrying it: mkdir -p /root/w && cp .wheels/wK/* /root/w/); the first
-# step after that assembles them into /tmp/site. Without them the FBGEMM systems print "skipped".
+# FBGEMM's GPU TBE (the peer) and rocksdict / lz4 (which tieredemb imports: no table is made without
+# them) do not come with the machine. Stage them from here first (../shared/tools/stage_wheels.sh
+# .wheels rocksdict lz4 fbgemm-gpu==1.6.0, one `run` per .wheels/wK folder carrying it, w0 first: it
+# holds rocksdict and lz4: mkdir -p /root/w && cp .wheels/wK/* /root/w/); the first step after that
+# assembles them into /tmp/site (if a piece is missing, it installs the wheels that are whole, and
+# the FBGEMM systems print "skipped"). What setup found is at the head of the log.
 #
 # Few files come back from a call: each step leaves a log, a JSON and at most one archive under $OUT.
 # A step that hangs is stopped before the call's limit (LIMIT seconds) with every thread's stack in
@@ -47,20 +49,33 @@ export PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1  # (SIGABRT from `timeout -s ABRT
 LIMIT=${LIMIT:-560}
 mkdir -p "$OUT"
 
-if [ -f /root/w/assemble.sh ] && [ ! -d /tmp/site ]; then
-  bash /root/w/assemble.sh /root/w /tmp/site
-fi
+STOP=$LIMIT  # a part is stopped at min(its cap, STOP - the seconds since this script started)
+LOG=  # where every log goes (first: one file, since few come back), else $OUT/NAME.log
+[ "$step" = first ] && LOG=$OUT/first.log
+log() { tee ${LOG:+-a} "${LOG:-$OUT/$1.log}"; }
+setup() {
+  if [ -f /root/w/assemble.sh ] && [ ! -d /tmp/site ] && ! bash /root/w/assemble.sh /root/w /tmp/site; then
+    # (a piece missing: the wheels whose checksums hold, alone; w0 holds rocksdict and lz4 whole)
+    echo "gpu_session: the staged wheels did not all assemble: installing those that are whole"
+    good=$(cd /root/w && { sha256sum -c SHA256SUMS 2>/dev/null || true; } | sed -n 's/: OK$//p' | sed 's|^|/root/w/|')
+    [ -n "$good" ] && "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site $good || true
+  fi
+  if [ -d /tmp/site ]; then
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+  fi
+  if ! "$PY" -c 'import tieredemb._C' 2>/dev/null; then
+    "$PY" -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | tail -3
+  fi
+  "$PY" -c 'import rocksdict, lz4' 2>/dev/null || echo "gpu_session: rocksdict or lz4 is missing: no table can be made" \
+    "(stage .wheels/w0 first: see above)"
+  "$PY" -c 'import fbgemm_gpu' 2>/dev/null || echo "gpu_session: fbgemm_gpu does not import: FBGEMM's systems are skipped"
+  nvidia-smi --query-gpu=name,memory.used,memory.total,utilization.gpu --format=csv || true
+}
+setup 2>&1 | log setup
 if [ -d /tmp/site ]; then
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
-if ! "$PY" -c 'import tieredemb._C' 2>/dev/null; then
-  "$PY" -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | tail -3
-fi
-nvidia-smi --query-gpu=name,memory.used,memory.total,utilization.gpu --format=csv || true
 
-STOP=$LIMIT  # a part is stopped at min(its cap, STOP - the seconds since this script started)
-LOG=  # where every log goes (first: one file, since few come back), else $OUT/NAME.log
-log() { tee ${LOG:+-a} "${LOG:-$OUT/$1.log}"; }
 bench() {  # bench NAME ARGS...: bench_gpu.py with a log and a JSON under $OUT
   local name=$1; shift
   timeout -s ABRT "$(budget "$LIMIT")" "$PY" bench/bench_gpu.py "$@" --json "$OUT/$name.json" 2>&1 | log "$name"
@@ -82,7 +97,6 @@ part() {  # part CAP COMMAND...: one part of `first`, its outcome in $OUT/first.
 }
 case "$step" in
   first)  # (what comes back: first.log, each bench's JSON, prof.tgz: the profiles of the whole-table systems)
-    LOG=$OUT/first.log
     rm -rf /tmp/prof
     part 170 tests test_gpu -v --durations=15 tests/test_gpu.py --deselect tests/test_gpu.py::test_the_cpu_tensor_tests_pass_in_a_child
     part 120 bench hbm --only fbgemm-hbm,ours-hbm,torch-ops --profile /tmp/prof

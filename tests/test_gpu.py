@@ -105,8 +105,10 @@ def test_zero_copy_tables_made_and_closed_again_and_again():
 
 
 def test_prefetch_over_ssd_gives_the_same_weights(tmp_path):
-    plain, out_plain = _train("cuda", "sum", cache_rows=50, ssd_path=tmp_path / "a", ssd_options={"backend": "log"})
-    ahead, out_ahead = _train("cuda", "sum", cache_rows=50, ssd_path=tmp_path / "b", ssd_options={"backend": "log"},
+    # (tier 0 of 150 rows: 5 sets of 32, where two batches in a row fit; at 50, two sets, the next
+    # batch fits only once the last is released, and its forward then usually comes first)
+    plain, out_plain = _train("cuda", "sum", cache_rows=150, ssd_path=tmp_path / "a", ssd_options={"backend": "log"})
+    ahead, out_ahead = _train("cuda", "sum", cache_rows=150, ssd_path=tmp_path / "b", ssd_options={"backend": "log"},
                               depth=2)
     assert torch.equal(out_plain, out_ahead) and torch.equal(_table(plain), _table(ahead))
     assert ahead.stats()["prefetch"]["prefetched_rows"] > 0
@@ -193,7 +195,7 @@ def test_prefetch_keeps_the_training_thread_from_waiting_for_the_device(monkeypa
             emb(ids, offsets).sum().backward()
     torch.cuda.synchronize()
     assert set(waits) == {"tieredemb-prefetch"}  # (not the training thread, nor autograd's, which runs the backward)
-    assert 0 < len(waits) <= 2 * len(data)
+    assert 0 < len(waits) <= 3 * len(data)  # (a plan each try: the first, and one after each release it waits for)
     assert emb.stats()["prefetch"]["prefetched_rows"] > 0
 
 
@@ -390,24 +392,23 @@ def test_a_collections_features_on_the_gpu_cost_no_wait_of_their_own(monkeypatch
     g = torch.Generator().manual_seed(0)
     data = [{f: torch.randint(0, n, (40,), generator=g) for f, n in rows.items()} for _ in range(8)]
 
-    def step(ebc, feats, on_gpu):
+    def given(feats, on_gpu):  # (made before the waits are counted: a copy to the GPU waits too)
         if keyed:
             values, lengths = torch.cat(list(feats.values())), torch.full((30,), 4)
-            given = KJT(values.cuda(), lengths.cuda()) if on_gpu else KJT(values, lengths)
-        else:
-            given = {f: (ids.cuda() if on_gpu else ids, torch.arange(0, 40, 4)) for f, ids in feats.items()}
-        ebc(given).values().square().sum().backward()
+            return KJT(values.cuda(), lengths.cuda()) if on_gpu else KJT(values, lengths)
+        return {f: (ids.cuda() if on_gpu else ids, torch.arange(0, 40, 4)) for f, ids in feats.items()}
 
     counted = {}
     for on_gpu in (False, True):
+        batches = [given(feats, on_gpu) for feats in data]
         waits = _waits(monkeypatch)
         ebc = tieredemb.TieredEmbeddingBagCollection(tables, cache_bytes=cache_bytes, device="cuda",
                                                      optimizer=tieredemb.SGD(lr=0.1))
-        step(ebc, data[0], on_gpu)  # (the kernels compiled)
+        ebc(batches[0]).values().square().sum().backward()  # (the kernels compiled)
         torch.cuda.synchronize()
         with _warned_waits(waits):
-            for feats in data[1:]:
-                step(ebc, feats, on_gpu)
+            for batch in batches[1:]:
+                ebc(batch).values().square().sum().backward()
         counted[on_gpu] = len(waits) / (len(data) - 1)
         monkeypatch.undo()
     assert counted[True] == counted[False] + (cache_bytes is None) + keyed, counted
