@@ -4,7 +4,8 @@
 # core first if this machine has not yet (about 11 s; a machine handed back and started again is bare).
 #
 # A session has 15 minutes of device time in all, starts and idle waits included: staging the wheels
-# (below) takes about 10 calls, so the rest is about one call. Make it `first`:
+# (below) takes 4 calls, so the rest is about one call. Make it `first`, with LIMIT (seconds) under
+# what `status` says is left, less a minute: a call cut off by the budget brings nothing back.
 #
 #   bash bench/gpu_session.sh first        in one call, in this order, each part stopped in time for the next:
 #                                          the GPU tests; the table whole in HBM (FBGEMM, ours, torch ops);
@@ -28,8 +29,9 @@
 #
 # FBGEMM's GPU TBE (the peer) and rocksdict / lz4 (which tieredemb imports: no table is made without
 # them) do not come with the machine. Stage them from here first (../shared/tools/stage_wheels.sh
-# .wheels rocksdict lz4 fbgemm-gpu==1.6.0, one `run` per .wheels/wK folder carrying it, w0 first: it
-# holds rocksdict and lz4: mkdir -p /root/w && cp .wheels/wK/* /root/w/); the first step after that
+# .wheels rocksdict lz4 fbgemm-gpu==1.6.0, then python bench/restage_lzma.py .wheels: 4 folders, not
+# 10; then one `run` per .wheels/wK folder carrying it, w0 first: it holds rocksdict and lz4:
+# mkdir -p /root/w && cp .wheels/wK/* /root/w/); the first step after that
 # assembles them into /tmp/site (if a piece is missing, it installs the wheels that are whole, and
 # the FBGEMM systems print "skipped"). What setup found is at the head of the log.
 #

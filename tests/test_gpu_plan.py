@@ -48,13 +48,14 @@ def test_the_triton_plan_equals_the_torch_twin(policy, shape):
         kw.update(partitions=((150, 16), (50, 8), (200, 24)))
     if shape == "crowded":  # few sets: most misses share a set with others, many find no way
         kw.update(capacity=6, ways=4)
+    steps = 60
     if shape == "wide":  # batches and overflow slots over several of the kernels' blocks
-        rows, most = 5000, 700
+        rows, most, steps = 5000, 700, 24
         kw.update(capacity=256, overflow=300)
     tri, twin = _pair("triton", **kw)
     g = torch.Generator().manual_seed(3)
     pinned, guessed = [], 0
-    for step in range(60):
+    for step in range(steps):
         n = int(torch.randint(1, most, (1,), generator=g))
         ids = torch.unique((torch.rand(n, generator=g) ** 2 * rows).long())
         ids = ids[torch.randperm(len(ids), generator=g)]

@@ -567,10 +567,10 @@ def test_the_move_kernel_copies_rows_and_marks_those_never_written(width):
     assert torch.equal(dst[1], src[2]) and torch.equal(dst[2:].view(torch.int32), before[2:].view(torch.int32))
 
 
-@pytest.mark.parametrize("cache_rows, depth, dtype", [(8, 0, torch.float32), (64, 0, torch.float32),
-                                                     (8, 2, torch.float32), (8, 0, torch.bfloat16)],
-                         ids=["cache8", "cache64", "prefetch", "bf16"])
-@pytest.mark.parametrize("opt", ["rowwise", "adam"])
+# (each case with one optimizer: zero_copy changes how rows move, not the update; both optimizers run)
+@pytest.mark.parametrize("cache_rows, depth, dtype, opt", [(8, 0, torch.float32, "adam"), (64, 0, torch.float32, "rowwise"),
+                                                          (8, 2, torch.float32, "rowwise"), (8, 0, torch.bfloat16, "adam")],
+                         ids=["cache8-adam", "cache64-rowwise", "prefetch-rowwise", "bf16-adam"])
 def test_zero_copy_trains_bit_for_bit_as_the_host_copies(cache_rows, depth, dtype, opt, monkeypatch):
     """zero_copy: tier 0's kernels read misses from the host rows and write dirty victims into them
     (the host store's read_to and write_from are never called while training); the same outputs,
