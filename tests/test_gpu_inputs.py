@@ -140,15 +140,24 @@ def test_bad_device_inputs_raise_the_host_error_before_anything_changes(device_i
     train(emb, batches(last, seed=1, steps=2))  # (and it trains on)
 
 
-def test_a_prefetched_batch_is_recognized_by_its_tensors_without_comparing_values(device_inputs, monkeypatch):
+@pytest.mark.parametrize("last", [False, True])
+def test_a_prefetched_batch_is_recognized_by_its_tensors_without_comparing_values(device_inputs, monkeypatch, last):
     """A forward given the very tensors prefetched (as PrefetchLoader gives them) is matched to
-    its registered batch by identity: on a GPU a comparison of values would wait for the device."""
+    its registered batch by identity: on a GPU a comparison of values would wait for the device.
+    Nor are they checked again: the forward takes the ids and boundaries prefetch() checked (one
+    check kernel a batch, not two)."""
     import tieredemb.prefetch
+    from tieredemb.gpu import checks
 
-    emb = table(8)
+    launches = []
+    check = checks.check_on_device
+    monkeypatch.setattr(checks, "check_on_device", lambda *a: (launches.append(1), check(*a))[1])
+    want = train(host_path(table(8, include_last_offset=last)), batches(last), depth=2)
+    emb = table(8, include_last_offset=last)
     monkeypatch.setattr(tieredemb.prefetch, "_equal", lambda *a: pytest.fail("values compared"))
-    train(emb, batches(False), depth=2)
-    assert emb.stats()["prefetch"]["forwards"] == 6
+    got = train(emb, batches(last), depth=2)
+    assert emb.stats()["prefetch"]["forwards"] == 6 and len(launches) == 6
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
 @pytest.mark.parametrize("n", [0, 5, 2500])

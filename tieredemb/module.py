@@ -198,7 +198,8 @@ class TieredEmbeddingBag(_TieredBase):
         """input: int [N] ids with offsets int [B] bag starts (B + 1 with include_last_offset),
         or int [B, L] with offsets None. per_sample_weights: float, input's shape, mode 'sum'.
         Returns [B, D]."""
-        flat, offsets_full, check = self._bags(input, offsets)
+        # (a batch prefetched as these very tensors was checked then: its ids and boundaries, as is)
+        flat, offsets_full, check = self._prefetch.registered((input, offsets)) or self._bags(input, offsets)
         psw = None
         if per_sample_weights is not None:
             if self.mode != "sum":
@@ -291,7 +292,7 @@ class TieredEmbedding(_TieredBase):
 
     def forward(self, input: Tensor) -> Tensor:
         """input: int ids of any shape [*]. Returns [*, D]."""
-        ids, bounds = self._bags(input)
+        ids, bounds = (self._prefetch.registered((input,)) or self._bags(input))[:2]
         out = lookup.pooled(self, ids, bounds, None, _MODES["sum"], exclude_padding=False, source=(input,))
         return out.reshape(*input.shape, self.embedding_dim)
 

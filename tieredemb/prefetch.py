@@ -68,6 +68,11 @@ class _Registered:
         self.state = _REGISTERED
         self.forced = False  # its forward is waiting: made resident whatever the window and the room
 
+    def given(self, source: tuple) -> bool:
+        """Whether source is the very tensors registered, unchanged since (no copy to compare)."""
+        return bool(source) and len(source) == len(self.source) and \
+            all(a is b for a, b in zip(source, self.source)) and _versions(source) == self.versions
+
 
 class Prefetcher:
     """One table's registered batches and the worker that makes them resident.
@@ -134,6 +139,16 @@ class Prefetcher:
             self.next_seq += 1
             self.counters["registered"] += 1
             self._ensure_worker()
+
+    def registered(self, source: tuple):
+        """The oldest registered batch's (ids, boundaries, check), as prefetch() took them, if
+        source is the very tensors it was registered with, unchanged (else None): a forward given
+        them again need not check them again."""
+        with self.cond:
+            if self.queue and self.queue[0].given(source):
+                p = self.queue[0]
+                return p.ids, p.offsets, p.deduped.check
+        return None
 
     def take(self, ids: torch.Tensor, offsets: torch.Tensor, segments=None, check=None, source: tuple = ()):
         """A forward's batch, resident and pinned (a ResidentBatch). The oldest registered batch
@@ -298,8 +313,7 @@ class Prefetcher:
         copy to compare), or the same values (a device comparison waits for the device; a batch
         checked on the device is compared as its ids in bags and its boundaries without the added
         bag, and its verdict is read then too: ids past int32 compare equal to their low bits)."""
-        if source and len(source) == len(p.source) and all(a is b for a, b in zip(source, p.source)) \
-                and _versions(source) == p.versions:
+        if p.given(source):
             return
         want_ids, want_offsets = _in_bags(p.ids, p.offsets, p.deduped.check)
         got_ids, got_offsets = _in_bags(ids, offsets, check)
