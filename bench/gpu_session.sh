@@ -37,7 +37,7 @@
 #
 # Few files come back from a call: each step leaves a log, a JSON and at most one archive under $OUT.
 # A step that hangs is stopped before the call's limit (LIMIT seconds) with every thread's stack in
-# its log.
+# its log (SIGABRT; SIGKILL 15 s later if that does not end it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 step=${1:-}
@@ -47,7 +47,7 @@ case "$step" in
 esac
 PY=${PYTHON:-python3}
 OUT=${OUT:-/tmp/gpu_session}
-export PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1  # (SIGABRT from `timeout -s ABRT`: every thread's stack)
+export PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1  # (SIGABRT from `timeout -k 15 -s ABRT`: every thread's stack)
 LIMIT=${LIMIT:-560}
 mkdir -p "$OUT"
 
@@ -80,11 +80,11 @@ fi
 
 bench() {  # bench NAME ARGS...: bench_gpu.py with a log and a JSON under $OUT
   local name=$1; shift
-  timeout -s ABRT "$(budget "$LIMIT")" "$PY" bench/bench_gpu.py "$@" --json "$OUT/$name.json" 2>&1 | log "$name"
+  timeout -k 15 -s ABRT "$(budget "$LIMIT")" "$PY" bench/bench_gpu.py "$@" --json "$OUT/$name.json" 2>&1 | log "$name"
 }
 tests() {  # tests NAME ARGS...: pytest with a log under $OUT
   local name=$1; shift
-  timeout -s ABRT "$(budget "$LIMIT")" "$PY" -m pytest -q -p no:cacheprovider -rs "$@" 2>&1 | log "$name"
+  timeout -k 15 -s ABRT "$(budget "$LIMIT")" "$PY" -m pytest -q -p no:cacheprovider -rs "$@" 2>&1 | log "$name"
 }
 budget() {  # budget CAP: seconds the next part may take
   local left=$((STOP - SECONDS)); echo $(( left < $1 ? (left > 1 ? left : 1) : $1 ))
@@ -102,7 +102,7 @@ case "$step" in
     rm -rf /tmp/prof
     part 170 tests test_gpu -v --durations=15 tests/test_gpu.py --deselect tests/test_gpu.py::test_the_cpu_tensor_tests_pass_in_a_child
     part 120 bench hbm --only fbgemm-hbm,ours-hbm,torch-ops --profile /tmp/prof
-    [ -d /tmp/prof ] && tar czf "$OUT/prof.tgz" -C /tmp prof
+    { [ -d /tmp/prof ] && tar czf "$OUT/prof.tgz" -C /tmp prof; } || echo "first: no profiles packed" | log first
     part 170 bench cached --only fbgemm-uvm10,ours-host10,ours-host10-pf2,ours-ssd10,ours-host10-zc --ssd-path /tmp
     part 600 bench device_ids --only fbgemm-hbm,ours-hbm,fbgemm-uvm10,ours-host10-pf2 --ids-on-device ;;
   tests) tests test_gpu tests/test_gpu.py --deselect tests/test_gpu.py::test_the_cpu_tensor_tests_pass_in_a_child ;;
@@ -121,6 +121,6 @@ case "$step" in
     [ -d /tmp/prof ] && tar czf "$OUT/prof.tgz" -C /tmp prof
     exit $rc ;;
   collection)
-    timeout -s ABRT "$LIMIT" "$PY" bench/bench_collection.py --device cuda --quick --json "$OUT/collection.json" 2>&1 \
+    timeout -k 15 -s ABRT "$LIMIT" "$PY" bench/bench_collection.py --device cuda --quick --json "$OUT/collection.json" 2>&1 \
       | tee "$OUT/collection.log" ;;
 esac

@@ -50,7 +50,7 @@ def main(argv=None) -> int:
     for name, parts in pieces.items():
         joined = os.path.join(work, name)
         with open(joined, "wb") as out:
-            for part in sorted(parts):
+            for part in sorted(parts, key=os.path.basename):  # (NAME.whl.part00, 01, ...: not by folder)
                 with open(part, "rb") as f:
                     shutil.copyfileobj(f, out)
         small = joined + ".lzma"

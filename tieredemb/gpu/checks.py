@@ -92,7 +92,7 @@ class DeviceCheck:
 
 def _changed() -> RuntimeError:
     return RuntimeError("the device found this batch's ids or offsets faulty, and they read as valid now: were "
-                        "they changed after prefetch() was given them? (if not, please report this)")
+                        "they changed after they were given (to prefetch() or forward)? (if not, please report this)")
 
 
 @triton.jit(do_not_specialize=["n", "m", "num_embeddings", "runs"])
