@@ -12,30 +12,12 @@ import torch
 
 import tieredemb
 from tieredemb import EmbeddingBagConfig, InverseKeyed, TieredEmbeddingBagCollection
+from training import KJT
 
 TABLES = [EmbeddingBagConfig("user", 300, 8, ["user_id", "friend_id"]),
           EmbeddingBagConfig("item", 200, 8, ["item_id"], pooling="mean"),
           EmbeddingBagConfig("cat", 50, 4, ["category"])]
 B = 6
-
-
-class KJT:
-    """A KeyedJaggedTensor as the collection reads one (keys, values, lengths, weights_or_none)."""
-
-    def __init__(self, keys, values, lengths, weights=None):
-        self._k, self._v, self._l, self._w = keys, values, lengths, weights
-
-    def keys(self):
-        return self._k
-
-    def values(self):
-        return self._v
-
-    def lengths(self):
-        return self._l
-
-    def weights_or_none(self):
-        return self._w
 
 
 def batch(seed):

@@ -9,6 +9,7 @@ import torch
 
 import tieredemb
 from tieredemb import _C
+from training import KJT
 
 pytestmark = pytest.mark.gpu
 
@@ -372,30 +373,13 @@ def test_a_collections_features_on_the_gpu_cost_no_wait_of_their_own(monkeypatch
     tables = [tieredemb.EmbeddingBagConfig("a", 200, DIM, ["fa"]), tieredemb.EmbeddingBagConfig("b", 100, DIM, ["fb"]),
               tieredemb.EmbeddingBagConfig("c", 100, 8, ["fc"])]
     rows = {"fa": 200, "fb": 100, "fc": 100}
-
-    class KJT:
-        def __init__(self, values, lengths):
-            self._v, self._l = values, lengths
-
-        def keys(self):
-            return list(rows)
-
-        def values(self):
-            return self._v
-
-        def lengths(self):
-            return self._l
-
-        def weights_or_none(self):
-            return None
-
     g = torch.Generator().manual_seed(0)
     data = [{f: torch.randint(0, n, (40,), generator=g) for f, n in rows.items()} for _ in range(8)]
 
     def given(feats, on_gpu):  # (made before the waits are counted: a copy to the GPU waits too)
         if keyed:
             values, lengths = torch.cat(list(feats.values())), torch.full((30,), 4)
-            return KJT(values.cuda(), lengths.cuda()) if on_gpu else KJT(values, lengths)
+            return KJT(list(rows), values.cuda(), lengths.cuda()) if on_gpu else KJT(list(rows), values, lengths)
         return {f: (ids.cuda() if on_gpu else ids, torch.arange(0, 40, 4)) for f, ids in feats.items()}
 
     counted = {}

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.interpreted
 pytest.importorskip("triton")
 from tieredemb.gpu.checks import SENTINEL32, SENTINEL64, check_on_device  # noqa: E402
 from tieredemb.gpu.dedup import dedup  # noqa: E402
-from tieredemb.gpu.tier import DeviceTier, on_cpu_tensors  # noqa: E402
+from tieredemb.gpu.tier import DeviceTier, collection_on_cpu_tensors, on_cpu_tensors  # noqa: E402
 from tieredemb.module import _TieredBase  # noqa: E402
 
 NUM, D = 300, 8
@@ -285,11 +285,9 @@ def _collection(pooled: bool, cache_bytes, on_device=True):
         tables = [tieredemb.EmbeddingConfig("u", 120, D, ["a", "b"]), tieredemb.EmbeddingConfig("x", 50, D, ["e"]),
                   tieredemb.EmbeddingConfig("w", 40, 4, ["d"])]
         make = tieredemb.TieredEmbeddingCollection
-    col = make(tables, optimizer=tieredemb.Adam(lr=0.05), cache_bytes=cache_bytes, seed=4)
-    for engine in col.engines:
-        part = engine.config.partitions
-        on_cpu_tensors(engine, None if part is None else sum(c for _, c in part), partitions=part)
-        if not on_device:
+    col = collection_on_cpu_tensors(make(tables, optimizer=tieredemb.Adam(lr=0.05), cache_bytes=cache_bytes, seed=4))
+    if not on_device:
+        for engine in col.engines:
             host_path(engine)
     return col
 

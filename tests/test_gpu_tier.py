@@ -17,7 +17,7 @@ pytestmark = pytest.mark.interpreted
 pytest.importorskip("triton")
 from tieredemb.gpu import pooling, rowinit  # noqa: E402
 from tieredemb.gpu.index import SetIndex  # noqa: E402
-from tieredemb.gpu.tier import on_cpu_tensors  # noqa: E402
+from tieredemb.gpu.tier import collection_on_cpu_tensors, on_cpu_tensors  # noqa: E402
 
 NUM, D = 300, 8
 OPTIMIZERS = {"sgd": lambda: tieredemb.SGD(lr=0.1), "adagrad": lambda: tieredemb.Adagrad(lr=0.1),
@@ -395,10 +395,8 @@ def test_a_collection_on_the_device_path_trains_as_on_the_cpu():
               tieredemb.EmbeddingBagConfig("v", 80, D, ["c"], pooling="mean"),
               tieredemb.EmbeddingBagConfig("w", 40, 4, ["d"])]
     kw = dict(optimizer=tieredemb.RowWiseAdagrad(lr=0.1), cache_bytes=4000)
-    cpu, dev = (tieredemb.TieredEmbeddingBagCollection(tables, **kw) for _ in range(2))
-    for engine in dev.engines:
-        part = engine.config.partitions
-        on_cpu_tensors(engine, None if part is None else sum(c for _, c in part), partitions=part)
+    cpu = tieredemb.TieredEmbeddingBagCollection(tables, **kw)
+    dev = collection_on_cpu_tensors(tieredemb.TieredEmbeddingBagCollection(tables, **kw))
     assert [tieredemb.kernels.implementation(e._store.tier0.pool) for e in dev.engines] == ["triton"] * 3
     assert all(e.config.partitions for e in dev.engines)  # each table cached: a share of tier 0
     g = torch.Generator().manual_seed(2)

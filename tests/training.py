@@ -1,5 +1,6 @@
 """What the training tests share: a training loop over (ids, offsets, grad) batches, with or
-without a PrefetchLoader, and a table's rows and optimizer state in one tensor."""
+without a PrefetchLoader, a table's rows and optimizer state in one tensor, and a
+KeyedJaggedTensor as the collections read one."""
 
 from __future__ import annotations
 
@@ -24,3 +25,22 @@ def rows_and_state(emb) -> torch.Tensor:
     """Every row's weights and optimizer state, float32 [num_embeddings, D + S]."""
     ids = torch.arange(emb.num_embeddings)
     return torch.cat([emb.read_rows(ids), emb.read_optimizer_state(ids)], 1)
+
+
+class KJT:
+    """A KeyedJaggedTensor as the collection reads one (keys, values, lengths, weights_or_none)."""
+
+    def __init__(self, keys, values, lengths, weights=None):
+        self._k, self._v, self._l, self._w = keys, values, lengths, weights
+
+    def keys(self):
+        return self._k
+
+    def values(self):
+        return self._v
+
+    def lengths(self):
+        return self._l
+
+    def weights_or_none(self):
+        return self._w

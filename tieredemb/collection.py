@@ -248,8 +248,7 @@ class _Collection(nn.Module):
             if self.engines[0]._on_device(values):
                 on_tables.append(f)
             elif values.device.type == "cpu":
-                v = values.numpy()
-                _check_range(f, self.feature_table[f], int(v.min()), int(v.max()))
+                self._check_on_host(f, values)
             else:
                 elsewhere.append((f, torch.stack(torch.aminmax(values))))
         if elsewhere:
@@ -261,11 +260,14 @@ class _Collection(nn.Module):
 
         def explain():  # (the host's checks, on the ids read back)
             for f in on_tables:
-                v = given[f][0].cpu().numpy()
-                _check_range(f, self.feature_table[f], int(v.min()), int(v.max()))
+                self._check_on_host(f, given[f][0].cpu())
 
         return check_runs_on_device([given[f][0] for f in on_tables],
                                     [self.feature_table[f].num_embeddings for f in on_tables], explain)
+
+    def _check_on_host(self, feature: str, values: Tensor) -> None:
+        v = values.numpy()
+        _check_range(feature, self.feature_table[feature], int(v.min()), int(v.max()))
 
     def _batch(self, group: _Group, given: dict, on_device: bool) -> tuple:
         """Every feature of the group's tables as one lookup (the features' bags one after another;
@@ -436,12 +438,8 @@ class TieredEmbeddingCollection(_Collection):
         an InverseKeyed feature's samples get their distinct bag's rows."""
         out = {}
         lookups, check, counts = self._lookups_of(features)
-        for group, engine, (flat, _, _, parts) in lookups:
-            if check is None:
-                rows = engine(flat)
-            else:  # (TieredEmbedding's forward, with the verdict)
-                bounds = torch.arange(len(flat) + 1, device=flat.device)
-                rows = lookup.pooled(engine, flat, bounds, None, _MODES["sum"], exclude_padding=False, check=check)
+        for group, engine, (flat, _, _, parts) in lookups:  # (TieredEmbedding's forward, with the verdict)
+            rows = lookup.pooled(engine, *engine._bags(flat), None, _MODES["sum"], exclude_padding=False, check=check)
             out.update(self._jagged(rows, parts))
         self._count(counts)
         return {f: out[f] for t in self.tables for f in t.feature_names}

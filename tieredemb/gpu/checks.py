@@ -48,16 +48,14 @@ class DeviceCheck:
     """The verdict on a batch's device inputs, on the device: fault int8 [k], nonzero where a
     rule is broken. extra_bag: the boundaries end with an added empty bag (include_last_offset's
     offsets were given); sentinel: then the id that stands for the ids after the last bag, else
-    None. explain: a function that raises the caller's own error for a fault (else the module's
-    host checks are run on the inputs read back). One verdict may cover several lookups (a
+    None. explain: raises the host's error for the inputs, read back (the checks host inputs
+    get, so the error names the value and the rule). One verdict may cover several lookups (a
     collection's groups): read as passed once, it is not read again."""
 
-    __slots__ = ("fault", "ids", "offsets", "num_embeddings", "extra_bag", "sentinel", "explain", "passed")
+    __slots__ = ("fault", "extra_bag", "sentinel", "explain", "passed")
 
-    def __init__(self, fault, ids, offsets, num_embeddings, extra_bag, sentinel, explain=None):
+    def __init__(self, fault, extra_bag, sentinel, explain):
         self.fault = fault
-        self.ids, self.offsets = ids, offsets  # (the caller's, to explain a fault)
-        self.num_embeddings = num_embeddings
         self.extra_bag = extra_bag
         self.sentinel = sentinel if extra_bag else None
         self.explain = explain
@@ -74,20 +72,24 @@ class DeviceCheck:
         if not faulty:
             self.passed = True
             return
-        if self.explain is not None:
-            self.explain()
-            raise _changed()
+        self.explain()
+        raise _changed()
+
+
+def _explain(ids: torch.Tensor, offsets: torch.Tensor | None, num_embeddings: int, extra_bag: bool):
+    """check_on_device's explain: the host's checks of its inputs (the caller's ids and offsets)."""
+    def explain():
         from ..keyed import check_starts
 
-        ids = self.ids.cpu().numpy()
-        end = len(ids)
-        if self.offsets is not None:
-            o = self.offsets.to("cpu", torch.int64).numpy()
+        host = ids.cpu().numpy()
+        end = len(host)
+        if offsets is not None:
+            o = offsets.to("cpu", torch.int64).numpy()
             check_starts(o, end)
-            if self.extra_bag:
+            if extra_bag:
                 end = int(o[-1])
-        check_range(ids[:end], self.num_embeddings)
-        raise _changed()
+        check_range(host[:end], num_embeddings)
+    return explain
 
 
 def _changed() -> RuntimeError:
@@ -155,8 +157,8 @@ def check_on_device(ids: torch.Tensor, offsets: torch.Tensor | None, num_embeddi
                                    bounds if bounds is not None else out, fault, sentinel, ids, 0,
                                    HAS_OFFSETS=offsets is not None, LAST_GIVEN=include_last_offset, RUNS=False,
                                    BLOCK=_BLOCK)
-    return out, bounds, DeviceCheck(fault, ids, offsets, num_embeddings, offsets is not None and include_last_offset,
-                                    sentinel)
+    extra_bag = offsets is not None and include_last_offset
+    return out, bounds, DeviceCheck(fault, extra_bag, sentinel, _explain(ids, offsets, num_embeddings, extra_bag))
 
 
 def check_runs_on_device(runs: list, rows: list, explain) -> DeviceCheck:
@@ -173,4 +175,4 @@ def check_runs_on_device(runs: list, rows: list, explain) -> DeviceCheck:
     with launch_turn(), torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
         _check_kernel[(programs,)](ids, n, ids, 0, 0, ids, ids, fault, 0, table, len(runs), HAS_OFFSETS=False,
                                    LAST_GIVEN=False, RUNS=True, BLOCK=_BLOCK)
-    return DeviceCheck(fault, ids, None, max(rows), False, None, explain)
+    return DeviceCheck(fault, False, None, explain)

@@ -419,6 +419,16 @@ def on_cpu_tensors(table, cache_rows: int | None, policy: str = "lru", partition
     return table
 
 
+def collection_on_cpu_tensors(collection):
+    """A collection (collection.py) with every group's tier 0 replaced by a DeviceTier on CPU
+    tensors, as on_cpu_tensors does for one table (each table's share of tier 0 kept). Returns
+    the collection."""
+    for engine in collection.engines:
+        parts = engine.config.partitions
+        on_cpu_tensors(engine, None if parts is None else sum(c for _, c in parts), partitions=parts)
+    return collection
+
+
 def _stores_nothing(store) -> bool:
     """Whether the layer below holds no row (a new table): its first written id, if any."""
     return len(store.written_ids(0, 1)) == 0
