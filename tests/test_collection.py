@@ -6,6 +6,9 @@ training; inverse-keyed batches equal the same batch with its duplicates."""
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -464,3 +467,80 @@ def test_keyed_jagged_weights_of_the_wrong_length_change_nothing():
     with pytest.raises(ValueError, match=r"KeyedJaggedTensor: weights must be a tensor of values\(\)' shape \(6,\)"):
         ebc(kjt)
     assert ebc.stats() == stats
+
+
+def test_without_torchrec_the_outputs_behave_as_torchrecs(monkeypatch):
+    """Where torchrec is not installed (the GPU machine, most users) the collections return
+    tieredemb's KeyedEmbeddings and JaggedEmbeddings: every method torchrec's KeyedTensor and
+    JaggedTensor have that they stand in for gives what torchrec's gives for the same forward
+    (or, where torchrec does not import here either, what it is documented to give)."""
+    from tieredemb import keyed
+
+    b = batch(3)
+    keys = [f for t in TABLES for f in t.feature_names]
+    dims = [t.embedding_dim for t in TABLES for _ in t.feature_names]
+    ebc = TieredEmbeddingBagCollection(TABLES, optimizer=tieredemb.SGD(lr=0.1))
+    ec = tieredemb.TieredEmbeddingCollection(UNPOOLED, optimizer=tieredemb.SGD(lr=0.1))
+    unpooled = [f for t in UNPOOLED for f in t.feature_names]
+    theirs = (ebc(as_kjt(b)), ec({f: b[f][:2] for f in unpooled})) if keyed._torchrec() is not None else None
+    monkeypatch.setattr(keyed, "_torchrec", lambda: None)
+    pooled, jagged = ebc(as_kjt(b)), ec({f: b[f][:2] for f in unpooled})
+    assert isinstance(pooled, keyed.KeyedEmbeddings)
+    assert pooled.keys() == keys and pooled.length_per_key() == dims
+    assert pooled.values().shape == (B, sum(dims))
+    parts = torch.split(pooled.values(), dims, 1)
+    assert list(pooled.to_dict()) == keys
+    for f, part in zip(keys, parts):
+        assert torch.equal(pooled.to_dict()[f], part) and torch.equal(pooled[f], part)
+    for f in unpooled:
+        j = jagged[f]
+        assert isinstance(j, keyed.JaggedEmbeddings)
+        assert j.lengths().tolist() == b[f][2].tolist()
+        assert j.offsets().tolist() == [0] + b[f][2].cumsum(0).tolist()
+        assert len(j.to_dense()) == B and [len(x) for x in j.to_dense()] == b[f][2].tolist()
+        assert torch.equal(torch.cat(j.to_dense()), j.values())
+    if theirs is not None:
+        kt, jt = theirs
+        assert kt.keys() == pooled.keys() and kt.length_per_key() == pooled.length_per_key()
+        torch.testing.assert_close(kt.values(), pooled.values())
+        for f in keys:
+            torch.testing.assert_close(kt[f], pooled[f])
+        for f in unpooled:
+            torch.testing.assert_close(jt[f].values(), jagged[f].values())
+            assert jt[f].lengths().tolist() == jagged[f].lengths().tolist()
+            assert jt[f].offsets().tolist() == jagged[f].offsets().tolist()
+            for x, y in zip(jt[f].to_dense(), jagged[f].to_dense()):
+                torch.testing.assert_close(x, y)
+
+
+def test_a_torchrec_that_does_not_load_is_passed_over_with_one_warning(tmp_path):
+    """An installed torchrec whose fbgemm_gpu was built for another torch fails to import with an
+    OSError, not an ImportError. A fake torchrec that raises that error on import stands in for
+    it here (the real mismatch needs a second torch build). The collection warns once, naming
+    the error, and returns its own look-alikes; a second forward neither imports again nor warns."""
+    fake = tmp_path / "torchrec"
+    fake.mkdir()
+    (fake / "__init__.py").write_text(
+        "import pathlib\n"
+        f"n = pathlib.Path({str(tmp_path / 'imports')!r})\n"
+        "n.write_text(str(int(n.read_text()) + 1) if n.exists() else '1')\n"
+        "raise OSError('Could not load this library: fbgemm_gpu_py.so')\n")
+    code = (
+        "import warnings, torch, tieredemb\n"
+        "from tieredemb import EmbeddingBagConfig as C, TieredEmbeddingBagCollection as EBC\n"
+        "ebc = EBC([C('t', 10, 4, ['f'])], optimizer=tieredemb.SGD(lr=0.1))\n"
+        "with warnings.catch_warnings(record=True) as w:\n"
+        "    warnings.simplefilter('always')\n"
+        "    for _ in range(3):\n"
+        "        out = ebc({'f': (torch.tensor([1, 2, 3]), torch.tensor([0, 1]))})\n"
+        "print(type(out).__name__, tuple(out.values().shape))\n"
+        "print(len([x for x in w if issubclass(x.category, RuntimeWarning)]))\n"
+        "print([str(x.message) for x in w][0])\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path)] + sys.path))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    kind, warned, message = done.stdout.splitlines()
+    assert kind == "KeyedEmbeddings (2, 4)"
+    assert warned == "1"
+    assert "torchrec is installed but does not import (OSError: Could not load this library" in message
+    assert (tmp_path / "imports").read_text() == "1"

@@ -5,6 +5,8 @@ out (KeyedTensor, JaggedTensor) or, where torchrec is not installed, look-alikes
 from __future__ import annotations
 
 import dataclasses
+import functools
+import warnings
 
 import numpy as np
 import torch
@@ -45,12 +47,29 @@ class KeyedEmbeddings:
         return self.to_dict()[key]
 
 
-def keyed(keys, lengths, values):
+@functools.cache
+def _torchrec():
+    """torchrec.sparse.jagged_tensor, or None where torchrec is not installed or does not load.
+    Looked up once: a failed import is not cached by Python, and an installed torchrec whose
+    fbgemm_gpu does not match torch fails (OSError, RuntimeError) only after seconds of loading,
+    which every forward would otherwise pay again."""
     try:
-        from torchrec.sparse.jagged_tensor import KeyedTensor
+        from torchrec.sparse import jagged_tensor
     except ImportError:
+        return None
+    except Exception as e:  # installed, but it (or its fbgemm_gpu) does not load beside this torch
+        warnings.warn(f"torchrec is installed but does not import ({type(e).__name__}: {str(e)[:200]}); the "
+                      f"collections return tieredemb's KeyedEmbeddings and JaggedEmbeddings instead of its "
+                      f"KeyedTensor and JaggedTensor", RuntimeWarning, stacklevel=3)
+        return None
+    return jagged_tensor
+
+
+def keyed(keys, lengths, values):
+    torchrec = _torchrec()
+    if torchrec is None:
         return KeyedEmbeddings(keys, lengths, values)
-    return KeyedTensor(keys=keys, length_per_key=lengths, values=values)
+    return torchrec.KeyedTensor(keys=keys, length_per_key=lengths, values=values)
 
 
 class JaggedEmbeddings:
@@ -76,11 +95,10 @@ class JaggedEmbeddings:
 
 
 def jagged(values: Tensor, lengths: Tensor):
-    try:
-        from torchrec.sparse.jagged_tensor import JaggedTensor
-    except ImportError:
+    torchrec = _torchrec()
+    if torchrec is None:
         return JaggedEmbeddings(values, lengths)
-    return JaggedTensor(values=values, lengths=lengths)
+    return torchrec.JaggedTensor(values=values, lengths=lengths)
 
 
 def features_of(features) -> dict:
