@@ -20,7 +20,34 @@ def pytest_addoption(parser):
                           "in any order, at once, so a kernel's result must not depend on it")
 
 
+def interpreter_scalars() -> bool:
+    """Triton's interpreter before 3.7 (3.6.0 is what torch 2.11 pins: the GPU machine's, where
+    test_gpu.py's child runs the interpreted tests) turns a kernel's scalar into a Python int with
+    int() of its 1-element array, which numpy 2.4 refuses ("only 0-dimensional arrays can be
+    converted"): every kernel whose loop bounds it loads fails there. Makes it squeeze the
+    array first, as later Triton does. Returns whether it was needed (numpy refuses)."""
+    import numpy as np
+
+    try:
+        int(np.ones(1, dtype=np.int64))
+        return False
+    except TypeError:
+        pass
+    from triton.runtime import interpreter
+
+    patch = interpreter._patch_lang_tensor
+
+    def patched(tensor, scope, *rest):
+        patch(tensor, scope, *rest)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    interpreter._patch_lang_tensor = patched
+    return True
+
+
 def pytest_configure(config):
+    if INTERPRETED:
+        interpreter_scalars()
     order = config.getoption("--program-order")
     if order != "grid":
         if not INTERPRETED:

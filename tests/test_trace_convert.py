@@ -109,7 +109,8 @@ def test_fbgemm_import_cuts_samples_into_table_major_batches(tmp_path):
 
 
 def test_fbgemm_bench_reads_our_export(tmp_path, trace):
-    from fbgemm_gpu.tbe.utils.requests import generate_requests_from_data_file
+    generate_requests_from_data_file = pytest.importorskip(  # (not a dependency: ./run installs it beside a CPU torch)
+        "fbgemm_gpu.tbe.utils.requests").generate_requests_from_data_file
 
     convert(trace, tmp_path / "x.pt")
     header, c = _read(trace)
@@ -146,7 +147,7 @@ def test_fbgemm_bad_files(tmp_path):
 
 
 def test_libcachesim_reads_our_oracle_export(tmp_path, trace):
-    import libcachesim as lcs
+    lcs = pytest.importorskip("libcachesim")  # (as test_sim_libcachesim.py: a test extra)
 
     convert(trace, tmp_path / "x.oracleGeneral.bin")
     _, c = _read(trace)
