@@ -160,6 +160,41 @@ def test_whole_table_in_hbm_waits_for_the_device_at_most_once_per_batch(monkeypa
     assert len(waits) == 0
 
 
+@pytest.mark.parametrize("kind", ["module", "collection"])
+def test_host_inputs_leave_the_host_running_ahead_of_a_busy_device(kind):
+    """Whole tables given host ids and offsets queue a training step (forward, backward, update)
+    without waiting for the device, including the waits torch's sync debug mode cannot see: CUDA
+    may drain the stream before a copy from pageable host memory (cudaMemcpyAsync's documented
+    behaviour), so the inputs go through pinned memory (gpu.to_device). With the device held
+    busy by earlier work, three steps return before that work is done. Inputs past CUDA's 64 KB
+    inline copy, whose staging is where a drain happens."""
+    n, bags = 20_000, 1000
+    if kind == "module":
+        model = tieredemb.TieredEmbeddingBag(100_000, DIM, "sum", optimizer=tieredemb.SGD(lr=0.1), device="cuda")
+    else:
+        model = tieredemb.TieredEmbeddingBagCollection(
+            [tieredemb.EmbeddingBagConfig("a", 100_000, DIM, ["fa"]), tieredemb.EmbeddingBagConfig("b", 50_000, 8, ["fb"])],
+            optimizer=tieredemb.SGD(lr=0.1), device="cuda")
+    g = torch.Generator().manual_seed(5)
+    offsets = torch.arange(0, n, n // bags)
+
+    def step():
+        ids = torch.randint(0, 50_000, (n,), generator=g)
+        out = model(ids, offsets) if kind == "module" else model({"fa": (ids, offsets), "fb": (ids, offsets)}).values()
+        out.sum().backward()
+
+    step()  # (the kernels compiled, the pinned blocks allocated)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # about a second of the GPU's clock
+    busy = torch.cuda.Event()
+    busy.record()
+    for _ in range(3):
+        step()
+    still_busy = not busy.query()
+    torch.cuda.synchronize()
+    assert still_busy
+
+
 def test_a_cached_table_waits_for_the_device_once_per_batch(monkeypatch):
     """Host ids, tier 0 of a third of the rows, no prefetch: the plan's one transfer (which also
     carries the dirty victims' rows) is the only wait of a training step."""

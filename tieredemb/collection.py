@@ -32,6 +32,7 @@ from torch import Tensor, nn
 from .config import Init, TableConfig, parse_budget
 from .keyed import InverseKeyed, KeyedEmbeddings, features_of, jagged, keyed  # noqa: F401 (re-exported)
 from . import lookup
+from .gpu import to_device
 from .module import _MODES, TieredEmbedding, TieredEmbeddingBag
 from .optim import Optimizer
 
@@ -288,7 +289,7 @@ class _Collection(nn.Module):
                 start += len(values)
         flat = _cat(_on_one_device(ids))
         if on_device:  # (host features too: the group's lookup then reads the device's verdict)
-            flat = flat.to(self.engines[0].device, non_blocking=True)
+            flat = to_device(flat, self.engines[0].device)
         offsets = torch.from_numpy(np.concatenate(bounds))
         psw = None
         if any(w is not None for w in weights):
@@ -476,7 +477,7 @@ def _on_one_device(parts: list[Tensor]) -> list[Tensor]:
     """The parts on one device: where some are on a GPU (features given on different devices),
     all of them there."""
     dev = next((p.device for p in parts if p.device.type != "cpu"), None)
-    return parts if dev is None else [p.to(dev, non_blocking=True) for p in parts]
+    return parts if dev is None else [to_device(p, dev) for p in parts]
 
 
 def _cat(parts: list[Tensor]) -> Tensor:

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from . import _C
+from .gpu import to_device
 
 _MODE_NAMES = ("sum", "mean", "max")
 
@@ -81,10 +82,10 @@ def forward(tier0, config, batch, bags: Bags, out: torch.Tensor | None = None):
         from .gpu import pooling
 
         dev = pool.device
-        psw = None if bags.psw is None else bags.psw.detach().to(dev, torch.float32).contiguous()
+        psw = None if bags.psw is None else to_device(bags.psw.detach(), dev, torch.float32).contiguous()
         with tier0.pool_lock, _current(dev):
             return pooling.forward(pool.rows, dim, batch.slots, batch.unique, batch.inverse,
-                                   bags.offsets.to(dev, non_blocking=True), psw, bags.mode, bags.skip_id, layout.code,
+                                   to_device(bags.offsets, dev), psw, bags.mode, bags.skip_id, layout.code,
                                    out, bags.out_at)
     count = int(batch.count)
     dev = pool.device
@@ -127,10 +128,10 @@ def backward_update(tier0, config, batch, bags: Bags, saved, grad_out: torch.Ten
         from .gpu import pooling
 
         dev = pool.device
-        psw = None if bags.psw is None else bags.psw.detach().to(dev, torch.float32).contiguous()
+        psw = None if bags.psw is None else to_device(bags.psw.detach(), dev, torch.float32).contiguous()
         with tier0.pool_lock, _current(dev):
             psw_grad = pooling.backward_update(pool.rows, tier0.dirty, dim, batch.slots, batch.unique, batch.count,
-                                               batch.inverse, bags.offsets.to(dev, non_blocking=True), psw, bags.mode,
+                                               batch.inverse, to_device(bags.offsets, dev), psw, bags.mode,
                                                bags.skip_id, bags.frozen_id, grad_out, saved, optimizer, step,
                                                need_psw_grad, layout.code, config.stochastic_rounding, config.seed,
                                                bags.out_at, batch.groups)

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from . import kernels
+from .gpu import to_device
 from .kernels import Bags
 
 
@@ -110,7 +111,7 @@ def pooled_block(parts: list, shape: tuple, samples: int, expand: tuple = ()) ->
     resident = []
     for part, batch in zip(parts, taken):
         pad = -1 if part.table.padding_idx is None else part.table.padding_idx
-        out_at = None if part.out_at is None else part.out_at.to(part.table._store.tier0.pool.device, non_blocking=True)
+        out_at = None if part.out_at is None else to_device(part.out_at, part.table._store.tier0.pool.device)
         resident.append((part, batch, Bags(part.offsets, part.psw, part.mode, pad if part.exclude_padding else -1,
                                            pad, out_at)))
     try:

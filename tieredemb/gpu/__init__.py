@@ -4,6 +4,8 @@ moves to and from host rows mapped into the GPU (moves.py, hostmap.py); the kern
 
 from __future__ import annotations
 
+import torch
+
 from .. import locks
 
 _TURNS = locks.Counted(reentrant=True)
@@ -17,3 +19,20 @@ def launch_turn():
     on two threads at once (triton-lang/triton#5933). Most of a launch's host time is Python,
     under the GIL anyway, so taking turns costs next to nothing once the kernels are compiled."""
     return _TURNS
+
+
+def to_device(t: torch.Tensor, device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """t on device (as dtype), queued on the current stream without waiting for it. A host tensor
+    bound for a GPU goes through pinned memory (converted to dtype as it is copied there): from
+    pageable memory CUDA stages the copy itself, and its documented behaviour lets it first wait
+    for the stream to drain (cudaMemcpyAsync "may synchronize"), a wait torch's sync debug mode
+    does not see, which would keep the host from running ahead of the device. torch's pinned
+    allocator holds the block until the copy has run."""
+    device = torch.device(device)
+    if t.device.type == "cpu" and device.type == "cuda":
+        if dtype not in (None, t.dtype) or not t.is_pinned():
+            staged = torch.empty(t.shape, dtype=dtype or t.dtype, pin_memory=True)
+            staged.copy_(t)
+            t = staged
+        return t.to(device, non_blocking=True)
+    return t.to(device, dtype, non_blocking=True)

@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import launch_turn
+from . import launch_turn, to_device
 
 SENTINEL64 = (1 << 63) - 1
 SENTINEL32 = (1 << 31) - 1
@@ -169,7 +169,7 @@ def check_runs_on_device(runs: list, rows: list, explain) -> DeviceCheck:
     ids = torch.cat([r.reshape(-1) for r in runs]) if len(runs) > 1 else runs[0].reshape(-1).contiguous()
     n = ids.numel()
     table = torch.tensor(np.concatenate([np.cumsum([0] + [r.numel() for r in runs]), rows]), dtype=torch.int64)
-    table = table.to(dev, non_blocking=True)
+    table = to_device(table, dev)
     programs = max(1, triton.cdiv(n, _BLOCK))
     fault = torch.empty(programs, dtype=torch.int8, device=dev)
     with launch_turn(), torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():

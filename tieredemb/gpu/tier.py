@@ -24,7 +24,7 @@ import torch
 from .. import _C, locks
 from ..tiers.cache import Deduped
 from ..tiers.rowstore import DEFERRED_MARK
-from . import hostmap, moves, rowinit
+from . import hostmap, moves, rowinit, to_device
 from .checks import check_on_device, check_range
 from .dedup import dedup as device_dedup
 from .index import DirectIndex, SetIndex
@@ -62,7 +62,7 @@ class DeviceRows:
 
     def from_host(self, slots: torch.Tensor, block: torch.Tensor) -> None:
         """block (host rows; pinned on a GPU) into slots, on the current stream."""
-        self.scatter(slots, block.to(self.device, non_blocking=True))
+        self.scatter(slots, to_device(block, self.device))
 
     def staging(self, n: int) -> torch.Tensor:
         """A host block for n rows in transit (pinned on a GPU)."""
@@ -162,8 +162,7 @@ class DeviceTier:
             ids.record_stream(self.stream)  # (the caller's tensor, read on the tier's stream)
         with self._on_stream():
             if not on_device:  # host ids, checked: as int32 where they fit (the sort then needs half the radix passes)
-                ids = ids.to(self.device, torch.int32 if self.num_embeddings <= 1 << 31 else torch.int64,
-                             non_blocking=True)
+                ids = to_device(ids, self.device, torch.int32 if self.num_embeddings <= 1 << 31 else torch.int64)
             elif check is None:  # (the check writes them as the sort takes them, narrowed where they fit)
                 ids, _, check = check_on_device(ids.to(self.device, non_blocking=True), None, self.num_embeddings)
             if ids.numel() == 0:
@@ -218,9 +217,7 @@ class DeviceTier:
             self.dirty_guess = dirty + dirty // 4 + _DIRTY_SLACK
             if plan.miss_ids.numel():
                 if self.mapped is not None:  # read from the host rows by the device; those never written marked
-                    found = self.lower.locate(plan.miss_ids)
-                    if self.device.type == "cuda":
-                        found = found.pin_memory().to(self.device, non_blocking=True)
+                    found = to_device(self.lower.locate(plan.miss_ids), self.device)
                     moves.move_rows(self.mapped, found, self.pool.rows, plan.miss_slots, mark=DEFERRED_MARK)
                 else:
                     block = self.pool.staging(plan.miss_ids.numel())
