@@ -513,18 +513,24 @@ def test_without_torchrec_the_outputs_behave_as_torchrecs(monkeypatch):
                 torch.testing.assert_close(x, y)
 
 
-def test_a_torchrec_that_does_not_load_is_passed_over_with_one_warning(tmp_path):
+@pytest.mark.parametrize("fault, said", [
+    ("raise OSError('Could not load this library: fbgemm_gpu_py.so')", "OSError: Could not load this library"),
+    ("import fbgemm_gpu_not_installed_here", "ModuleNotFoundError: No module named 'fbgemm_gpu_not_installed_here'")],
+    ids=["library", "dependency"])
+def test_a_torchrec_that_does_not_load_is_passed_over_with_one_warning(tmp_path, fault, said):
     """An installed torchrec whose fbgemm_gpu was built for another torch fails to import with an
-    OSError, not an ImportError. A fake torchrec that raises that error on import stands in for
-    it here (the real mismatch needs a second torch build). The collection warns once, naming
-    the error, and returns its own look-alikes; a second forward neither imports again nor warns."""
+    OSError, not an ImportError; one whose dependency is missing, with an ImportError that is not
+    about torchrec. A fake torchrec that fails so on import stands in for each here (the real
+    mismatch needs a second torch build; torch 2.11 beside this torchrec gave the first). The
+    collection warns once, naming the error, and returns its own look-alikes; later forwards
+    neither import again nor warn."""
     fake = tmp_path / "torchrec"
     fake.mkdir()
     (fake / "__init__.py").write_text(
         "import pathlib\n"
         f"n = pathlib.Path({str(tmp_path / 'imports')!r})\n"
         "n.write_text(str(int(n.read_text()) + 1) if n.exists() else '1')\n"
-        "raise OSError('Could not load this library: fbgemm_gpu_py.so')\n")
+        f"{fault}\n")
     code = (
         "import warnings, torch, tieredemb\n"
         "from tieredemb import EmbeddingBagConfig as C, TieredEmbeddingBagCollection as EBC\n"
@@ -542,5 +548,5 @@ def test_a_torchrec_that_does_not_load_is_passed_over_with_one_warning(tmp_path)
     kind, warned, message = done.stdout.splitlines()
     assert kind == "KeyedEmbeddings (2, 4)"
     assert warned == "1"
-    assert "torchrec is installed but does not import (OSError: Could not load this library" in message
+    assert f"torchrec is installed but does not import ({said}" in message
     assert (tmp_path / "imports").read_text() == "1"

@@ -375,3 +375,21 @@ def test_a_collections_bad_device_feature_raises_the_host_error_before_any_group
     assert col.stats() == stats and all(torch.equal(a, b) for a, b in zip(rows, _collection_rows(col)))
     assert all(e._store.tier0.index.pinned == 0 for e in col.engines)
     _step(col, _features(col, 2), 2)  # (and it trains on)
+
+
+@pytest.mark.parametrize("source, dtype", [
+    (torch.arange(-5, 200_000, 3), torch.int32),  # ids narrowed as they are staged
+    (torch.arange(100_000).view(1000, 100)[:, ::3], torch.int64),  # a strided view, made contiguous
+    (torch.randn(70_000, requires_grad=True), torch.float32),  # weights that need their gradient
+    (torch.randn(40_000, dtype=torch.bfloat16), torch.float32),  # (numpy has no bfloat16: torch converts)
+    (torch.randn(40_000), torch.bfloat16)], ids=["narrowed", "strided", "grad", "from-bf16", "to-bf16"])
+def test_host_inputs_staged_for_the_gpu_hold_what_torch_converts_them_to(source, dtype):
+    """What gpu.to_device copies a host input of more than 64 KB into before it goes to a GPU
+    (there pinned; here, with no GPU, the same copy unpinned): the values torch's own conversion
+    gives, contiguous, detached."""
+    from tieredemb.gpu import staged, to_device
+
+    out = staged(source, dtype, pin=False)
+    assert out.dtype == dtype and out.is_contiguous() and not out.requires_grad
+    assert torch.equal(out, source.detach().to(dtype))
+    assert torch.equal(to_device(source, "cpu", dtype), source.detach().to(dtype))  # (no GPU: torch's own)

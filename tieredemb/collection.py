@@ -461,8 +461,8 @@ class TieredEmbeddingCollection(_Collection):
                 starts, lengths = b[:-1][inverse], lengths[inverse]
                 pick = torch.repeat_interleave(starts - torch.cumsum(lengths, 0) + lengths, lengths) + \
                     torch.arange(int(lengths.sum()))
-                block = block.index_select(0, pick.to(block.device))
-            result[f] = jagged(block, lengths.to(block.device))
+                block = block.index_select(0, to_device(pick, block.device))
+            result[f] = jagged(block, to_device(lengths, block.device))
             at += n
         return result
 

@@ -55,9 +55,9 @@ def _torchrec():
     which every forward would otherwise pay again."""
     try:
         from torchrec.sparse import jagged_tensor
-    except ImportError:
-        return None
-    except Exception as e:  # installed, but it (or its fbgemm_gpu) does not load beside this torch
+    except Exception as e:  # not installed; or installed, but it (or its fbgemm_gpu) does not load
+        if isinstance(e, ImportError) and e.name in ("torchrec", "torchrec.sparse"):
+            return None  # (not installed)
         warnings.warn(f"torchrec is installed but does not import ({type(e).__name__}: {str(e)[:200]}); the "
                       f"collections return tieredemb's KeyedEmbeddings and JaggedEmbeddings instead of its "
                       f"KeyedTensor and JaggedTensor", RuntimeWarning, stacklevel=3)

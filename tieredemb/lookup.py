@@ -151,7 +151,7 @@ def _result(block: Tensor, samples: int, expand: list) -> Tensor:
     flat = block.view(-1)
     for e in expand:
         distinct = flat[e.side:e.side + e.bags * e.dim].view(e.bags, e.dim)
-        out[:, e.col:e.col + e.dim] = distinct.index_select(0, e.inverse.to(block.device))
+        out[:, e.col:e.col + e.dim] = distinct.index_select(0, to_device(e.inverse, block.device))
     return out
 
 
@@ -166,7 +166,7 @@ def _grad_block(grad: Tensor, shape: tuple, expand: list) -> Tensor:
     flat = block.view(-1)
     for e in expand:
         sums = torch.zeros(e.bags, e.dim, dtype=torch.float32, device=grad.device)
-        sums.index_add_(0, e.inverse.to(grad.device), grad[:, e.col:e.col + e.dim])
+        sums.index_add_(0, to_device(e.inverse, grad.device), grad[:, e.col:e.col + e.dim])
         flat[e.side:e.side + e.bags * e.dim] = sums.view(-1)
     return block
 

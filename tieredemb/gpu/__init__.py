@@ -4,6 +4,7 @@ moves to and from host rows mapped into the GPU (moves.py, hostmap.py); the kern
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from .. import locks
@@ -21,18 +22,36 @@ def launch_turn():
     return _TURNS
 
 
+# Host-to-device copies of at most this many bytes from pageable memory are asynchronous (CUDA
+# Programming Guide, "Asynchronous Concurrent Execution"); larger ones may wait for the stream.
+_INLINE_COPY_BYTES = 64 << 10
+
+
 def to_device(t: torch.Tensor, device, dtype: torch.dtype | None = None) -> torch.Tensor:
     """t on device (as dtype), queued on the current stream without waiting for it. A host tensor
-    bound for a GPU goes through pinned memory (converted to dtype as it is copied there): from
-    pageable memory CUDA stages the copy itself, and its documented behaviour lets it first wait
+    of more than 64 KiB bound for a GPU goes through pinned memory (converted to dtype as it is
+    copied there, by numpy where it can: torch's intra-op threads cost more on the host): from
+    pageable memory CUDA stages such a copy itself, and its documented behaviour lets it first wait
     for the stream to drain (cudaMemcpyAsync "may synchronize"), a wait torch's sync debug mode
     does not see, which would keep the host from running ahead of the device. torch's pinned
     allocator holds the block until the copy has run."""
     device = torch.device(device)
-    if t.device.type == "cpu" and device.type == "cuda":
-        if dtype not in (None, t.dtype) or not t.is_pinned():
-            staged = torch.empty(t.shape, dtype=dtype or t.dtype, pin_memory=True)
-            staged.copy_(t)
-            t = staged
-        return t.to(device, non_blocking=True)
-    return t.to(device, dtype, non_blocking=True)
+    if t.device.type != "cpu" or device.type != "cuda":
+        return t.to(device, dtype, non_blocking=True)
+    dtype = dtype or t.dtype
+    if t.numel() * max(t.element_size(), dtype.itemsize) <= _INLINE_COPY_BYTES:
+        return t.to(device, dtype, non_blocking=True)
+    if dtype != t.dtype or not t.is_pinned() or not t.is_contiguous():  # (a strided copy stages pageably)
+        t = staged(t, dtype, pin=True)
+    return t.to(device, non_blocking=True)
+
+
+def staged(t: torch.Tensor, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    """A contiguous host copy of t (a host tensor) as dtype, pinned if pin; by numpy where it can
+    (it has no bfloat16). Not part of the autograd graph."""
+    out = torch.empty(t.shape, dtype=dtype, pin_memory=pin)
+    if torch.bfloat16 in (dtype, t.dtype):
+        out.copy_(t.detach())
+    else:
+        np.copyto(out.numpy(), t.detach().numpy(), casting="unsafe")
+    return out
