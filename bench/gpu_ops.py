@@ -21,9 +21,17 @@ code reads none of them, runs through): the Python and torch dispatch a step cos
 this machine, without the interpreter's own time and its effect on the caches. Small bags, so the
 torch ops' own work is small. Not a GPU figure: on a GPU each launch costs its own host time too.
 
+With --tables, the same two counts and that host time for bench_collection.py's 8 tables (dims
+64 and 128, 2 to 16 ids a bag; rows at --tables-scale, whole in tier 0), trained as a loop of 8
+TieredEmbeddingBag modules and as one TieredEmbeddingBagCollection (its 2 groups, one per dim),
+host features: where a GPU step is bound by the host's launches (the tables' kernels take
+microseconds), the ratio of these host times is what the collection gains over the loop (issue
+13's target there: 2x). Again not a GPU figure.
+
     python bench/gpu_ops.py
     python bench/gpu_ops.py --rows 100000 --bags 1024 --detail
     python bench/gpu_ops.py --host-time
+    python bench/gpu_ops.py --tables
 """
 
 from __future__ import annotations
@@ -98,31 +106,101 @@ def count_kernels(counter_of_thread):
 def host_time(a, steps: int = 300) -> tuple[float, int]:
     """(median host seconds of a whole-table step with every Triton launch a no-op, launches a
     step): see the module's docstring."""
-    from triton.runtime.interpreter import InterpretedFunction
-
     emb = table(a, None)
     small = argparse.Namespace(**{**vars(a), "bags": 8, "length": 2})
     data = batches(small, 6)
     for ids, offsets, grad in data[:5]:  # (real kernels: the rows drawn, the code paths warm)
         emb(ids, offsets).backward(grad)
-    launch, launches = InterpretedFunction.run, [0]
-
-    def no_op(self, *args, **kwargs):
-        launches[0] += 1
-
-    InterpretedFunction.run = no_op
     ids, offsets, grad = data[5]
-    times = []
+    with no_launches() as off:
+        seconds = timed_steps({"step": lambda: emb(ids, offsets).backward(grad)}, steps)["step"]
+    return seconds, off.launches // steps
+
+
+class no_launches:
+    """Every Triton launch a no-op while inside (counted in .launches)."""
+
+    def __enter__(self):
+        from triton.runtime.interpreter import InterpretedFunction
+
+        self.run, self.launches = InterpretedFunction.run, 0
+
+        def no_op(fn, *args, **kwargs):
+            self.launches += 1
+
+        InterpretedFunction.run = no_op
+        return self
+
+    def __exit__(self, *exc):
+        from triton.runtime.interpreter import InterpretedFunction
+
+        InterpretedFunction.run = self.run
+
+
+def timed_steps(steps: dict, n: int) -> dict:
+    """{name: step()} -> {name: median host seconds of a step}, the steps taken in turn (noise hits
+    them alike), with the garbage collector off."""
+    times = {name: [] for name in steps}
     gc.disable()
     try:
-        for _ in range(steps):
-            start = time.perf_counter()
-            emb(ids, offsets).backward(grad)
-            times.append(time.perf_counter() - start)
+        for _ in range(n):
+            for name, step in steps.items():
+                start = time.perf_counter()
+                step()
+                times[name].append(time.perf_counter() - start)
     finally:
         gc.enable()
-        InterpretedFunction.run = launch
-    return statistics.median(times), launches[0] // steps
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def many_tables(a, current) -> None:
+    """--tables: see the module's docstring."""
+    from tieredemb.gpu.tier import collection_on_cpu_tensors
+
+    from workload import TABLES
+
+    tables = [(max(1, int(t.rows * a.tables_scale)), t.dim, t.ids_per_bag) for t in TABLES]
+    g = torch.Generator().manual_seed(0)
+    bags = 8  # (small: the torch ops' own work on the host is small, as in --host-time)
+    feats = [(torch.randint(0, rows, (bags * length,), generator=g), torch.arange(0, bags * length, length))
+             for rows, _, length in tables]
+    grad = torch.randn(bags, sum(dim for _, dim, _ in tables), generator=g)
+    grads = [x.contiguous() for x in torch.split(grad, [dim for _, dim, _ in tables], 1)]
+    opt = tieredemb.RowWiseAdagrad(lr=0.1)
+    loop = [on_cpu_tensors(tieredemb.TieredEmbeddingBag(rows, dim, "sum", optimizer=opt, cache_rows=None), None)
+            for rows, dim, _ in tables]
+    col = collection_on_cpu_tensors(tieredemb.TieredEmbeddingBagCollection(
+        [tieredemb.EmbeddingBagConfig(f"t{k}", rows, dim, [f"f{k}"]) for k, (rows, dim, _) in enumerate(tables)],
+        optimizer=opt))
+
+    def loop_step():  # (as bench_collection.py's loop: every forward, then the backwards, last first)
+        outs = [m(ids, offsets) for m, (ids, offsets) in zip(loop, feats)]
+        for out, g_ in reversed(list(zip(outs, grads))):
+            out.backward(g_)
+
+    def collection_step():
+        col({f"f{k}": f for k, f in enumerate(feats)}).values().backward(grad)
+
+    steps = {"loop of 8 TieredEmbeddingBag": loop_step, "TieredEmbeddingBagCollection": collection_step}
+    print(f"bench_collection.py's 8 tables at {a.tables_scale:g} of their rows, whole in tier 0, {bags} bags a "
+          f"table, host features; one step after 3, on CPU tensors (Triton interpreted)")
+    for name, step in steps.items():
+        for _ in range(3):
+            step()
+        current.counter = Counter()
+        with current.counter:
+            step()
+        s = current.counter.summary()
+        current.counter = None
+        print(f"  {name:32s} torch kernels {s['torch_ops']:4d}  triton launches {s['triton_launches']:3d}  "
+              f"item() reads {s['scalar_reads']}")
+    with no_launches() as off:
+        host = timed_steps(steps, a.tables_steps)
+    launches = off.launches // a.tables_steps
+    (ln, lt), (cn, ct) = host.items()
+    print(f"  Triton launches made no-ops, median of {a.tables_steps} steps each, taken in turn ({launches} "
+          f"launches a step pair not counted): {ln} {lt * 1e6:.0f} us, {cn} {ct * 1e6:.0f} us a step: "
+          f"collection / loop {lt / ct:.2f}x")
 
 
 def batches(a, count: int, seed: int = 0):
@@ -149,9 +227,16 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=5, help="steps before the one counted")
     p.add_argument("--detail", action="store_true", help="also print each configuration's ops by name")
     p.add_argument("--host-time", action="store_true", help="also time the whole-table step's host code (see above)")
+    p.add_argument("--tables", action="store_true",
+                   help="instead: bench_collection.py's 8 tables as a loop of modules and as a collection (see above)")
+    p.add_argument("--tables-scale", type=float, default=0.001, help="--tables: each table's rows times this")
+    p.add_argument("--tables-steps", type=int, default=200, help="--tables: timed steps of each")
     a = p.parse_args(argv)
     current = threading.local()
     count_kernels(lambda: getattr(current, "counter", None))
+    if a.tables:
+        many_tables(a, current)
+        return 0
     data = batches(a, a.warmup + 1)
     print(f"{a.rows:,} rows x {a.dim}, {a.bags} bags x {a.length} ids; one step (forward + backward + row-wise "
           f"Adagrad) after {a.warmup}, on CPU tensors (Triton interpreted)")
