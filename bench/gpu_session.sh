@@ -71,6 +71,11 @@ setup() {
   "$PY" -c 'import rocksdict, lz4' 2>/dev/null || echo "gpu_session: rocksdict or lz4 is missing: no table can be made" \
     "(stage .wheels/w0 first: see above)"
   "$PY" -c 'import fbgemm_gpu' 2>/dev/null || echo "gpu_session: fbgemm_gpu does not import: FBGEMM's systems are skipped"
+  for m in numba tqdm matplotlib libcachesim; do  # (declared dependencies: the suite's trace and planner tests)
+    "$PY" -c "import $m" 2>/dev/null || echo "gpu_session: $m is not installed here"
+  done
+  "$PY" -c 'import sys, torch, triton, numpy; print("gpu_session: python", sys.version.split()[0], "torch",
+    torch.__version__, "triton", triton.__version__, "numpy", numpy.__version__)' || true
   nvidia-smi --query-gpu=name,memory.used,memory.total,utilization.gpu --format=csv || true
 }
 setup 2>&1 | log setup
