@@ -428,7 +428,9 @@ def test_a_collections_features_on_the_gpu_cost_no_wait_of_their_own(monkeypatch
     """A collection's features given on the GPU are range-checked there, each in its own table,
     by one launch for them all, the verdict read by the first group's residency: the same waits a
     step as the same features from the host, but for the new whole tables' one read of the verdict
-    (host ids need none there), and a KeyedJaggedTensor's lengths, read to cut it into features."""
+    (host ids need none there). A KeyedJaggedTensor's lengths must be read to cut it into
+    features: its verdict is read with them, so it costs one wait more than from the host, whole
+    tables or cached (two for whole tables before)."""
     tables = [tieredemb.EmbeddingBagConfig("a", 200, DIM, ["fa"]), tieredemb.EmbeddingBagConfig("b", 100, DIM, ["fb"]),
               tieredemb.EmbeddingBagConfig("c", 100, 8, ["fc"])]
     rows = {"fa": 200, "fb": 100, "fc": 100}
@@ -454,7 +456,7 @@ def test_a_collections_features_on_the_gpu_cost_no_wait_of_their_own(monkeypatch
                 ebc(batch).values().square().sum().backward()
         counted[on_gpu] = len(waits) / (len(data) - 1)
         monkeypatch.undo()
-    assert counted[True] == counted[False] + (cache_bytes is None) + keyed, counted
+    assert counted[True] == counted[False] + ((cache_bytes is None) or keyed), counted
 
 
 def test_prefetched_ids_and_offsets_on_the_gpu_leave_the_training_thread_waiting_for_nothing(monkeypatch):

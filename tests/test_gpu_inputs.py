@@ -393,3 +393,79 @@ def test_host_inputs_staged_for_the_gpu_hold_what_torch_converts_them_to(source,
     assert out.dtype == dtype and out.is_contiguous() and not out.requires_grad
     assert torch.equal(out, source.detach().to(dtype))
     assert torch.equal(to_device(source, "cpu", dtype), source.detach().to(dtype))  # (no GPU: torch's own)
+
+
+def _keyed(col, seed, bad=None):
+    """A KeyedJaggedTensor of every feature of col, 6 samples each (bad: (feature, id) put in)."""
+    from training import KJT
+
+    g = torch.Generator().manual_seed(seed)
+    keys = list(col.feature_table)
+    lengths = torch.randint(0, 4, (len(keys) * 6,), generator=g)
+    values = []
+    for k, f in enumerate(keys):
+        n = int(lengths[k * 6:(k + 1) * 6].sum())
+        values.append((torch.rand(n, generator=g) ** 2 * col.feature_table[f].num_embeddings).long())
+        if bad is not None and bad[0] == f:
+            values[-1][0] = bad[1]
+    return KJT(keys, torch.cat(values), lengths)
+
+
+@pytest.mark.parametrize("pooled", [True, False], ids=["bags", "unpooled"])
+@pytest.mark.parametrize("cache_bytes", [None, 3000], ids=["whole", "cached"])
+def test_a_keyed_jagged_tensor_on_the_device_is_checked_and_read_with_its_lengths(device_inputs, monkeypatch,
+                                                                                  pooled, cache_bytes):
+    """A KeyedJaggedTensor whose values and lengths are on the tables' device: every key's ids
+    checked in its own table by one launch (the keys' boundaries summed from the lengths there),
+    its lengths and that verdict read together, so no group reads a verdict again (on a GPU: one
+    wait, where the lengths' read and the verdict's took two); training bit for bit as the same
+    tensor on the host. A bad id raises the host's error with nothing changed; so do lengths
+    that do not add up, before any verdict."""
+    from tieredemb.gpu import checks
+
+    calls = {"keyed": 0, "runs": 0, "tier": 0, "reads": 0}
+
+    def counted(name, fn):
+        def call(*a, **k):
+            calls[name] += 1
+            return fn(*a, **k)
+        return call
+
+    monkeypatch.setattr(checks, "check_keyed_on_device", counted("keyed", checks.check_keyed_on_device))
+    monkeypatch.setattr(checks, "check_runs_on_device", counted("runs", checks.check_runs_on_device))
+    monkeypatch.setattr("tieredemb.gpu.tier.check_on_device", counted("tier", checks.check_on_device))
+    resolve = checks.DeviceCheck.resolve
+    monkeypatch.setattr(checks.DeviceCheck, "resolve",
+                        lambda self: (calls.__setitem__("reads", calls["reads"] + (not self.passed)), resolve(self)))
+    results = []
+    for dev in (False, True):
+        col = _collection(pooled, cache_bytes, on_device=dev)
+        outs = [_step(col, _keyed(col, seed), seed) for seed in range(4)]
+        results.append((outs, _collection_rows(col)))
+    assert calls == {"keyed": 4, "runs": 0, "tier": 0, "reads": 0}
+    (host_outs, host_rows), (dev_outs, dev_rows) = results
+    assert all(torch.equal(a, b) for a, b in zip(host_outs, dev_outs))
+    assert all(torch.equal(a, b) for a, b in zip(host_rows, dev_rows))
+
+    host = _collection(pooled, cache_bytes, on_device=False)
+    for feature, bad in (("a", 120), ("e", -1), ("d", 40)):  # (120 in u: x's row 0, in their group's range)
+        with pytest.raises(IndexError) as want:
+            host(_keyed(host, 9, (feature, bad)))
+        rows, stats = _collection_rows(col), col.stats()
+        with pytest.raises(IndexError) as got:
+            col(_keyed(col, 9, (feature, bad)))
+        assert str(got.value) == str(want.value) and f"feature {feature!r}: id {bad} out of range" in str(got.value)
+        assert col.stats() == stats and all(torch.equal(a, b) for a, b in zip(rows, _collection_rows(col)))
+        assert all(e._store.tier0.index.pinned == 0 for e in col.engines)
+    stats = col.stats()
+    short = _keyed(col, 9)
+    short._v = short._v[:-1]
+    with pytest.raises(ValueError, match=r"KeyedJaggedTensor: lengths sum to \d+, values\(\) has \d+"):
+        col(short)
+    negative = _keyed(col, 9)
+    negative._l = negative._l.clone()
+    negative._l[0], negative._l[1] = -1, negative._l[1] + 1
+    with pytest.raises(ValueError, match=r"KeyedJaggedTensor: lengths must be >= 0, got -1"):
+        col(negative)
+    assert col.stats() == stats
+    _step(col, _keyed(col, 10), 10)  # (and it trains on)

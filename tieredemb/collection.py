@@ -30,7 +30,8 @@ import torch
 from torch import Tensor, nn
 
 from .config import Init, TableConfig, parse_budget
-from .keyed import InverseKeyed, KeyedEmbeddings, features_of, jagged, keyed  # noqa: F401 (re-exported)
+from .keyed import (InverseKeyed, KeyedEmbeddings, features_of, is_keyed_jagged, jagged, keyed,  # noqa: F401
+                    keyed_lengths)  # (InverseKeyed and KeyedEmbeddings re-exported)
 from . import lookup
 from .gpu import to_device
 from .module import _MODES, TieredEmbedding, TieredEmbeddingBag
@@ -216,15 +217,23 @@ class _Collection(nn.Module):
         per_sample_weights, parts))] (see _batch), the verdict on the ids on the tables' GPU or
         None, {table: ids looked up}: for _count once the lookup is done). That verdict, on the
         device, is read by the first group's residency, before it changes anything: pass it with
-        every group's lookup."""
-        given = features_of(features)
+        every group's lookup. A KeyedJaggedTensor on the tables' GPU is checked before it is cut into
+        features (_keyed_on_device), its verdict read with its lengths."""
+        keyed_check = self._keyed_on_device(features)
+        given = features_of(features, None if keyed_check is None else keyed_check[0])
         missing = [f for f in self.feature_table if f not in given]
         unknown = [f for f in given if f not in self.feature_table]
         if missing or unknown:
             raise ValueError(f"features: missing {missing}, unknown {unknown} (this collection reads "
                              f"{list(self.feature_table)})")
         self._check_batch(given)
-        check = self._check_ranges(given)
+        if keyed_check is None:
+            check = self._check_ranges(given)
+        else:  # (read already: after the host's checks of the lengths and the batch, its verdict)
+            from .gpu.checks import DeviceCheck
+
+            check = DeviceCheck(keyed_check[1], False, None, self._explain(given, list(given)))
+            check.raise_if(keyed_check[2])
         batches = [self._batch(group, given, check is not None) for group in self.groups]
         self.looked_up = [flat for flat, _, _, _ in batches]  # each group's ids (tieredemb.record reads them)
         counts = {t.name: sum(len(given[f][0]) for f in t.feature_names) for t in self.tables}
@@ -259,12 +268,37 @@ class _Collection(nn.Module):
             return None
         from .gpu.checks import check_runs_on_device
 
-        def explain():  # (the host's checks, on the ids read back)
-            for f in on_tables:
-                self._check_on_host(f, given[f][0].cpu())
-
         return check_runs_on_device([given[f][0] for f in on_tables],
-                                    [self.feature_table[f].num_embeddings for f in on_tables], explain)
+                                    [self.feature_table[f].num_embeddings for f in on_tables],
+                                    self._explain(given, on_tables))
+
+    def _explain(self, given: dict, features: list):
+        """A device verdict's explanation: the host's checks of the features' ids, read back."""
+        def explain():
+            for f in features:
+                if len(given[f][0]):
+                    self._check_on_host(f, given[f][0].cpu())
+        return explain
+
+    def _keyed_on_device(self, features):
+        """A KeyedJaggedTensor whose values and lengths are on the tables' GPU, every key one of
+        this collection's features: each key's ids checked in its own table there, by one launch,
+        then its lengths and that verdict read together (gpu/checks.py check_keyed_on_device):
+        (lengths on the host, fault, faulty). One wait, where cutting it into features (its
+        lengths read) and then reading the verdict took two. None for other inputs, and for a
+        malformed one (the host's checks then name what is wrong)."""
+        if not is_keyed_jagged(features):
+            return None
+        keys, values, lengths = list(features.keys()), features.values(), keyed_lengths(features)
+        engine = self.engines[0]
+        if not (keys and all(k in self.feature_table for k in keys) and isinstance(values, Tensor)
+                and values.dim() == 1 and values.dtype in (torch.int32, torch.int64) and isinstance(lengths, Tensor)
+                and lengths.dim() == 1 and len(lengths) % len(keys) == 0 and not lengths.is_floating_point()
+                and engine._on_device(values) and engine._on_device(lengths)):
+            return None
+        from .gpu.checks import check_keyed_on_device
+
+        return check_keyed_on_device(values, lengths, [self.feature_table[k].num_embeddings for k in keys])
 
     def _check_on_host(self, feature: str, values: Tensor) -> None:
         v = values.numpy()

@@ -101,15 +101,26 @@ def jagged(values: Tensor, lengths: Tensor):
     return torchrec.JaggedTensor(values=values, lengths=lengths)
 
 
-def features_of(features) -> dict:
+def is_keyed_jagged(features) -> bool:
+    """Whether features is a KeyedJaggedTensor (duck-typed: keys() and values(), not a dict)."""
+    return hasattr(features, "keys") and callable(getattr(features, "values", None)) and \
+        not isinstance(features, dict)
+
+
+def keyed_lengths(kjt) -> Tensor:
+    """A KeyedJaggedTensor's lengths, where it is (one may carry offsets only)."""
+    return kjt.lengths() if callable(getattr(kjt, "lengths", None)) else torch.diff(kjt.offsets())
+
+
+def features_of(features, lengths: Tensor | None = None) -> dict:
     """A KeyedJaggedTensor (duck-typed: keys(), values(), lengths() or offsets(), weights_or_none()), or
     {feature: (ids, offsets[, per_sample_weights])} with offsets [B] bag starts, or {feature:
     InverseKeyed} -> {feature: (ids [N], bag boundaries int64 [B + 1] on the host, weights or
     None, inverse int64 [B] or None)}. Every feature is checked (ValueError or TypeError naming
-    it and the rule) before any is returned."""
-    if hasattr(features, "keys") and callable(getattr(features, "values", None)) and \
-            not isinstance(features, dict):  # a KeyedJaggedTensor (duck-typed)
-        return _keyed_jagged(features)
+    it and the rule) before any is returned. lengths: a KeyedJaggedTensor's, already read to the
+    host (int64)."""
+    if is_keyed_jagged(features):
+        return _keyed_jagged(features, lengths)
     if not isinstance(features, dict):
         raise TypeError(f"features must be a KeyedJaggedTensor or a dict of feature -> (ids, offsets[, "
                         f"per_sample_weights]) or InverseKeyed, got {type(features).__name__}")
@@ -130,13 +141,11 @@ def features_of(features) -> dict:
     return out
 
 
-def _keyed_jagged(kjt) -> dict:
+def _keyed_jagged(kjt, lengths: Tensor | None) -> dict:
     keys = list(kjt.keys())
     values = _ids("KeyedJaggedTensor values()", kjt.values())
     weights = kjt.weights_or_none()
-    lengths = (kjt.lengths() if callable(getattr(kjt, "lengths", None))
-               else torch.diff(kjt.offsets()))  # a KeyedJaggedTensor may carry either
-    lengths = lengths.to("cpu", torch.int64)
+    lengths = (keyed_lengths(kjt) if lengths is None else lengths).to("cpu", torch.int64)
     if not keys or len(lengths) % len(keys):
         raise ValueError(f"KeyedJaggedTensor: {len(lengths)} lengths do not split into {len(keys)} keys' batches")
     bounds = torch.zeros(len(lengths) + 1, dtype=torch.int64)

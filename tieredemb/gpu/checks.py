@@ -167,12 +167,33 @@ def check_runs_on_device(runs: list, rows: list, explain) -> DeviceCheck:
     caller's error for a fault (called once the verdict is read)."""
     dev = runs[0].device
     ids = torch.cat([r.reshape(-1) for r in runs]) if len(runs) > 1 else runs[0].reshape(-1).contiguous()
-    n = ids.numel()
     table = torch.tensor(np.concatenate([np.cumsum([0] + [r.numel() for r in runs]), rows]), dtype=torch.int64)
-    table = to_device(table, dev)
+    return DeviceCheck(_check_runs(ids, to_device(table, dev), len(runs)), False, None, explain)
+
+
+def check_keyed_on_device(values: torch.Tensor, lengths: torch.Tensor, rows: list) -> tuple:
+    """A KeyedJaggedTensor's values [N] and lengths [K * B] (key-major, K = len(rows)) on one GPU:
+    key k's ids in [0, rows[k]), by one launch, the keys' boundaries summed from the lengths there;
+    then the lengths and that verdict read to the host in one transfer, one wait (where reading
+    the lengths to cut the values into features, and then the verdict, took two). Lengths that
+    break a rule only misplace the boundaries: the caller checks them on the host first. Returns
+    (lengths int64 [K * B] on the host, fault int8 on the device, whether it found a rule broken)."""
+    dev, lengths = values.device, lengths.reshape(-1).to(values.device, torch.int64)
+    ends = torch.cumsum(lengths.view(len(rows), -1).sum(1), 0)
+    table = torch.cat([torch.zeros(1, dtype=torch.int64, device=dev), ends,
+                       to_device(torch.tensor(rows, dtype=torch.int64), dev)])
+    fault = _check_runs(values.reshape(-1).contiguous(), table, len(rows))
+    read = torch.cat([lengths, fault.to(torch.int64)]).cpu()
+    return read[:len(lengths)], fault, bool(read[len(lengths):].any())
+
+
+def _check_runs(ids: torch.Tensor, table: torch.Tensor, runs: int) -> torch.Tensor:
+    """_check_kernel's RUNS launch over ids (flat, contiguous) with table (starts [runs + 1], then
+    rows [runs], int64, on the ids' device) -> the fault flags."""
+    dev, n = ids.device, ids.numel()
     programs = max(1, triton.cdiv(n, _BLOCK))
     fault = torch.empty(programs, dtype=torch.int8, device=dev)
     with launch_turn(), torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
-        _check_kernel[(programs,)](ids, n, ids, 0, 0, ids, ids, fault, 0, table, len(runs), HAS_OFFSETS=False,
+        _check_kernel[(programs,)](ids, n, ids, 0, 0, ids, ids, fault, 0, table, runs, HAS_OFFSETS=False,
                                    LAST_GIVEN=False, RUNS=True, BLOCK=_BLOCK)
-    return DeviceCheck(fault, False, None, explain)
+    return fault
