@@ -437,12 +437,18 @@ def test_a_keyed_jagged_tensor_on_the_device_is_checked_and_read_with_its_length
     resolve = checks.DeviceCheck.resolve
     monkeypatch.setattr(checks.DeviceCheck, "resolve",
                         lambda self: (calls.__setitem__("reads", calls["reads"] + (not self.passed)), resolve(self)))
+    from tieredemb import collection, keyed
+
+    lengths_read = keyed.keyed_lengths
+    for module in (keyed, collection):  # (the lengths taken from the tensor: once a batch, by the device check)
+        monkeypatch.setattr(module, "keyed_lengths", counted("lengths", lengths_read))
     results = []
     for dev in (False, True):
         col = _collection(pooled, cache_bytes, on_device=dev)
+        calls["lengths"] = 0
         outs = [_step(col, _keyed(col, seed), seed) for seed in range(4)]
         results.append((outs, _collection_rows(col)))
-    assert calls == {"keyed": 4, "runs": 0, "tier": 0, "reads": 0}
+    assert calls == {"keyed": 4, "runs": 0, "tier": 0, "reads": 0, "lengths": 4}
     (host_outs, host_rows), (dev_outs, dev_rows) = results
     assert all(torch.equal(a, b) for a, b in zip(host_outs, dev_outs))
     assert all(torch.equal(a, b) for a, b in zip(host_rows, dev_rows))
@@ -458,14 +464,19 @@ def test_a_keyed_jagged_tensor_on_the_device_is_checked_and_read_with_its_length
         assert col.stats() == stats and all(torch.equal(a, b) for a, b in zip(rows, _collection_rows(col)))
         assert all(e._store.tier0.index.pinned == 0 for e in col.engines)
     stats = col.stats()
-    short = _keyed(col, 9)
-    short._v = short._v[:-1]
-    with pytest.raises(ValueError, match=r"KeyedJaggedTensor: lengths sum to \d+, values\(\) has \d+"):
-        col(short)
-    negative = _keyed(col, 9)
-    negative._l = negative._l.clone()
-    negative._l[0], negative._l[1] = -1, negative._l[1] + 1
-    with pytest.raises(ValueError, match=r"KeyedJaggedTensor: lengths must be >= 0, got -1"):
-        col(negative)
+    # Lengths that break a rule: the host's error, before the verdict (a bad id put in too).
+    for change, error in (
+            (lambda k: setattr(k, "_v", k._v[:-1]), r"lengths sum to \d+, values\(\) has \d+"),
+            (lambda k: setattr(k, "_v", torch.cat([k._v, torch.tensor([999])])), r"lengths sum to \d+, values\(\) has"),
+            (lambda k: (k._l.__setitem__(0, -1), k._l.__setitem__(1, k._l[1] + 1)), r"lengths must be >= 0, got -1"),
+            (lambda k: (k._l.__setitem__(0, 1), k._l.__setitem__(1, 2**63 - 1), k._l.__setitem__(2, 2**63 - 1)),
+             r"a length of 9223372036854775807 is past values\(\)' \d+ ids"),  # (a sum that wraps to the right one)
+            (lambda k: setattr(k, "_k", [k._k[0]] + k._k[:-1]), r"keys must be unique, got \['a'\] more than once")):
+        for c in (host, col):
+            kjt = _keyed(c, 9, ("a", 999))
+            kjt._l = kjt._l.clone()
+            change(kjt)
+            with pytest.raises(ValueError, match="KeyedJaggedTensor: " + error):
+                c(kjt)
     assert col.stats() == stats
     _step(col, _keyed(col, 10), 10)  # (and it trains on)

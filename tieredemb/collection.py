@@ -291,7 +291,8 @@ class _Collection(nn.Module):
             return None
         keys, values, lengths = list(features.keys()), features.values(), keyed_lengths(features)
         engine = self.engines[0]
-        if not (keys and all(k in self.feature_table for k in keys) and isinstance(values, Tensor)
+        if not (keys and len(set(keys)) == len(keys) and all(k in self.feature_table for k in keys)
+                and isinstance(values, Tensor)
                 and values.dim() == 1 and values.dtype in (torch.int32, torch.int64) and isinstance(lengths, Tensor)
                 and lengths.dim() == 1 and len(lengths) % len(keys) == 0 and not lengths.is_floating_point()
                 and engine._on_device(values) and engine._on_device(lengths)):

@@ -148,10 +148,15 @@ def _keyed_jagged(kjt, lengths: Tensor | None) -> dict:
     lengths = (keyed_lengths(kjt) if lengths is None else lengths).to("cpu", torch.int64)
     if not keys or len(lengths) % len(keys):
         raise ValueError(f"KeyedJaggedTensor: {len(lengths)} lengths do not split into {len(keys)} keys' batches")
-    bounds = torch.zeros(len(lengths) + 1, dtype=torch.int64)
-    torch.cumsum(lengths, 0, out=bounds[1:])
+    if len(set(keys)) != len(keys):
+        twice = sorted({k for k in keys if keys.count(k) > 1})
+        raise ValueError(f"KeyedJaggedTensor: keys must be unique, got {twice} more than once")
     if len(lengths) and int(lengths.min()) < 0:
         raise ValueError(f"KeyedJaggedTensor: lengths must be >= 0, got {int(lengths.min())}")
+    if len(lengths) and int(lengths.max()) > len(values):  # (before they are summed: a sum must not wrap)
+        raise ValueError(f"KeyedJaggedTensor: a length of {int(lengths.max())} is past values()' {len(values)} ids")
+    bounds = torch.zeros(len(lengths) + 1, dtype=torch.int64)
+    torch.cumsum(lengths, 0, out=bounds[1:])
     if int(bounds[-1]) != len(values):
         raise ValueError(f"KeyedJaggedTensor: lengths sum to {int(bounds[-1])}, values() has {len(values)}")
     weights = _weights("KeyedJaggedTensor: weights", weights, values, "values()'")

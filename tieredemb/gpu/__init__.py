@@ -27,23 +27,26 @@ def launch_turn():
 _INLINE_COPY_BYTES = 64 << 10
 
 
-def to_device(t: torch.Tensor, device, dtype: torch.dtype | None = None) -> torch.Tensor:
+def to_device(t: torch.Tensor, device, dtype: torch.dtype | None = None, *, owned: bool = False) -> torch.Tensor:
     """t on device (as dtype), queued on the current stream without waiting for it. A host tensor
     of more than 64 KiB bound for a GPU goes through pinned memory (converted to dtype as it is
     copied there, by numpy where it can: torch's intra-op threads cost more on the host): from
     pageable memory CUDA stages such a copy itself, and its documented behaviour lets it first wait
     for the stream to drain (cudaMemcpyAsync "may synchronize"), a wait torch's sync debug mode
     does not see, which would keep the host from running ahead of the device. torch's pinned
-    allocator holds the block until the copy has run."""
+    allocator holds the block until the copy has run. A caller's pinned tensor is staged too, of
+    any size: the device reads a pinned source when the copy runs, later, and a caller who refilled
+    it after forward returned would send ids the host never checked. owned: t is the package's own
+    pinned block, left as it is until the copy has run (copied from directly)."""
     device = torch.device(device)
     if t.device.type != "cpu" or device.type != "cuda":
         return t.to(device, dtype, non_blocking=True)
-    dtype = dtype or t.dtype
-    if t.numel() * max(t.element_size(), dtype.itemsize) <= _INLINE_COPY_BYTES:
-        return t.to(device, dtype, non_blocking=True)
-    if dtype != t.dtype or not t.is_pinned() or not t.is_contiguous():  # (a strided copy stages pageably)
-        t = staged(t, dtype, pin=True)
-    return t.to(device, non_blocking=True)
+    dtype, pinned = dtype or t.dtype, t.is_pinned()
+    if owned and pinned and dtype == t.dtype and t.is_contiguous():
+        return t.to(device, non_blocking=True)
+    if not pinned and t.numel() * max(t.element_size(), dtype.itemsize) <= _INLINE_COPY_BYTES:
+        return t.to(device, dtype, non_blocking=True)  # (the driver copies a small pageable source before it returns)
+    return staged(t, dtype, pin=True).to(device, non_blocking=True)
 
 
 def staged(t: torch.Tensor, dtype: torch.dtype, pin: bool) -> torch.Tensor:

@@ -178,13 +178,13 @@ def check_keyed_on_device(values: torch.Tensor, lengths: torch.Tensor, rows: lis
     the lengths to cut the values into features, and then the verdict, took two). Lengths that
     break a rule only misplace the boundaries: the caller checks them on the host first. Returns
     (lengths int64 [K * B] on the host, fault int8 on the device, whether it found a rule broken)."""
-    dev, lengths = values.device, lengths.reshape(-1).to(values.device, torch.int64)
-    ends = torch.cumsum(lengths.view(len(rows), -1).sum(1), 0)
+    dev, lengths = values.device, lengths.reshape(-1).to(values.device)
+    ends = torch.cumsum(lengths.view(len(rows), -1).sum(1, dtype=torch.int64), 0)
     table = torch.cat([torch.zeros(1, dtype=torch.int64, device=dev), ends,
                        to_device(torch.tensor(rows, dtype=torch.int64), dev)])
     fault = _check_runs(values.reshape(-1).contiguous(), table, len(rows))
-    read = torch.cat([lengths, fault.to(torch.int64)]).cpu()
-    return read[:len(lengths)], fault, bool(read[len(lengths):].any())
+    read = torch.cat([lengths, fault.to(lengths.dtype)]).cpu()  # (as given: int32 lengths read as such)
+    return read[:len(lengths)].to(torch.int64), fault, bool(read[len(lengths):].any())
 
 
 def _check_runs(ids: torch.Tensor, table: torch.Tensor, runs: int) -> torch.Tensor:

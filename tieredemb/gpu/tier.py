@@ -62,7 +62,7 @@ class DeviceRows:
 
     def from_host(self, slots: torch.Tensor, block: torch.Tensor) -> None:
         """block (host rows; pinned on a GPU) into slots, on the current stream."""
-        self.scatter(slots, to_device(block, self.device))
+        self.scatter(slots, to_device(block, self.device, owned=True))
 
     def staging(self, n: int) -> torch.Tensor:
         """A host block for n rows in transit (pinned on a GPU)."""
