@@ -289,13 +289,14 @@ class _Collection(nn.Module):
         malformed one (the host's checks then name what is wrong)."""
         if not is_keyed_jagged(features):
             return None
-        keys, values, lengths = list(features.keys()), features.values(), keyed_lengths(features)
-        engine = self.engines[0]
+        engine, values = self.engines[0], features.values()
+        if not (isinstance(values, Tensor) and engine._on_device(values)):
+            return None  # (a host KJT: features_of takes its lengths, once)
+        keys, lengths = list(features.keys()), keyed_lengths(features)
         if not (keys and len(set(keys)) == len(keys) and all(k in self.feature_table for k in keys)
-                and isinstance(values, Tensor)
                 and values.dim() == 1 and values.dtype in (torch.int32, torch.int64) and isinstance(lengths, Tensor)
                 and lengths.dim() == 1 and len(lengths) % len(keys) == 0 and not lengths.is_floating_point()
-                and engine._on_device(values) and engine._on_device(lengths)):
+                and engine._on_device(lengths)):
             return None
         from .gpu.checks import check_keyed_on_device
 
@@ -435,7 +436,7 @@ class TieredEmbeddingBagCollection(_Collection):
                 if inverse is None:
                     at.append(np.arange(bags, dtype=np.int64) * width + col[f])
                 else:
-                    expand.append(lookup.Expand(col[f], dim, side, bags, inverse))
+                    expand.append(lookup.Expand(col[f], dim, side, bags, to_device(inverse, engine.device)))
                     at.append(np.arange(bags, dtype=np.int64) * dim + side)
                     side += bags * dim
             parts.append(lookup.Part(engine, flat, offsets, psw, _MODES[group.tables[0].pooling], True,

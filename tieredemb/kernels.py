@@ -31,7 +31,7 @@ _MODE_NAMES = ("sum", "mean", "max")
 
 @dataclasses.dataclass(frozen=True)
 class Bags:
-    """How the batch's ids form bags. offsets: int64 [B + 1] bag boundaries; psw: per-sample
+    """How the batch's ids form bags. offsets: int64 [B + 1] bag boundaries, on tier 0's device; psw: per-sample
     weights [N] or None; mode: 0 sum, 1 mean, 2 max; skip_id: the row left out of every bag
     (EmbeddingBag's padding_idx) or -1; frozen_id: the row never updated (the padding row) or -1.
     out_at: int64 [B] on tier 0's device, where bag b's pooled row starts in the output block (and its
@@ -85,7 +85,7 @@ def forward(tier0, config, batch, bags: Bags, out: torch.Tensor | None = None):
         psw = None if bags.psw is None else to_device(bags.psw.detach(), dev, torch.float32).contiguous()
         with tier0.pool_lock, _current(dev):
             return pooling.forward(pool.rows, dim, batch.slots, batch.unique, batch.inverse,
-                                   to_device(bags.offsets, dev), psw, bags.mode, bags.skip_id, layout.code,
+                                   bags.offsets, psw, bags.mode, bags.skip_id, layout.code,
                                    out, bags.out_at)
     count = int(batch.count)
     dev = pool.device
@@ -131,7 +131,7 @@ def backward_update(tier0, config, batch, bags: Bags, saved, grad_out: torch.Ten
         psw = None if bags.psw is None else to_device(bags.psw.detach(), dev, torch.float32).contiguous()
         with tier0.pool_lock, _current(dev):
             psw_grad = pooling.backward_update(pool.rows, tier0.dirty, dim, batch.slots, batch.unique, batch.count,
-                                               batch.inverse, to_device(bags.offsets, dev), psw, bags.mode,
+                                               batch.inverse, bags.offsets, psw, bags.mode,
                                                bags.skip_id, bags.frozen_id, grad_out, saved, optimizer, step,
                                                need_psw_grad, layout.code, config.stochastic_rounding, config.seed,
                                                bags.out_at, batch.groups)

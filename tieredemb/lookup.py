@@ -42,7 +42,8 @@ class Part(NamedTuple):
 
 class Expand(NamedTuple):
     """Columns [col, col + dim) of every sample b's row take distinct bag inverse[b] of `bags`,
-    pooled once at the block's float side + dim * inverse[b] (after the samples' rows)."""
+    pooled once at the block's float side + dim * inverse[b] (after the samples' rows). inverse:
+    on the block's device."""
 
     col: int
     dim: int
@@ -111,9 +112,10 @@ def pooled_block(parts: list, shape: tuple, samples: int, expand: tuple = ()) ->
     resident = []
     for part, batch in zip(parts, taken):
         pad = -1 if part.table.padding_idx is None else part.table.padding_idx
-        out_at = None if part.out_at is None else to_device(part.out_at, part.table._store.tier0.pool.device)
-        resident.append((part, batch, Bags(part.offsets, part.psw, part.mode, pad if part.exclude_padding else -1,
-                                           pad, out_at)))
+        dev = part.table._store.tier0.pool.device  # (offsets and out_at moved there once, for forward and backward)
+        out_at = None if part.out_at is None else to_device(part.out_at, dev)
+        resident.append((part, batch, Bags(to_device(part.offsets, dev), part.psw, part.mode,
+                                           pad if part.exclude_padding else -1, pad, out_at)))
     try:
         if torch.is_grad_enabled() and any(p.table._grad_anchor.requires_grad for p in parts):
             inputs = [t for p in parts for t in (p.psw, p.table._grad_anchor)]
@@ -151,7 +153,7 @@ def _result(block: Tensor, samples: int, expand: list) -> Tensor:
     flat = block.view(-1)
     for e in expand:
         distinct = flat[e.side:e.side + e.bags * e.dim].view(e.bags, e.dim)
-        out[:, e.col:e.col + e.dim] = distinct.index_select(0, to_device(e.inverse, block.device))
+        out[:, e.col:e.col + e.dim] = distinct.index_select(0, e.inverse)
     return out
 
 
@@ -166,7 +168,7 @@ def _grad_block(grad: Tensor, shape: tuple, expand: list) -> Tensor:
     flat = block.view(-1)
     for e in expand:
         sums = torch.zeros(e.bags, e.dim, dtype=torch.float32, device=grad.device)
-        sums.index_add_(0, to_device(e.inverse, grad.device), grad[:, e.col:e.col + e.dim])
+        sums.index_add_(0, e.inverse, grad[:, e.col:e.col + e.dim])
         flat[e.side:e.side + e.bags * e.dim] = sums.view(-1)
     return block
 
