@@ -319,6 +319,16 @@ def _collection_rows(col):
                        col.read_optimizer_state(t.name, torch.arange(t.num_embeddings))], 1) for t in col.tables]
 
 
+def _counter(counts: dict):
+    """counted(name, fn): fn, counting each call in counts[name]."""
+    def counted(name, fn):
+        def call(*a, **k):
+            counts[name] += 1
+            return fn(*a, **k)
+        return call
+    return counted
+
+
 @pytest.mark.parametrize("pooled", [True, False], ids=["bags", "unpooled"])
 @pytest.mark.parametrize("cache_bytes", [None, 3000], ids=["whole", "cached"])
 def test_a_collections_device_features_are_checked_by_one_launch_and_train_as_host_ones(device_inputs, monkeypatch,
@@ -332,12 +342,7 @@ def test_a_collections_device_features_are_checked_by_one_launch_and_train_as_ho
     launches = {"runs": 0, "tier": 0}
     runs, on_device = checks.check_runs_on_device, checks.check_on_device
 
-    def counted(name, fn):
-        def call(*a, **k):
-            launches[name] += 1
-            return fn(*a, **k)
-        return call
-
+    counted = _counter(launches)
     monkeypatch.setattr(checks, "check_runs_on_device", counted("runs", runs))
     monkeypatch.setattr("tieredemb.gpu.tier.check_on_device", counted("tier", on_device))
     results = []
@@ -425,12 +430,7 @@ def test_a_keyed_jagged_tensor_on_the_device_is_checked_and_read_with_its_length
 
     calls = {"keyed": 0, "runs": 0, "tier": 0, "reads": 0}
 
-    def counted(name, fn):
-        def call(*a, **k):
-            calls[name] += 1
-            return fn(*a, **k)
-        return call
-
+    counted = _counter(calls)
     monkeypatch.setattr(checks, "check_keyed_on_device", counted("keyed", checks.check_keyed_on_device))
     monkeypatch.setattr(checks, "check_runs_on_device", counted("runs", checks.check_runs_on_device))
     monkeypatch.setattr("tieredemb.gpu.tier.check_on_device", counted("tier", checks.check_on_device))
