@@ -1,6 +1,7 @@
 """Many tables in one module: TieredEmbeddingBagCollection (TorchRec's EmbeddingBagCollection with
 tiered tables) and TieredEmbeddingCollection (its EmbeddingCollection, unpooled); the inputs they
-take and the outputs they give are in keyed.py.
+take and the outputs they give are in keyed.py, their state_dict, checkpoint and export table by
+table in collection_state.py.
 
     tables = [tieredemb.EmbeddingBagConfig("user", 10**8, 128, ["user_id"]),
               tieredemb.EmbeddingBagConfig("item", 10**7, 64, ["item_id", "last_item"])]
@@ -29,6 +30,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from .collection_state import CollectionState
 from .config import Init, TableConfig, parse_budget
 from .keyed import (InverseKeyed, KeyedEmbeddings, features_of, is_keyed_jagged, jagged, keyed,  # noqa: F401
                     keyed_lengths)  # (InverseKeyed and KeyedEmbeddings re-exported)
@@ -132,7 +134,7 @@ _ARGS = """(unique names; a feature read by one table). cache_bytes:
     every group's table (see TableConfig)."""
 
 
-class _Collection(nn.Module):
+class _Collection(CollectionState, nn.Module):
     """What both collections share: tables in groups, one engine per group, the budgets, rows,
     statistics. Subclasses say what a group's engine is, and what a lookup returns."""
 
@@ -169,6 +171,8 @@ class _Collection(nn.Module):
         self.lookups = {t.name: 0 for t in self.tables}
         self.looked_up: list = []  # the last forward's ids, per group
         self.engines = nn.ModuleList()
+        if ssd_path is not None:
+            self._check_manifest(os.fspath(ssd_path))
         for k, g in enumerate(self.groups):
             t0 = g.tables[0]
             parts = tuple((t.num_embeddings, tier0[t.name]) for t in g.tables)
@@ -181,6 +185,9 @@ class _Collection(nn.Module):
                 g, partitions=None if whole else parts, host_rows=host, optimizer=t0.optimizer, init=t0.init,
                 dtype=t0.dtype, ssd_path=os.path.join(ssd_path, f"group{k}") if g.store == "ssd" else None,
                 **table_args))
+            self.engines[-1]._state_in_collection = True  # (state_dict: the collection's, table by table)
+        if ssd_path is not None:
+            self._write_manifest(os.fspath(ssd_path))
 
     def _shares(self, cache_bytes, host_bytes, ssd_path, plan) -> tuple[dict, dict]:
         """{table: tier-0 rows} and {table: 'host' or 'ssd'}, from the plan or the budgets."""
@@ -345,23 +352,16 @@ class _Collection(nn.Module):
         return torch.from_numpy(np.cumsum([0] + sizes)), torch.tensor(ends, dtype=torch.int64)
 
     # -- rows, state, stats ---------------------------------------------------------------------
-    def _where(self, table: str):
-        for group, engine in zip(self.groups, self.engines):
-            if table in group.offsets:
-                return engine, int(group.offsets[table])
-        raise KeyError(f"no table {table!r}; tables: {[t.name for t in self.tables]}")
-
     def _rows(self, table: str, ids) -> tuple:
         """(the table's group engine, its ids as the group's rows), ids checked to lie in the table."""
-        engine, base = self._where(table)
+        t, engine, base = self._place_of(table)
         ids = torch.as_tensor(ids)
         if ids.is_floating_point() or ids.dtype == torch.bool:
             raise TypeError(f"table {table!r}: ids must be integers, got {ids.dtype}")
         if ids.numel():
-            rows = next(t.num_embeddings for t in self.tables if t.name == table)
             lo, hi = int(ids.min()), int(ids.max())
-            if lo < 0 or hi >= rows:
-                raise IndexError(f"table {table!r}: id {lo if lo < 0 else hi} out of range [0, {rows})")
+            if lo < 0 or hi >= t.num_embeddings:
+                raise IndexError(f"table {table!r}: id {lo if lo < 0 else hi} out of range [0, {t.num_embeddings})")
         return engine, ids.to(torch.int64) + base
 
     def read_rows(self, table: str, ids) -> Tensor:
@@ -405,6 +405,8 @@ class TieredEmbeddingBagCollection(_Collection):
     __doc__ = f"""EmbeddingBagCollection whose tables live in tiers under one budget per tier.
 
     tables: EmbeddingBagConfig list {_ARGS}"""
+
+    _state_prefix = "embedding_bags"  # (TorchRec's: its state_dict keys)
 
     def _kind(self, t) -> tuple:
         return t.embedding_dim, t.pooling, t.optimizer, t.init, t.dtype
@@ -461,6 +463,8 @@ class TieredEmbeddingCollection(_Collection):
     one budget per tier.
 
     tables: EmbeddingConfig list {_ARGS}"""
+
+    _state_prefix = "embeddings"
 
     def _kind(self, t) -> tuple:
         return t.embedding_dim, t.optimizer, t.init, t.dtype

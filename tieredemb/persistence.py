@@ -70,60 +70,111 @@ class Persistence:
     def export_rows(self, directory, chunk_rows: int = 1 << 18) -> int:
         """Writes the table to directory (chunk files, then meta.json) in bounded memory.
         Returns the rows written."""
-        directory = os.fspath(directory)
-        os.makedirs(directory, exist_ok=True)
-        total = 0
-        for k, (ids, w, s) in enumerate(self.iter_rows(chunk_rows)):
-            torch.save({"ids": ids, "weights": w, "state": s}, os.path.join(directory, f"chunk_{k:06d}.pt"))
-            total += len(ids)
-        write_json_atomic(os.path.join(directory, "meta.json"), {**self.config.meta(), "step": self.step, "rows": total})
-        return total
+        return write_export(directory, self.iter_rows(chunk_rows), {**self.config.meta(), "step": self.step})
 
     def import_rows(self, directory) -> int:
         """Loads what export_rows wrote into this table (same shape and optimizer). Returns rows."""
-        directory = os.fspath(directory)
-        with open(os.path.join(directory, "meta.json")) as f:
-            meta = json.load(f)
-        mine = self.config.meta()
-        for field in ("num_embeddings", "embedding_dim", "width"):
-            if meta[field] != mine[field]:
-                raise ValueError(f"{directory}: exported {field} {meta[field]} != this table's {mine[field]}")
-        total = 0
-        for path in sorted(glob.glob(os.path.join(directory, "chunk_*.pt"))):
-            c = torch.load(path)
-            self.write_rows(c["ids"], c["weights"], c["state"] if c["state"].shape[1] else None)
-            total += len(c["ids"])
+        meta = read_export_meta(directory, self.config.meta())
+        total = import_chunks(directory, self.write_rows)
         self.step = meta.get("step", 0)
         return total
 
     # -- state_dict for tables that fit in memory ---------------------------------------------
     def _save_to_state_dict(self, destination, prefix, keep_vars):
-        rows = self._all_rows()
-        destination[prefix + "weight"] = self.layout.weights(rows).to(self.config.dtype)
-        destination[prefix + "optimizer_state"] = self.layout.state(rows).clone()
-        destination[prefix + "optimizer_step"] = torch.tensor(self.step)
+        if self._state_in_collection:  # (its collection saves its rows, table by table)
+            return
+        ids = torch.arange(self.config.num_embeddings)
+        save_rows(destination, prefix, self._read_all(ids), self.layout, self.config.dtype, self.step)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
-        key = prefix + "weight"
-        if key not in state_dict:
-            missing_keys.append(key)
+        if self._state_in_collection:
             return
-        w = state_dict[key]
         n, d = self.config.num_embeddings, self.config.embedding_dim
-        if tuple(w.shape) != (n, d):
-            error_msgs.append(f"size mismatch for {key}: {tuple(w.shape)} vs ({n}, {d})")
+        found = rows_in_state_dict(state_dict, prefix, n, d, self.layout.state_width, missing_keys, error_msgs)
+        if found is None:
             return
-        st = state_dict.get(prefix + "optimizer_state")
-        if st is not None and st.shape[1] != self.layout.state_width:
-            st = None
+        w, st, step = found
         self.write_rows(torch.arange(n), w, st)
-        if prefix + "optimizer_step" in state_dict:
-            self.step = int(state_dict[prefix + "optimizer_step"])
+        if step is not None:
+            self.step = step
 
-    def _all_rows(self) -> Tensor:
-        size = self.config.num_embeddings * self.width * 4
+    _state_in_collection = False
+
+    def _read_all(self, ids: Tensor) -> Tensor:
+        """Stored rows of ids (every row of the table, or of one of a collection's tables), unless
+        that is more than state_dict() holds."""
+        size = len(ids) * self.width * 4
         if size > STATE_DICT_MAX_BYTES:
             raise RuntimeError(f"state_dict() would hold {size} bytes (> {STATE_DICT_MAX_BYTES}); "
                                "use export_rows() for tables this large")
-        return self._store.read(torch.arange(self.config.num_embeddings))
+        return self._store.read(ids)
+
+
+def save_rows(destination: dict, prefix: str, rows: Tensor, layout, dtype: torch.dtype, step: int) -> None:
+    """A table's entries of a state_dict: prefix + weight (in the table's dtype), optimizer_state,
+    optimizer_step."""
+    destination[prefix + "weight"] = layout.weights(rows).to(dtype)
+    destination[prefix + "optimizer_state"] = layout.state(rows).clone()
+    destination[prefix + "optimizer_step"] = torch.tensor(step)
+
+
+def rows_in_state_dict(state_dict, prefix: str, n: int, d: int, state_width: int, missing_keys: list,
+                       error_msgs: list):
+    """(weight [n, d], optimizer_state [n, S] or None, step or None) of a table in state_dict, or
+    None with the key missing or its shape wrong (said in missing_keys / error_msgs). A state of
+    another width (another optimizer's) is left out: the rows keep theirs."""
+    key = prefix + "weight"
+    if key not in state_dict:
+        missing_keys.append(key)
+        return None
+    w = state_dict[key]
+    if tuple(w.shape) != (n, d):
+        error_msgs.append(f"size mismatch for {key}: {tuple(w.shape)} vs ({n}, {d})")
+        return None
+    st = state_dict.get(prefix + "optimizer_state")
+    if st is not None and (st.dim() != 2 or st.shape[1] != state_width):
+        st = None
+    elif st is not None and st.shape[0] != n:
+        error_msgs.append(f"size mismatch for {prefix}optimizer_state: {tuple(st.shape)} vs ({n}, {state_width})")
+        return None
+    step = state_dict.get(prefix + "optimizer_step")
+    return w, st, None if step is None else int(step)
+
+
+def write_export(directory, chunks, meta: dict) -> int:
+    """chunks (ids, weights, optimizer_state) as chunk files in directory, then meta.json (meta
+    and the rows written): the format export_rows writes. Returns the rows written."""
+    directory = os.fspath(directory)
+    os.makedirs(directory, exist_ok=True)
+    total = 0
+    for k, (ids, w, s) in enumerate(chunks):
+        torch.save({"ids": ids, "weights": w, "state": s}, os.path.join(directory, f"chunk_{k:06d}.pt"))
+        total += len(ids)
+    write_json_atomic(os.path.join(directory, "meta.json"), {**meta, "rows": total})
+    return total
+
+
+def read_export_meta(directory, mine: dict) -> dict:
+    """The meta.json of an export at directory, checked against a table's meta (mine): the same
+    rows, dim and row width, else ValueError naming the field."""
+    directory = os.fspath(directory)
+    path = os.path.join(directory, "meta.json")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{directory} holds no export (no meta.json): export_rows writes one")
+    with open(path) as f:
+        meta = json.load(f)
+    for field in ("num_embeddings", "embedding_dim", "width"):
+        if meta[field] != mine[field]:
+            raise ValueError(f"{directory}: exported {field} {meta[field]} != this table's {mine[field]}")
+    return meta
+
+
+def import_chunks(directory, write) -> int:
+    """Each chunk of an export given to write(ids, weights, optimizer_state or None). Returns rows."""
+    total = 0
+    for path in sorted(glob.glob(os.path.join(os.fspath(directory), "chunk_*.pt"))):
+        c = torch.load(path)
+        write(c["ids"], c["weights"], c["state"] if c["state"].shape[1] else None)
+        total += len(c["ids"])
+    return total

@@ -1,0 +1,211 @@
+"""Saving and restoring a collection's tables, each under its own name: state_dict() in TorchRec's
+keys, checkpoint(), export / import table by table, and the record of which tables an SSD
+directory holds.
+
+A collection keeps the tables of one group in one engine (collection.py), so the engines' own
+state_dict entries would be by group ("engines.0.weight") and depend on the grouping. The
+collection writes and reads every table's rows itself instead, under TorchRec's keys
+(`embedding_bags.<table>.weight` for a bag collection, `embeddings.<table>.weight` unpooled), so a
+torchrec EmbeddingBagCollection's state_dict loads into one, and one's into torchrec's (with
+strict=False: ours also holds each table's optimizer_state and optimizer_step).
+
+On SSD a group's rows are one store, table after table, under ssd_path/group<k>. Which tables a
+store holds, and in what order, is written to ssd_path/collection.json when the collection is
+made; a collection opened over the directory must put the same tables in the same places (else
+a table would read another's rows), and is refused otherwise, before anything is opened.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from ssd_backend.common import write_json_atomic
+
+from .persistence import import_chunks, read_export_meta, rows_in_state_dict, save_rows, write_export
+
+MANIFEST = "collection.json"
+_FORMAT = "tieredemb-collection-1"
+
+
+class CollectionState:
+    """The saving and restoring half of a collection (mixed into _Collection): needs self.tables,
+    self.groups, self.engines, and the subclass's _state_prefix."""
+
+    _state_prefix = ""
+
+    def _table_places(self):
+        """(table config, its group's engine, its first row in the group) for every table."""
+        for group, engine in zip(self.groups, self.engines):
+            for t in group.tables:
+                yield t, engine, int(group.offsets[t.name])
+
+    # -- state_dict ------------------------------------------------------------------------------
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        for t, engine, base in self._table_places():
+            rows = engine._read_all(torch.arange(base, base + t.num_embeddings))
+            save_rows(destination, f"{prefix}{self._state_prefix}.{t.name}.", rows, engine.layout, t.dtype, engine.step)
+
+    def _keys(self, prefix: str) -> set:
+        return {f"{prefix}{self._state_prefix}.{t.name}.{field}" for t in self.tables
+                for field in ("weight", "optimizer_state", "optimizer_step")}
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """torch's, but a strict load with a table missing or a key unknown raises before any table
+        is written (torch loads what it can, then raises; a collection inside a model loaded by
+        the model's load_state_dict does that)."""
+        if strict:
+            mine = self._keys("")
+            missing = sorted(k for k in mine if k.endswith(".weight") and k not in state_dict)
+            unexpected = [k for k in state_dict if k not in mine]
+            msgs = ([f"Unexpected key(s) in state_dict: {', '.join(repr(k) for k in unexpected)}. "] if unexpected
+                    else []) + ([f"Missing key(s) in state_dict: {', '.join(repr(k) for k in missing)}. "]
+                                if missing else [])
+            if msgs:
+                raise RuntimeError(f"Error(s) in loading state_dict for {type(self).__name__}:\n\t" + "\n\t".join(msgs))
+        return super().load_state_dict(state_dict, strict, assign)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        """Every table's rows (and optimizer state and step, where given) from its keys. A table
+        of the wrong shape, or a group's tables at different steps, is an error, and then no
+        table is written; a table missing is said in missing_keys, and the others are loaded."""
+        found, errors = [], []
+        for t, engine, base in self._table_places():
+            key = f"{prefix}{self._state_prefix}.{t.name}."
+            got = rows_in_state_dict(state_dict, key, t.num_embeddings, t.embedding_dim, engine.layout.state_width,
+                                     missing_keys, errors)
+            if got is not None:
+                found.append((t, engine, base, *got))
+        for engine in self.engines:  # (a group's tables are stepped together: one count)
+            steps = {t.name: step for t, e, _, _, _, step in found if e is engine and step is not None}
+            if len(set(steps.values())) > 1:
+                errors.append(f"tables {sorted(steps)} share a group and so a step count, but their "
+                              f"optimizer_step differ: {steps}")
+        mine = self._keys(prefix)
+        unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k not in mine)
+        error_msgs.extend(errors)
+        if errors:  # (load_state_dict will raise: write nothing)
+            return
+        for t, engine, base, w, st, step in found:
+            engine.write_rows(torch.arange(base, base + t.num_embeddings), w, st)
+            if step is not None:
+                engine.step = step
+
+    # -- checkpoint ----------------------------------------------------------------------------------
+    def checkpoint(self, path) -> None:
+        """A consistent snapshot of every table (rows, optimizer state, step counts) at path, a new
+        directory, which opens as this collection (ssd_path=path, the same tables and plan). Every
+        table must be stored on SSD. collection.json is written last: a directory without it is
+        not a whole checkpoint, and does not open."""
+        held = [t.name for g in self.groups if g.store != "ssd" for t in g.tables]
+        if held:
+            raise RuntimeError(f"cannot checkpoint to {path}: tables {held} keep their rows in host memory; "
+                               "use export_rows(dir), or store them on SSD (ssd_path, or a plan that does)")
+        path = os.path.abspath(os.fspath(path))
+        if os.path.exists(path):
+            raise ValueError(f"checkpoint path {path}: already exists; give a new directory")
+        os.makedirs(path)
+        for k, engine in enumerate(self.engines):
+            engine.checkpoint(os.path.join(path, f"group{k}"))
+        self._write_manifest(path)
+
+    # -- export / import -----------------------------------------------------------------------------
+    def iter_rows(self, table: str, chunk_rows: int = 1 << 18):
+        """Yields (ids [k], weights [k, D], optimizer_state [k, S]) of a table's rows ever written,
+        in id order, chunk by chunk; rows not listed hold their deterministic initial values."""
+        t, engine, base = self._place_of(table)
+        start, end = base, base + t.num_embeddings
+        while start < end:
+            ids = engine._store.written_ids(start, chunk_rows)
+            ids = ids[ids < end]
+            if len(ids) == 0:
+                return
+            rows = engine._store.read(ids)
+            yield ids - base, engine.layout.weights(rows), engine.layout.state(rows)
+            start = int(ids[-1]) + 1
+
+    def export_rows(self, directory, chunk_rows: int = 1 << 18) -> dict:
+        """Writes every table to directory/<table> in bounded memory, in the format of
+        TieredEmbeddingBag.export_rows (a table's export imports into a single-table module, and
+        such a module's into the collection's table). Returns {table: rows written}."""
+        out = {}
+        for t, engine, _ in self._table_places():
+            meta = {**engine.config.meta(), "num_embeddings": t.num_embeddings, "table": t.name, "step": engine.step}
+            out[t.name] = write_export(os.path.join(os.fspath(directory), t.name),
+                                       self.iter_rows(t.name, chunk_rows), meta)
+        return out
+
+    def import_rows(self, directory) -> dict:
+        """Loads what export_rows wrote: every table from directory/<table>, each export checked
+        (rows, dim, row width; a group's tables one step count) before any row is written.
+        Returns {table: rows}."""
+        metas = {t.name: read_export_meta(os.path.join(os.fspath(directory), t.name), self._export_shape(t, e))
+                 for t, e, _ in self._table_places()}
+        for engine, group in zip(self.engines, self.groups):
+            steps = {t.name: metas[t.name].get("step", 0) for t in group.tables}
+            if len(set(steps.values())) > 1:
+                raise ValueError(f"{directory}: tables {sorted(steps)} share a group and so a step count, but "
+                                 f"were exported at different steps: {steps}")
+        out = {}
+        for t, engine, _ in self._table_places():
+            out[t.name] = import_chunks(os.path.join(os.fspath(directory), t.name),
+                                        lambda ids, w, s, name=t.name: self.write_rows(name, ids, w, s))
+            engine.step = metas[t.name].get("step", 0)
+        return out
+
+    @staticmethod
+    def _export_shape(t, engine) -> dict:
+        return {"num_embeddings": t.num_embeddings, "embedding_dim": t.embedding_dim, "width": engine.width}
+
+    def _place_of(self, table: str):
+        for place in self._table_places():
+            if place[0].name == table:
+                return place
+        raise KeyError(f"no table {table!r}; tables: {[t.name for t in self.tables]}")
+
+    # -- which tables an SSD directory holds -----------------------------------------------------------
+    def _stored_layout(self) -> dict:
+        """{group<k>: [[table, rows], ...]} of the groups stored on SSD."""
+        return {f"group{k}": [[t.name, t.num_embeddings] for t in g.tables]
+                for k, g in enumerate(self.groups) if g.store == "ssd"}
+
+    def _check_manifest(self, ssd_path: str) -> None:
+        """Raises ValueError, before any store is opened, if ssd_path holds other tables in a
+        group's place than this collection would put there."""
+        want = self._stored_layout()
+        path = os.path.join(ssd_path, MANIFEST)
+        if not os.path.exists(path):
+            present = sorted(g for g in want if os.path.exists(os.path.join(ssd_path, g)))
+            if present:
+                raise ValueError(f"ssd_path {ssd_path} holds {', '.join(present)} but no {MANIFEST} (an unfinished "
+                                 "checkpoint?): it is not a collection's directory")
+            return
+        try:
+            with open(path) as f:
+                record = json.load(f)
+            stored = record["groups"]
+            if record.get("format") != _FORMAT or not isinstance(stored, dict):
+                raise ValueError(f"format {record.get('format')!r}")
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"ssd_path {ssd_path}: {MANIFEST} is damaged ({e})") from None
+        for g in sorted(set(stored) | set(want)):
+            if g not in want:
+                raise ValueError(f"ssd_path {ssd_path}: {g} holds tables {_names(stored[g])}, which this collection "
+                                 "does not store there; give the tables (and plan) it was made with, or move "
+                                 f"{g} away")
+            if g in stored and stored[g] != want[g]:
+                raise ValueError(f"ssd_path {ssd_path}: {g} holds tables {_names(stored[g])}, this collection would "
+                                 f"put {_names(want[g])} there; give the tables in the order (and with the plan) "
+                                 "they were stored with")
+
+    def _write_manifest(self, ssd_path: str) -> None:
+        layout = self._stored_layout()
+        if layout:
+            write_json_atomic(os.path.join(ssd_path, MANIFEST), {"format": _FORMAT, "groups": layout})
+
+
+def _names(entries) -> str:
+    return "[" + ", ".join(f"{name} ({rows} rows)" for name, rows in entries) + "]"
