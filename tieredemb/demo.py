@@ -154,14 +154,20 @@ def _demo_collection(args) -> int:
     traces = {t.name: (np.concatenate([b[k] for b in first]), np.arange(ahead + 1) * n_ids) for k, t in enumerate(tables)}
     sizes = {t.name: (t.num_embeddings, tieredemb.TableConfig(1, t.embedding_dim, optimizer=opt).width * 4)
              for t in tables}
-    plans = tieredemb.plan(traces, sizes, cache_bytes=budget)
+    # (with an SSD directory every table is stored there: 1 byte of host memory holds no whole table)
+    plans = tieredemb.plan(traces, sizes, cache_bytes=budget, host_bytes=1 if args.ssd_path else None)
     print(f"{args.tables} tables of {min(rows):,} to {max(rows):,} rows (dims 32 and 64, Zipf alpha "
           f"{min(alphas):.2f} to {max(alphas):.2f}); tier-0 budget {budget / 2**20:,.1f} MiB, planned from the first "
           f"{ahead} batches:")
     print(planner.report(plans))
+    existing = args.ssd_path is not None and os.path.exists(os.path.join(args.ssd_path, "collection.json"))
     ebc = tieredemb.TieredEmbeddingBagCollection(tables, plan=plans["planned"], ssd_path=args.ssd_path,
                                                  optimizer=opt, policy=args.policy)
     print(f"{len(ebc.groups)} groups looked up together")
+    if args.ssd_path:
+        print(f"reopened the collection at {os.path.abspath(args.ssd_path)}: its groups have trained "
+              f"{[e.step for e in ebc.engines]} steps; training goes on" if existing
+              else f"created a new collection at {os.path.abspath(args.ssd_path)}, every table on SSD")
     width = sum(t.embedding_dim for t in tables)
     mlp = torch.nn.Sequential(torch.nn.Linear(width, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
     dense_opt = torch.optim.Adagrad(mlp.parameters(), lr=0.05)
