@@ -21,6 +21,7 @@ other values than a table of its own with the same seed.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import numbers
@@ -30,6 +31,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from .collection_prefetch import CollectionPrefetch, Prepared
 from .collection_state import CollectionState
 from .config import Init, TableConfig, parse_budget
 from .keyed import (InverseKeyed, KeyedEmbeddings, features_of, is_keyed_jagged, jagged, keyed,  # noqa: F401
@@ -134,7 +136,7 @@ _ARGS = """(unique names; a feature read by one table). cache_bytes:
     every group's table (see TableConfig)."""
 
 
-class _Collection(CollectionState, nn.Module):
+class _Collection(CollectionPrefetch, CollectionState, nn.Module):
     """What both collections share: tables in groups, one engine per group, the budgets, rows,
     statistics. Subclasses say what a group's engine is, and what a lookup returns."""
 
@@ -170,6 +172,7 @@ class _Collection(CollectionState, nn.Module):
         total_bytes = sum(t.num_embeddings * _row_bytes(t) for t in self.tables)
         self.lookups = {t.name: 0 for t in self.tables}
         self.looked_up: list = []  # the last forward's ids, per group
+        self._ahead = collections.deque()  # prefetched batches (Prepared), oldest first
         self.engines = nn.ModuleList()
         if ssd_path is not None:
             self._check_manifest(os.fspath(ssd_path))
@@ -218,13 +221,11 @@ class _Collection(CollectionState, nn.Module):
                 {t.name: chosen[t.name][1] for t in self.tables})
 
     # -- input and output -----------------------------------------------------------------------
-    def _lookups_of(self, features) -> tuple[list, object, dict]:
+    def _prepare(self, features) -> Prepared:
         """Every feature checked, before any group is looked up (a bad one changes nothing), then
-        each group's features as one lookup: ([(group, engine, (ids, bag boundaries [B + 1],
-        per_sample_weights, parts))] (see _batch), the verdict on the ids on the tables' GPU or
-        None, {table: ids looked up}: for _count once the lookup is done). That verdict, on the
-        device, is read by the first group's residency, before it changes anything: pass it with
-        every group's lookup. A KeyedJaggedTensor on the tables' GPU is checked before it is cut into
+        each group's features as one lookup (Prepared). The verdict on ids on the tables' GPU is
+        read by the first group's residency, before it changes anything: it goes with every
+        group's lookup. A KeyedJaggedTensor on the tables' GPU is checked before it is cut into
         features (_keyed_on_device), its verdict read with its lengths."""
         keyed_check = self._keyed_on_device(features)
         given = features_of(features, None if keyed_check is None else keyed_check[0])
@@ -242,9 +243,13 @@ class _Collection(CollectionState, nn.Module):
             check = DeviceCheck(keyed_check[1], False, None, self._explain(given, list(given)))
             check.raise_if(keyed_check[2])
         batches = [self._batch(group, given, check is not None) for group in self.groups]
-        self.looked_up = [flat for flat, _, _, _ in batches]  # each group's ids (tieredemb.record reads them)
         counts = {t.name: sum(len(given[f][0]) for f in t.feature_names) for t in self.tables}
-        return list(zip(self.groups, self.engines, batches)), check, counts
+        lookups = [(g, e, b, self._take(e, b[0], b[1])) for g, e, b in zip(self.groups, self.engines, batches)]
+        return Prepared(lookups, check, counts)
+
+    def _take(self, engine, ids: Tensor, bounds: Tensor) -> tuple:
+        """The (ids, boundaries) a group's engine takes for its lookup."""
+        return ids, bounds
 
     def _count(self, counts: dict) -> None:
         for name, n in counts.items():
@@ -421,17 +426,19 @@ class TieredEmbeddingBagCollection(_Collection):
         given, with the same B. Returns the pooled features in the tables' order (a torchrec
         KeyedTensor where torchrec imports, else a KeyedEmbeddings). Each group's kernels write
         its features' rows straight into the [B, sum of dims] block, one autograd node for all."""
-        lookups, check, counts = self._lookups_of(features)
+        return self._lookup(features, self._pool)
+
+    def _pool(self, prepared: Prepared):
         keys = [f for t in self.tables for f in t.feature_names]
         dims = [self.feature_table[f].embedding_dim for f in keys]
         width = sum(dims)
         col = dict(zip(keys, np.cumsum([0] + dims[:-1]).tolist()))
-        _, _, (_, _, _, first) = lookups[0]
+        _, _, (_, _, _, first), _ = prepared.lookups[0]
         _, b, inverse = first[0]
         samples = len(b) - 1 if inverse is None else len(inverse)
         side = samples * width  # where inverse-keyed features' distinct bags go: after the samples' rows
         parts, expand = [], []
-        for group, engine, (flat, offsets, psw, features) in lookups:
+        for group, engine, (_, _, psw, features), (flat, offsets) in prepared.lookups:
             dim, at = engine.embedding_dim, []
             for f, b, inverse in features:
                 bags = len(b) - 1
@@ -442,9 +449,9 @@ class TieredEmbeddingBagCollection(_Collection):
                     at.append(np.arange(bags, dtype=np.int64) * dim + side)
                     side += bags * dim
             parts.append(lookup.Part(engine, flat, offsets, psw, _MODES[group.tables[0].pooling], True,
-                                     torch.from_numpy(np.concatenate(at)), self._segments(group, features), check))
+                                     torch.from_numpy(np.concatenate(at)), self._segments(group, features),
+                                     prepared.check, (flat, offsets)))
         values = lookup.pooled_block(parts, (-(-side // width), width), samples, expand)
-        self._count(counts)
         return keyed(keys, dims, values)
 
     def _check_batch(self, given: dict) -> None:
@@ -477,13 +484,18 @@ class TieredEmbeddingCollection(_Collection):
         start each sample's ids). Returns {feature: its rows, one per id, as a torchrec
         JaggedTensor (values [N, D], lengths [B]) where torchrec imports, else a JaggedEmbeddings};
         an InverseKeyed feature's samples get their distinct bag's rows."""
+        return self._lookup(features, self._rows_of)
+
+    def _rows_of(self, prepared: Prepared) -> dict:
         out = {}
-        lookups, check, counts = self._lookups_of(features)
-        for group, engine, (flat, _, _, parts) in lookups:  # (TieredEmbedding's forward, with the verdict)
-            rows = lookup.pooled(engine, *engine._bags(flat), None, _MODES["sum"], exclude_padding=False, check=check)
+        for _, engine, (_, _, _, parts), take in prepared.lookups:  # (TieredEmbedding's forward, with the verdict)
+            rows = lookup.pooled(engine, *take, None, _MODES["sum"], exclude_padding=False, check=prepared.check,
+                                 source=take)
             out.update(self._jagged(rows, parts))
-        self._count(counts)
         return {f: out[f] for t in self.tables for f in t.feature_names}
+
+    def _take(self, engine, ids: Tensor, bounds: Tensor) -> tuple:
+        return engine._bags(ids)  # (one bag per id)
 
     def _check_batch(self, given: dict) -> None:
         if any(w is not None for _, _, w, _ in given.values()):

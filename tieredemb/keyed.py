@@ -107,6 +107,35 @@ def is_keyed_jagged(features) -> bool:
         not isinstance(features, dict)
 
 
+def batch_sources(features) -> tuple:
+    """The tensors a batch of features is made of, with its keys, in order (a prefetched batch's
+    forward recognizes them by identity: same_sources)."""
+    if is_keyed_jagged(features):
+        lengths = getattr(features, "lengths", None)
+        return (*features.keys(), features.values(), lengths() if callable(lengths) else features.offsets(),
+                features.weights_or_none() if callable(getattr(features, "weights_or_none", None)) else None)
+    if not isinstance(features, dict):
+        return ()
+    out = []
+    for f, v in features.items():
+        out.append(f)
+        out.extend((v.values, v.offsets, v.inverse) if isinstance(v, InverseKeyed) else
+                   v if isinstance(v, (tuple, list)) else (v,))
+    return tuple(out)
+
+
+def same_sources(a: tuple, b: tuple, versions: tuple) -> bool:
+    """Whether b (batch_sources) is a: the very tensors, unchanged since their versions were taken,
+    under the same keys."""
+    return bool(a) and len(a) == len(b) and all(x is y if isinstance(x, Tensor) or x is None else
+                                                 (not isinstance(y, Tensor) and x == y) for x, y in zip(a, b)) \
+        and source_versions(b) == versions
+
+
+def source_versions(sources: tuple) -> tuple:
+    return tuple(t._version for t in sources if isinstance(t, Tensor))
+
+
 def keyed_lengths(kjt) -> Tensor:
     """A KeyedJaggedTensor's lengths, where it is (one may carry offsets only)."""
     return kjt.lengths() if callable(getattr(kjt, "lengths", None)) else torch.diff(kjt.offsets())

@@ -14,7 +14,7 @@ from . import lookup
 from .config import TableConfig
 from .keyed import check_starts
 from .persistence import Persistence, restored_step
-from .prefetch import Prefetcher
+from .prefetch import Prefetcher, single_module_inputs
 from .tiers import TableStore
 
 _MODES = {"sum": 0, "mean": 1, "max": 2}
@@ -121,6 +121,13 @@ class _TieredBase(Persistence, nn.Module):
         self.flush()
         self._store.close()
         self._closed = True
+
+    def _prefetchers(self) -> list:
+        return [self._prefetch]
+
+    def _inputs_of(self, batch) -> tuple:
+        """What forward takes, from a loader's batch (PrefetchLoader without ids_fn)."""
+        return single_module_inputs(self, batch)
 
     @property
     def prefetch_lookahead(self) -> int:

@@ -35,7 +35,6 @@ the batches in flight.
 
 from __future__ import annotations
 
-import functools
 import itertools
 import threading
 import time
@@ -113,13 +112,16 @@ class Prefetcher:
             self.cond.notify_all()
 
     # -- training thread ----------------------------------------------------------------------
-    def register(self, ids: torch.Tensor, offsets: torch.Tensor, check=None, source: tuple = ()) -> None:
-        """Queues a batch (flat ids [N], bag boundaries [B + 1]) for residency. Host ids: IndexError
+    def register(self, ids: torch.Tensor, offsets: torch.Tensor, check=None, source: tuple = (),
+                 segments=None) -> int:
+        """Queues a batch (flat ids [N], bag boundaries [B + 1]) for residency; returns its number
+        (each registration's is one more). Host ids: IndexError
         for an id out of range, here, before anything changes. Device ids (check: the verdict on
         device inputs, gpu/checks.py) are checked by the worker, without a wait here: their error
         is raised by the next call on this thread (that batch's forward, or a later register),
         before anything changes. source: the caller's tensors
-        (the forward's, given again, are recognized without comparing their values)."""
+        (the forward's, given again, are recognized without comparing their values). segments:
+        the ids' runs, as TableStore.dedup takes them."""
         # Copies (the caller may reuse its tensors); host ones made by numpy: a torch copy this
         # large runs on an OpenMP team of this thread's, whose threads spin between batches and
         # take CPU from the worker (measured: ~10 ms per batch on 2 cores). Device ids stay there
@@ -132,13 +134,19 @@ class Prefetcher:
             offsets = torch.from_numpy(offsets.numpy().copy())
         elif check is None:
             offsets = offsets.clone()
-        deduped = self.store.dedup(ids, check=check, in_plan=True)
+        deduped = self.store.dedup(ids, segments, check=check, in_plan=True)
         with self.cond:
             self._raise_error()
             self.queue.append(_Registered(self.next_seq, ids, offsets, tuple(source), deduped))
             self.next_seq += 1
             self.counters["registered"] += 1
             self._ensure_worker()
+            return self.next_seq - 1
+
+    def waiting(self, seq: int) -> bool:
+        """Whether registered batch number seq is still waiting for its forward."""
+        with self.cond:
+            return bool(self.queue) and self.queue[0].seq <= seq
 
     def registered(self, source: tuple):
         """The oldest registered batch's (ids, boundaries, check), as prefetch() took them, if
@@ -387,11 +395,12 @@ class PrefetchLoader:
     prefetched ahead of the one being trained, for one or more tiered modules.
 
     ids_fn(batch) -> {module: (input, offsets)}: what each module's forward will get for that
-    batch (offsets None for 2-D input; a TieredEmbedding takes (input, None)). Every module
+    batch (offsets None for 2-D input; a TieredEmbedding takes (input, None); a collection takes
+    its features: a KeyedJaggedTensor or a dict). Every module
     must appear for every batch, and each module's forwards must come in batch order.
     For a single module it may be left out: a batch is then `input`, or a tuple / list whose
     first items are what the forward takes ((ids, offsets, ...) for 1-D bag input, (ids, ...)
-    otherwise; later items, e.g. labels, are not looked at).
+    otherwise, (features, ...) for a collection; later items, e.g. labels, are not looked at).
 
     While batch s is yielded, batches s .. s+depth+lookahead are registered: s+1 .. s+depth are
     being made resident (pinned), and the `lookahead` after them are the eviction window (see
@@ -410,8 +419,9 @@ class PrefetchLoader:
 
     def __init__(self, loader, modules, depth: int = 1, *, ids_fn=None, lookahead: int | None = None):
         modules = list(modules)
-        if not modules or any(not hasattr(m, "_prefetch") for m in modules):
-            raise TypeError(f"modules must be tiered modules (TieredEmbeddingBag / TieredEmbedding), got {modules!r}")
+        if not modules or any(not hasattr(m, "_prefetchers") for m in modules):
+            raise TypeError("modules must be tiered modules (TieredEmbeddingBag / TieredEmbedding, or a collection), "
+                            f"got {modules!r}")
         for name, v in (("depth", depth), ("lookahead", depth if lookahead is None else lookahead)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {v!r}")
@@ -419,7 +429,7 @@ class PrefetchLoader:
             if len(modules) != 1:
                 raise TypeError(f"ids_fn is required with {len(modules)} modules "
                                 "(batch -> {module: (input, offsets)})")
-            ids_fn = functools.partial(_single_module_inputs, modules[0])
+            ids_fn = lambda batch, m=modules[0]: {m: m._inputs_of(batch)}  # noqa: E731
         if not callable(ids_fn):
             raise TypeError(f"ids_fn must be callable (batch -> {{module: (input, offsets)}}), got {ids_fn!r}")
         self.loader = loader
@@ -452,8 +462,9 @@ class PrefetchLoader:
 
     def _iterate(self):
         for m in self.modules:
-            if m._prefetch.queue:
-                raise RuntimeError(f"{type(m).__name__} already has {len(m._prefetch.queue)} batches registered "
+            queued = sum(len(p.queue) for p in m._prefetchers())
+            if queued:
+                raise RuntimeError(f"{type(m).__name__} already has {queued} batches registered "
                                    "by prefetch(): train them before iterating a PrefetchLoader over it")
         previous = [m.prefetch_lookahead for m in self.modules]
         source = None
@@ -469,8 +480,8 @@ class PrefetchLoader:
                     batch = next(source, _END) if source is not None else _END
                     if batch is _END:
                         source = _close(source)
-                        for m in self.modules:
-                            m._prefetch.advance(1)
+                        for p in self._prefetchers():
+                            p.advance(1)
                     else:
                         self._register(batch)
                         ahead.append(batch)
@@ -479,8 +490,8 @@ class PrefetchLoader:
                     return
                 yield ahead.popleft()
         finally:
-            for m in self.modules:
-                m._prefetch.shutdown()
+            for p in self._prefetchers():
+                p.shutdown()
             for m, k in zip(self.modules, previous):
                 m.prefetch_lookahead = k
             _close(source)
@@ -494,21 +505,26 @@ class PrefetchLoader:
         if missing or extra:
             raise ValueError(f"ids_fn must return exactly the loader's modules: missing {missing}, unknown {extra}")
         for m in self.modules:
-            input, offsets = inputs[m]
-            if offsets is None:
-                m.prefetch(input)
-            else:
-                m.prefetch(input, offsets)
+            given = inputs[m]
+            if isinstance(given, tuple):  # (input, offsets): a single table's
+                input, offsets = given
+                m.prefetch(input) if offsets is None else m.prefetch(input, offsets)
+            else:  # a collection's features
+                m.prefetch(given)
+
+    def _prefetchers(self) -> list:
+        return [p for m in self.modules for p in m._prefetchers()]
 
 
 _END = object()
 
 
-def _single_module_inputs(module, batch) -> dict:
-    """The default ids_fn of a one-module loader: batch is the forward's input, or a tuple /
-    list starting with it (and with the offsets next, for 1-D input to a bag module)."""
+def single_module_inputs(module, batch) -> tuple:
+    """A single-table module's (input, offsets) of a loader's batch, without ids_fn: batch is the
+    forward's input, or a tuple / list starting with it (and with the offsets next, for 1-D input
+    to a bag module)."""
     if isinstance(batch, torch.Tensor):
-        return {module: (batch, None)}
+        return batch, None
     if not isinstance(batch, (tuple, list)) or not batch or not isinstance(batch[0], torch.Tensor):
         raise TypeError(f"without ids_fn a batch must be the forward's input tensor or a tuple / list "
                         f"starting with it, got {type(batch).__name__}; pass ids_fn=lambda batch: "
@@ -518,7 +534,7 @@ def _single_module_inputs(module, batch) -> dict:
         raise TypeError(f"without ids_fn a batch for this {type(module).__name__} must start with "
                         f"{takes} tensors (ids, offsets), got {len(batch)} items; "
                         "pass ids_fn=lambda batch: {module: (input, offsets)}")
-    return {module: (batch[0], batch[1] if takes == 2 else None)}
+    return batch[0], batch[1] if takes == 2 else None
 
 
 def _close(source) -> None:
