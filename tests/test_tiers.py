@@ -193,6 +193,52 @@ def test_write_back_without_host_tier():
     assert torch.equal(out, trained)
 
 
+def flush_racing_a_backward(m, copy_name: str):
+    """A flush whose copy of the dirty rows down (tier 0's method copy_name) is followed, before
+    flush returns, by the backward of a batch in flight updating one of those rows: the order a
+    training thread's backward and another thread's flush can take. (The interleaving is forced
+    by running the backward inside the copy's wrapper: a real race does not land there every
+    time.) Returns (tier 0's rows of the batch, the bottom's after a second flush)."""
+    train(m, [[0, 1, 2]])  # 0..2 dirty
+    out = m(torch.tensor([0, 1, 2]), ONE_BAG)  # pinned, in flight
+    tier0 = m._store.tier0
+    copy = getattr(tier0.pool if hasattr(tier0.pool, copy_name) else tier0, copy_name)
+    fired = []
+
+    def copy_then_backward(*args, **kw):
+        result = copy(*args, **kw)
+        if not fired:
+            fired.append(1)
+            out.sum().backward()
+        return result
+
+    obj = tier0.pool if hasattr(tier0.pool, copy_name) else tier0
+    setattr(obj, copy_name, copy_then_backward)
+    try:
+        m.flush()
+    finally:
+        delattr(obj, copy_name)
+    assert fired
+    m.flush()  # the updated rows are still dirty: written now
+    ids = torch.tensor([0, 1, 2])
+    return m.read_rows(ids), m.layout.weights(bottom_rows(m, ids))
+
+
+def test_a_backward_between_a_flushs_copy_and_its_end_is_not_lost():
+    m = te.TieredEmbeddingBag(N, D, "sum", cache_rows=8, optimizer=te.SGD(lr=0.25))
+    in_tier0, in_bottom = flush_racing_a_backward(m, "drain_to")
+    assert torch.equal(in_bottom, in_tier0)
+
+
+@pytest.mark.interpreted
+def test_a_backward_between_a_flushs_copy_and_its_end_is_not_lost_on_the_device_path():
+    from tieredemb.gpu.tier import on_cpu_tensors
+
+    m = on_cpu_tensors(te.TieredEmbeddingBag(N, D, "sum", cache_rows=8, optimizer=te.SGD(lr=0.25)), 8)
+    in_tier0, in_bottom = flush_racing_a_backward(m, "to_host")
+    assert torch.equal(in_bottom, in_tier0)
+
+
 def test_write_back_through_a_host_tier():
     m = te.TieredEmbeddingBag(N, D, "sum", cache_rows=4, host_rows=8, optimizer=te.SGD(lr=0.25))
     assert [t.name for t in layers(m)] == ["tier0", "host", "store"]

@@ -113,7 +113,8 @@ class DeviceTier:
         # The store below leaves the misses it never stored for this tier to draw (RowInit.deferred);
         # a host cache between would keep such rows, so then the host draws them.
         self.draws_misses = lower_is_store
-        self._release_stream = None  # the stream of the last release (a GPU's; see after_releases)
+        self._released = None  # an event after the last release's unpin (a GPU's; see after_releases)
+        self._computed_on: dict = {}  # the streams batches were computed on (a GPU's; see _after_residencies)
         self.mapped = None  # zero_copy: the host rows below, which the kernels read and write
         self._unmap = None  # (and on a GPU, their release from it)
         if zero_copy:
@@ -157,8 +158,8 @@ class DeviceTier:
         on_device = check is not None or self._on_device(ids)
         if not on_device:
             check_range(ids.numpy(), self.num_embeddings)
-        if self.stream is not None and on_device:
-            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        if self.stream is not None and on_device:  # (ids on another GPU: its stream made them)
+            self.stream.wait_stream(torch.cuda.current_stream(ids.device if ids.is_cuda else self.device))
             ids.record_stream(self.stream)  # (the caller's tensor, read on the tier's stream)
         with self._on_stream():
             if not on_device:  # host ids, checked: as int32 where they fit (the sort then needs half the radix passes)
@@ -286,16 +287,21 @@ class DeviceTier:
         with ctx, self.pool_lock:
             self.index.unpin(slots)
             if self.stream is not None:  # (queued on that stream: a plan retried for room waits for it)
-                self._release_stream = torch.cuda.current_stream(self.device)
+                event = torch.cuda.Event()
+                event.record(torch.cuda.current_stream(self.device))
+                self._released = event
+                if stream is not None:
+                    self._computed_on[stream] = True
 
     def after_releases(self) -> None:
         """Orders the tier's stream after the last release's unpin (queued on the stream that
-        computed with its batch; the tier's stream then waits for all that stream queued so far):
-        a plan that found no room beside the pinned rows and is tried again after a release must
-        see that release's pins gone."""
-        released = self._release_stream
+        computed with its batch): a plan that found no room beside the pinned rows and is tried
+        again after a release must see that release's pins gone. It waits for an event recorded
+        just after that unpin, not for the whole stream: compute queued there since (the next
+        forward and backward) does not hold the retried plan back."""
+        released = self._released
         if released is not None:
-            self.stream.wait_stream(released)
+            self.stream.wait_event(released)
 
     @property
     def dirty(self) -> torch.Tensor:
@@ -305,9 +311,16 @@ class DeviceTier:
     # -- what TableStore reads and writes in place --------------------------------------------
     def _after_residencies(self) -> None:
         """Orders the current stream after every residency queued on the tier's stream (their
-        index updates and row copies), before it reads or writes the index or the pool."""
+        index updates and row copies), and after what was queued on every stream batches were
+        computed on (their backwards' updates: a flush, read or write from the default stream
+        while training runs on a side stream must see them), before it reads or writes the index
+        or the pool."""
         if self.stream is not None:
-            torch.cuda.current_stream(self.device).wait_stream(self.stream)
+            current = torch.cuda.current_stream(self.device)
+            current.wait_stream(self.stream)
+            for computed in list(self._computed_on):
+                if computed != current:
+                    current.wait_stream(computed)
 
     def lookup(self, ids: torch.Tensor) -> np.ndarray:
         self._after_residencies()
@@ -328,15 +341,24 @@ class DeviceTier:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
 
     def write_back(self) -> None:
-        """Writes every dirty row down (they stay resident, now clean)."""
+        """Writes every dirty row down (they stay resident, now clean). Each part is marked clean
+        before it is copied (queued before the copy on this stream): a backward queued meanwhile
+        on this stream by another thread leaves its rows dirty (see CacheTier.write_back; one on
+        another stream is not ordered with this at all). A copy that fails marks its part dirty
+        again."""
         self._after_residencies()
         with self.index_lock:
             ids, slots = self.index.dirty_rows()
         for start in range(0, ids.numel(), _ROWS_PER_MOVE):
             part_ids, part_slots = ids[start:start + _ROWS_PER_MOVE], slots[start:start + _ROWS_PER_MOVE]
-            self.lower.write_from(part_ids.cpu(), self.pool.to_host(part_slots), torch.arange(part_ids.numel()))
             with self.index_lock:
                 self.index.mark_clean(part_slots)
+            try:
+                self.lower.write_from(part_ids.cpu(), self.pool.to_host(part_slots), torch.arange(part_ids.numel()))
+            except BaseException:
+                with self.index_lock:
+                    self.index.dirty[part_slots] = 1
+                raise
             self.bytes_out += part_ids.numel() * self.row_bytes
         self._before_residencies()
 

@@ -147,14 +147,22 @@ class CacheTier:
         return slots, misses
 
     def write_back(self) -> None:
-        """Writes every dirty row down (they stay resident, now clean)."""
+        """Writes every dirty row down (they stay resident, now clean). Each chunk is marked clean
+        before it is copied: a backward (which marks its rows after updating them) that updates
+        a pinned row meanwhile, on another thread, leaves it dirty, to be written again (marked
+        after the copy, it would lose that update). A copy that fails marks its chunk dirty again."""
         with self.index_lock:
             ids, slots = (torch.from_numpy(a) for a in self.index.dirty_rows())
         for start in range(0, len(ids), self._chunk()):
             end = start + self._chunk()
-            self.pool.drain_to(self.lower, ids[start:end], slots[start:end])
             with self.index_lock:
                 self.index.mark_clean(slots[start:end])
+            try:
+                self.pool.drain_to(self.lower, ids[start:end], slots[start:end])
+            except BaseException:
+                with self.index_lock:
+                    self.index.mark_dirty(slots[start:end])
+                raise
             self.bytes_out += (min(end, len(ids)) - start) * self.row_bytes
 
     def _chunk(self) -> int:
