@@ -25,6 +25,10 @@ of (seed, table, i) alone). One step = forward, backward of a fixed upstream gra
                 those last 100: the steady state the timed batches are in)
   equal         the same budget in equal shares (plans["equal"]); only when named in --only (a run
                 costs as much as a planned one)
+  proportional-pf, planned-pf
+                proportional and planned fed through a PrefetchLoader of --prefetch-depth (warm-up
+                and timed batches: the next batches' rows made resident, over SSD read, while a
+                batch trains); only when named in --only
 
 Below a cached system's tier 0 the rows are in host memory, or with --ssd-path on SSD (a fresh
 store per run): the configuration where a tier-0 miss costs what it does on a GPU over host
@@ -55,6 +59,7 @@ are made once, in the parent, and handed to the workers as JSON.
     python bench/bench_collection.py --only collection,loop --runs 5 --json out.json
     python bench/bench_collection.py --only proportional,planned,equal
     python bench/bench_collection.py --only proportional,planned --ssd-path /var/tmp/t   # rows on SSD
+    python bench/bench_collection.py --only planned,planned-pf --ssd-path /var/tmp/t     # prefetch on SSD
     python bench/bench_collection.py --scale 0.5          # every table half as many rows
 """
 
@@ -65,6 +70,7 @@ import atexit
 import dataclasses
 import datetime
 import hashlib
+import itertools
 import json
 import os
 import shutil
@@ -84,14 +90,15 @@ from collection_plans import (FP32, MARGIN, auto_warmup, budget_of, make_plans, 
                               tables_of)
 from workload import Batches, Table, Workload, upstream_grad  # noqa: E402
 
-SYSTEMS = ("fbgemm", "loop", "collection", "proportional", "planned", "equal")
-DEFAULT_SYSTEMS = SYSTEMS[:-1]  # equal: only when asked for
-CACHED = ("proportional", "planned", "equal")  # tier 0 under the budget
-PLANNED = ("planned", "equal")  # need tieredemb.planner
+SYSTEMS = ("fbgemm", "loop", "collection", "proportional", "planned", "equal", "proportional-pf", "planned-pf")
+DEFAULT_SYSTEMS = SYSTEMS[:5]  # equal and the prefetched ones: only when asked for
+CACHED = ("proportional", "planned", "equal", "proportional-pf", "planned-pf")  # tier 0 under the budget
+PLANNED = ("planned", "equal", "planned-pf")  # need tieredemb.planner
 # The issue's targets: (system, peer) -> the least ratio of their lookups/s.
 TARGETS = {("collection", "fbgemm"): 1.0, ("collection", "loop"): 2.0, ("planned", "proportional"): 1.2}
 # Printed without a target: what else the run shows about the planner and the budget.
-OTHER_RATIOS = (("planned", "equal"), ("proportional", "collection"), ("planned", "collection"))
+OTHER_RATIOS = (("planned", "equal"), ("proportional", "collection"), ("planned", "collection"),
+                ("proportional-pf", "proportional"), ("planned-pf", "planned"))
 QUICK = {"scale": 0.05, "bags": 256, "warmup": "20", "batches": 20, "runs": 2, "plan_batches": "20",
          "plan_warmup": 0}
 DEFAULTS = {"scale": 1.0, "bags": 2048, "warmup": "auto", "batches": 100, "runs": 3, "plan_batches": "auto",
@@ -107,6 +114,7 @@ class System:
     prepare: object  # ids per table -> the system's input for a step (built before timing)
     step: object  # input -> pooled output [B, sum of dims] (the loop: per table), after backward and update
     tier0: object = None  # -> {table: tier-0 counters} of a cached collection, else None
+    module: object = None  # the collection (its batches go through a PrefetchLoader in the -pf systems)
 
 
 def build(name: str, a, tables: list[Table], src: Batches, grad: torch.Tensor) -> System:
@@ -167,6 +175,7 @@ def build(name: str, a, tables: list[Table], src: Batches, grad: torch.Tensor) -
 
     cfgs = [tieredemb.EmbeddingBagConfig(n, t.rows, t.dim, [f"f{k}"])
             for k, (n, t) in enumerate(zip(names(tables), tables))]
+    name = name.removesuffix("-pf")  # (the same collection; the worker feeds it through a PrefetchLoader)
     if name == "collection":
         budget = {}
     elif name == "proportional":
@@ -175,6 +184,7 @@ def build(name: str, a, tables: list[Table], src: Batches, grad: torch.Tensor) -
         with open(a.plans) as f:
             budget = {"plan": json.load(f)[name]}  # a Plan's to_dict()
     if a.ssd_path and name != "collection":  # a fresh store per run, removed when the worker ends
+        os.makedirs(a.ssd_path, exist_ok=True)
         path = tempfile.mkdtemp(prefix=f"{name}-", dir=a.ssd_path)
         atexit.register(shutil.rmtree, path, ignore_errors=True)
         budget.update(ssd_path=path, ssd={"backend": a.ssd_backend})
@@ -205,7 +215,7 @@ def build(name: str, a, tables: list[Table], src: Batches, grad: torch.Tensor) -
     def tier0():
         return {n: s["tier0"] for n, s in ebc.stats()["tables"].items()}
 
-    return System(prepare, step, tier0 if name != "collection" else None)
+    return System(prepare, step, tier0 if name != "collection" else None, ebc)
 
 
 def worker(a) -> None:
@@ -221,14 +231,25 @@ def worker(a) -> None:
     system = build(a.worker, a, tables, src, grad)
     built = time.perf_counter() - start
     start = time.perf_counter()
-    for i in range(a.warmup - 1):
-        system.step(system.prepare(src.ids(i)))
-    # The timed inputs are made before the last warm-up step: making them moves the allocator's
-    # heap, and the next step's temporaries then fault in fresh pages (on this VM about 8 us a
-    # page: a collection's first step after them took 40 ms instead of 10).
-    timed = [system.prepare(src.ids(i)) for i in range(a.warmup, a.warmup + a.batches)]
-    if a.warmup > 0:
-        system.step(system.prepare(src.ids(a.warmup - 1)))
+    if a.worker.endswith("-pf"):  # one PrefetchLoader over the warm-up and the timed batches
+        from tieredemb import PrefetchLoader
+
+        timed = [system.prepare(src.ids(i)) for i in range(a.warmup, a.warmup + a.batches)]
+        warm = (system.prepare(src.ids(i)) for i in range(a.warmup))
+        batches = iter(PrefetchLoader(itertools.chain(warm, timed), [system.module], depth=a.prefetch_depth,
+                                      ids_fn=lambda features: {system.module: features}))
+        for _ in range(a.warmup):
+            system.step(next(batches))
+        timed = batches  # (the loader keeps the next batches resident ahead through the timed ones)
+    else:
+        for i in range(a.warmup - 1):
+            system.step(system.prepare(src.ids(i)))
+        # The timed inputs are made before the last warm-up step: making them moves the allocator's
+        # heap, and the next step's temporaries then fault in fresh pages (on this VM about 8 us a
+        # page: a collection's first step after them took 40 ms instead of 10).
+        timed = [system.prepare(src.ids(i)) for i in range(a.warmup, a.warmup + a.batches)]
+        if a.warmup > 0:
+            system.step(system.prepare(src.ids(a.warmup - 1)))
     warmed = time.perf_counter() - start
     before = system.tier0() if system.tier0 else None
     out = None
@@ -251,7 +272,12 @@ def worker(a) -> None:
             hits, misses = s["hits"] - before[n]["hits"], s["misses"] - before[n]["misses"]
             tier0[n] = {"hits": hits, "misses": misses, "capacity": s["capacity"],
                         "resident_after_warmup": before[n]["resident"]}
-    result = {"system": a.worker, "seconds": seconds, "lookups": a.batches * src.lookups_per_batch,
+    prefetch = None
+    if system.module is not None and a.worker.endswith("-pf"):
+        stats = [e.stats()["prefetch"] for e in system.module.engines]
+        prefetch = {k: sum(st[k] for st in stats) for k in ("prefetched_rows", "late_rows", "demand_misses",
+                                                            "wait_seconds", "room_waits")}
+    result = {"system": a.worker, "seconds": seconds, "lookups": a.batches * src.lookups_per_batch, "prefetch": prefetch,
               "build_seconds": built, "warmup_seconds": warmed, "peak_rss": peak_rss(), "tier0": tier0,
               "load_before": load, "load_after": os.getloadavg()[0],
               "last_output_sha1": hashlib.sha1(out.cpu().numpy().tobytes()).hexdigest()}
@@ -267,7 +293,7 @@ def run_one(system: str, a) -> dict:
            f"--bags={a.bags}", f"--warmup={a.warmup}", f"--batches={a.batches}", f"--seed={a.seed}",
            f"--cache-fraction={a.cache_fraction!r}", f"--threads={a.threads}", f"--lr={a.lr!r}",
            f"--eps={a.eps!r}", f"--table-seed={a.table_seed}", f"--loop-order={a.loop_order}",
-           f"--device={a.device}"]
+           f"--device={a.device}", f"--prefetch-depth={a.prefetch_depth}"]
     if a.plans:
         cmd.append(f"--plans={a.plans}")
     if a.ssd_path:
@@ -341,6 +367,8 @@ def parse_args(argv=None):
                         "model: default) or each (a table's backward right after its forward: its rows "
                         "still in cache, a schedule no model has)")
     p.add_argument("--kjt", action="store_true", help="feed the collections a torchrec KeyedJaggedTensor, not a dict")
+    p.add_argument("--prefetch-depth", type=int, default=2,
+                   help="the -pf systems' PrefetchLoader depth (lookahead the same; default 2)")
     p.add_argument("--lr", type=float, default=0.01)
     p.add_argument("--eps", type=float, default=1e-8)
     p.add_argument("--seed", type=int, default=0, help="workload seed (ids and upstream gradient)")
@@ -417,7 +445,7 @@ def main(argv=None) -> int:
         print(f"{s}: skipped: {why}")
     systems = [s for s in systems if s not in skipped]
     if a.warmup == "auto":  # the proportional split's fill counts whether it runs or not: one warm-up for any --only
-        a.warmup = auto_warmup(a, tables, src, ["proportional", *(s for s in systems if s in PLANNED)], plans,
+        a.warmup = auto_warmup(a, tables, src, ["proportional", *{s.removesuffix("-pf") for s in systems if s in PLANNED}], plans,
                                least=a.plan_batches if plans is not None else 0)
     elif plans is not None and a.warmup < a.plan_batches:
         print(f"warning: warm-up {a.warmup} < --plan-batches {a.plan_batches}: the plan saw timed batches")
@@ -444,7 +472,10 @@ def main(argv=None) -> int:
                 print(f"  run {r + 1}/{a.runs} {s:12s} {got['lookups'] / got['seconds'] / 1e6:7.2f} M lookups/s"
                       f"  (build {got['build_seconds']:.1f}s, warm-up {got['warmup_seconds']:.1f}s, peak RSS "
                       f"{got['peak_rss'] / 2**30:.2f} GiB, load {got['load_before']:.2f}-{got['load_after']:.2f})"
-                      + (f"  tier-0 hits {hit:.4f}" if hit is not None else ""), flush=True)
+                      + (f"  tier-0 hits {hit:.4f}" if hit is not None else "")
+                      + (f"  prefetched {got['prefetch']['prefetched_rows']:,} rows, late {got['prefetch']['late_rows']:,}"
+                         f", forwards waited {got['prefetch']['wait_seconds']:.2f}s" if got.get("prefetch") else ""),
+                      flush=True)
     finally:
         if a.plans:
             os.unlink(a.plans)
@@ -487,7 +518,8 @@ def main(argv=None) -> int:
         for s in cached:
             measured = results[s][-1]["tier0"]
             print(f"  {s}:")
-            predicted = {t.name: t for t in plans[s].tables} if plans is not None and s in plans else {}
+            base = s.removesuffix("-pf")
+            predicted = {t.name: t for t in plans[base].tables} if plans is not None and base in plans else {}
             for n in names(tables):
                 v = measured.get(n)
                 if v is None:
