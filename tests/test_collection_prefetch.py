@@ -104,7 +104,9 @@ def test_a_prefetched_batch_is_checked_once_unless_other_tensors_are_given(monke
     step(ebc, copy, 1)  # equal values, other tensors: checked and compared again
     assert len(prepared) == 3 and not ebc._ahead
     ebc.prefetch(first)
-    first["fb"][0][0] = (first["fb"][0][0] + 1) % 300  # changed after prefetch: not the batch prefetched
+    # changed after prefetch, in the second group (c): the first group takes its batch, the second
+    # finds another one
+    first["fc"][0][0] = (first["fc"][0][0] + 1) % 200
     with pytest.raises(PrefetchOrderError):
         ebc(first)
     # the error forgot every group's prefetched batches: the groups agree, and go on without them
@@ -114,6 +116,19 @@ def test_a_prefetched_batch_is_checked_once_unless_other_tensors_are_given(monke
     for s, features in enumerate([batch(0), batch(1), first]):
         step(twin, features, s)
     assert all(torch.equal(x, y) for x, y in zip(rows(ebc), rows(twin)))
+
+
+def test_prefetch_under_inference_mode():
+    ebc = make()
+    with torch.inference_mode():
+        batches = [batch(s) for s in range(3)]
+        outs = [ebc(f).values() for f in PrefetchLoader(batches, [ebc], depth=2)]
+    plain = make()
+    with torch.no_grad():
+        assert all(torch.equal(x, plain(f).values()) for x, f in zip(outs, batches))
+    ebc.prefetch(batches[0])  # inference tensors prefetched outside inference mode: compared, not recognized
+    assert torch.equal(ebc(batches[0]).values().detach(), outs[0])
+    assert not ebc._ahead and all(not e._prefetch.queue for e in ebc.engines)
 
 
 def test_bad_features_at_prefetch_change_nothing():
@@ -158,3 +173,11 @@ def test_prefetch_on_the_device_path_equals_no_prefetch():
     assert all(torch.equal(x, y) for x, y in zip(want, got))
     assert all(torch.equal(x, y) for x, y in zip(rows(plain), rows(fetched)))
     assert all(e.stats()["prefetch"]["demand_misses"] == 0 for e in fetched.engines)
+
+
+def test_a_single_tables_ids_fn_may_give_a_list():
+    emb = tieredemb.TieredEmbeddingBag(50, 4, "sum", optimizer=tieredemb.SGD(lr=0.1))
+    batches = [[torch.arange(3) + s, torch.tensor([0, 2])] for s in range(3)]
+    for ids, offsets in PrefetchLoader(batches, [emb], depth=1, ids_fn=lambda b: {emb: list(b)}):
+        emb(ids, offsets).sum().backward()
+    assert emb.stats()["prefetch"]["registered"] == 3 and emb.stats()["prefetch"]["demand_misses"] == 0

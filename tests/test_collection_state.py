@@ -5,6 +5,7 @@ collection would put there."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -108,6 +109,13 @@ def test_bad_state_dicts_are_refused_and_change_nothing():
     bad = {**good, "embedding_bags.a.optimizer_state": torch.zeros(299, 8)}
     with pytest.raises(RuntimeError, match=r"size mismatch for embedding_bags\.a\.optimizer_state"):
         ebc.load_state_dict(bad)
+    bad = {**good, "embedding_bags.c.weight": torch.zeros(50, 4, dtype=torch.long),  # the last table again
+           "embedding_bags.a.optimizer_step": torch.tensor(11), "embedding_bags.b.optimizer_step": torch.tensor(11)}
+    with pytest.raises(RuntimeError, match=r"embedding_bags\.c\.weight must be floating point, got torch\.int64"):
+        ebc.load_state_dict(bad)
+    bad = {**good, "embedding_bags.b.optimizer_state": torch.zeros(200, 8, device="meta")}
+    with pytest.raises(RuntimeError, match=r"embedding_bags\.b\.optimizer_state is on the meta device"):
+        ebc.load_state_dict(bad)
     assert_same_rows(rows_of(ebc), before)
     assert [e.step for e in ebc.engines] == [2, 2]
     # strict=False: what is there is loaded, what is missing is said
@@ -196,9 +204,33 @@ def test_a_directory_of_other_tables_is_refused_before_anything_opens(tmp_path):
     grown = make(same + [EmbeddingBagConfig("w", 10, 4, ["fw"])], ssd_path=tmp_path)  # a new group is allowed
     grown.close()
     assert json.load(open(tmp_path / "collection.json"))["groups"]["group1"] == [["w", 10]]
+    # a directory without collection.json (made before collections recorded their tables): adopted,
+    # with a warning, where every group it needs is there; refused where some are and some are not
     os.remove(tmp_path / "collection.json")
-    with pytest.raises(ValueError, match=r"holds group0 but no collection.json"):
-        make(same, ssd_path=tmp_path)
+    with pytest.raises(ValueError, match=r"holds group0, group1 but not group2, and no collection.json"):
+        make(same + [EmbeddingBagConfig("w", 10, 4, ["fw"]), EmbeddingBagConfig("v", 10, 2, ["fv"])],
+             ssd_path=tmp_path)
+    assert not os.path.exists(tmp_path / "group2") and not os.path.exists(tmp_path / "collection.json")
+    with pytest.warns(RuntimeWarning, match=r"no collection.json: .* recorded as this collection has them"):
+        adopted = make(same + [EmbeddingBagConfig("w", 10, 4, ["fw"])], ssd_path=tmp_path)
+    assert torch.equal(adopted.read_rows("x", torch.arange(3)), torch.ones(3, 8))
+    adopted.close()
+    assert json.load(open(tmp_path / "collection.json"))["groups"]["group0"] == [["x", 100], ["y", 100]]
+    # a group the record does not name, whose directory is there (a collection that failed while
+    # opening, before it wrote its record): refused
+    os.makedirs(tmp_path / "group2")
+    with pytest.raises(ValueError, match=r"holds group2, which its collection.json does not record"):
+        make(same + [EmbeddingBagConfig("w", 10, 4, ["fw"]), EmbeddingBagConfig("v", 10, 2, ["fv"])],
+             ssd_path=tmp_path)
+
+
+def test_a_collection_that_fails_to_open_closes_what_it_opened(tmp_path):
+    tables = [EmbeddingBagConfig("x", 100, 8, ["fx"]), EmbeddingBagConfig("w", 10, 4, ["fw"])]
+    make(tables, ssd_path=tmp_path).close()
+    changed = [tables[0], dataclasses.replace(tables[1], optimizer=tieredemb.Adam(lr=0.1))]
+    with pytest.raises(ValueError, match=r"group1: stored width 8 != requested 12"):  # group0 opened first
+        make(changed, ssd_path=tmp_path)
+    make(tables, ssd_path=tmp_path).close()  # group0's store was closed: it opens again in this process
 
 
 def test_export_import_table_by_table_and_into_a_single_table(tmp_path):
@@ -225,3 +257,16 @@ def test_export_import_table_by_table_and_into_a_single_table(tmp_path):
             tmp_path / "exp" / "b")
     with pytest.raises(FileNotFoundError, match=r"holds no export"):
         other.import_rows(tmp_path / "nothing")
+    with pytest.raises(ValueError, match=r"chunk_rows 0 must be an int >= 1"):
+        ebc.export_rows(tmp_path / "zero", chunk_rows=0)
+
+
+def test_an_export_written_again_holds_only_the_new_rows(tmp_path):
+    ebc = make()
+    ebc.write_rows("b", torch.arange(4), torch.ones(4, 8))
+    assert ebc.export_rows(tmp_path / "exp", chunk_rows=1)["b"] == 4  # four chunk files
+    ebc.write_rows("b", torch.arange(4), torch.full((4, 8), 2.0))
+    assert ebc.export_rows(tmp_path / "exp")["b"] == 4  # one chunk file: the old ones go
+    other = make()
+    assert other.import_rows(tmp_path / "exp")["b"] == 4
+    assert torch.equal(other.read_rows("b", torch.arange(4)), torch.full((4, 8), 2.0))

@@ -230,6 +230,32 @@ def test_a_backward_between_a_flushs_copy_and_its_end_is_not_lost():
     assert torch.equal(in_bottom, in_tier0)
 
 
+@pytest.mark.parametrize("device_path", [False, pytest.param(True, marks=pytest.mark.interpreted)],
+                         ids=["host", "device"])
+def test_a_failed_write_back_leaves_its_rows_dirty(device_path):
+    """The copy down fails (a fault injected into the copy: a disk that fails part way cannot be
+    had here for real); the rows stay dirty, and the next flush writes them."""
+    m = te.TieredEmbeddingBag(N, D, "sum", cache_rows=8, optimizer=te.SGD(lr=0.25))
+    if device_path:
+        from tieredemb.gpu.tier import on_cpu_tensors
+
+        m = on_cpu_tensors(m, 8)
+    train(m, [[0, 1, 2]])
+    name = "to_host" if device_path else "drain_to"
+
+    def failing(*args, **kw):
+        raise OSError("injected: the disk failed")
+
+    setattr(m._store.tier0.pool, name, failing)
+    with pytest.raises(OSError, match="injected"):
+        m.flush()
+    delattr(m._store.tier0.pool, name)
+    ids = torch.tensor([0, 1, 2])
+    assert not torch.equal(m.layout.weights(bottom_rows(m, ids)), m.read_rows(ids))
+    m.flush()
+    assert torch.equal(m.layout.weights(bottom_rows(m, ids)), m.read_rows(ids))
+
+
 @pytest.mark.interpreted
 def test_a_backward_between_a_flushs_copy_and_its_end_is_not_lost_on_the_device_path():
     from tieredemb.gpu.tier import on_cpu_tensors

@@ -174,23 +174,27 @@ class _Collection(CollectionPrefetch, CollectionState, nn.Module):
         self.looked_up: list = []  # the last forward's ids, per group
         self._ahead = collections.deque()  # prefetched batches (Prepared), oldest first
         self.engines = nn.ModuleList()
-        if ssd_path is not None:
+        if ssd_path is not None:  # (recorded before any store opens: a retry after a failure finds the record)
             self._check_manifest(os.fspath(ssd_path))
-        for k, g in enumerate(self.groups):
-            t0 = g.tables[0]
-            parts = tuple((t.num_embeddings, tier0[t.name]) for t in g.tables)
-            whole = all(cap >= rows for rows, cap in parts)
-            host = None
-            if host_bytes is not None and not whole:
-                group_bytes = sum(t.num_embeddings * _row_bytes(t) for t in g.tables)
-                host = max(sum(c for _, c in parts), host_bytes * group_bytes // total_bytes // _row_bytes(t0))
-            self.engines.append(self._engine(
-                g, partitions=None if whole else parts, host_rows=host, optimizer=t0.optimizer, init=t0.init,
-                dtype=t0.dtype, ssd_path=os.path.join(ssd_path, f"group{k}") if g.store == "ssd" else None,
-                **table_args))
-            self.engines[-1]._state_in_collection = True  # (state_dict: the collection's, table by table)
-        if ssd_path is not None:
             self._write_manifest(os.fspath(ssd_path))
+        try:
+            for k, g in enumerate(self.groups):
+                t0 = g.tables[0]
+                parts = tuple((t.num_embeddings, tier0[t.name]) for t in g.tables)
+                whole = all(cap >= rows for rows, cap in parts)
+                host = None
+                if host_bytes is not None and not whole:
+                    group_bytes = sum(t.num_embeddings * _row_bytes(t) for t in g.tables)
+                    host = max(sum(c for _, c in parts), host_bytes * group_bytes // total_bytes // _row_bytes(t0))
+                self.engines.append(self._engine(
+                    g, partitions=None if whole else parts, host_rows=host, optimizer=t0.optimizer, init=t0.init,
+                    dtype=t0.dtype, ssd_path=os.path.join(ssd_path, f"group{k}") if g.store == "ssd" else None,
+                    **table_args))
+                self.engines[-1]._state_in_collection = True  # (state_dict: the collection's, table by table)
+        except BaseException:  # (the groups opened already let go of their stores: they open again)
+            for e in self.engines:
+                e.close()
+            raise
 
     def _shares(self, cache_bytes, host_bytes, ssd_path, plan) -> tuple[dict, dict]:
         """{table: tier-0 rows} and {table: 'host' or 'ssd'}, from the plan or the budgets."""

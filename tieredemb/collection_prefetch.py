@@ -43,6 +43,8 @@ class CollectionPrefetch:
         prefetch) forgets every prefetched batch: each is then made resident by its forward."""
         self._prune()
         p = self._prepare(features)
+        sources = batch_sources(features)
+        p = p._replace(sources=sources, versions=source_versions(sources))
         seqs = []
         try:
             for group, engine, batch, take in p.lookups:
@@ -51,8 +53,7 @@ class CollectionPrefetch:
         except BaseException:
             self._forget_prefetched()
             raise
-        sources = batch_sources(features)
-        self._ahead.append(p._replace(sources=sources, versions=source_versions(sources), seqs=tuple(seqs)))
+        self._ahead.append(p._replace(seqs=tuple(seqs)))
 
     def _prepared(self, features) -> Prepared:
         """forward's batch: the oldest prefetched one, if features are its very tensors,

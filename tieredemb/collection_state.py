@@ -11,20 +11,23 @@ strict=False: ours also holds each table's optimizer_state and optimizer_step).
 
 On SSD a group's rows are one store, table after table, under ssd_path/group<k>. Which tables a
 store holds, and in what order, is written to ssd_path/collection.json when the collection is
-made; a collection opened over the directory must put the same tables in the same places (else
-a table would read another's rows), and is refused otherwise, before anything is opened.
+made (before its stores open); a collection opened over the directory must put the same tables
+in the same places (else a table would read another's rows), and is refused otherwise, before
+any store is opened. (Each store checks its rows' width and meta itself when it opens.)
 """
 
 from __future__ import annotations
 
 import json
 import os
+import warnings
 
 import torch
 
 from ssd_backend.common import write_json_atomic
 
-from .persistence import import_chunks, read_export_meta, rows_in_state_dict, save_rows, write_export
+from .persistence import (check_chunk_rows, import_chunks, read_export_meta, rows_in_state_dict, save_rows,
+                          write_export)
 
 MANIFEST = "collection.json"
 _FORMAT = "tieredemb-collection-1"
@@ -116,6 +119,7 @@ class CollectionState:
     def iter_rows(self, table: str, chunk_rows: int = 1 << 18):
         """Yields (ids [k], weights [k, D], optimizer_state [k, S]) of a table's rows ever written,
         in id order, chunk by chunk; rows not listed hold their deterministic initial values."""
+        check_chunk_rows(chunk_rows)
         t, engine, base = self._place_of(table)
         start, end = base, base + t.num_embeddings
         while start < end:
@@ -130,7 +134,9 @@ class CollectionState:
     def export_rows(self, directory, chunk_rows: int = 1 << 18) -> dict:
         """Writes every table to directory/<table> in bounded memory, in the format of
         TieredEmbeddingBag.export_rows (a table's export imports into a single-table module, and
-        such a module's into the collection's table). Returns {table: rows written}."""
+        such a module's into the collection's table; rows never written are not listed, and read
+        as the importing table's initial values). Returns {table: rows written}."""
+        check_chunk_rows(chunk_rows)
         out = {}
         for t, engine, _ in self._table_places():
             meta = {**engine.config.meta(), "num_embeddings": t.num_embeddings, "table": t.name, "step": engine.step}
@@ -174,14 +180,21 @@ class CollectionState:
 
     def _check_manifest(self, ssd_path: str) -> None:
         """Raises ValueError, before any store is opened, if ssd_path holds other tables in a
-        group's place than this collection would put there."""
+        group's place than this collection would put there. A directory without a record (made
+        before collections kept one) is adopted, with a warning, where every group it needs is
+        there (each store still checks its rows' width and meta when opened)."""
         want = self._stored_layout()
         path = os.path.join(ssd_path, MANIFEST)
+        present = [g for g in want if os.path.exists(os.path.join(ssd_path, g))]
         if not os.path.exists(path):
-            present = sorted(g for g in want if os.path.exists(os.path.join(ssd_path, g)))
+            if present and len(present) < len(want):
+                raise ValueError(f"ssd_path {ssd_path} holds {', '.join(present)} but not "
+                                 f"{', '.join(g for g in want if g not in present)}, and no {MANIFEST} (an unfinished "
+                                 "checkpoint?): it is not a whole collection's directory")
             if present:
-                raise ValueError(f"ssd_path {ssd_path} holds {', '.join(present)} but no {MANIFEST} (an unfinished "
-                                 "checkpoint?): it is not a collection's directory")
+                warnings.warn(f"ssd_path {ssd_path} has no {MANIFEST}: its groups' tables are now recorded as this "
+                              f"collection has them ({self._described(want)}); a collection that puts other tables "
+                              "there will be refused", RuntimeWarning, stacklevel=4)
             return
         try:
             with open(path) as f:
@@ -196,14 +209,22 @@ class CollectionState:
                 raise ValueError(f"ssd_path {ssd_path}: {g} holds tables {_names(stored[g])}, which this collection "
                                  "does not store there; give the tables (and plan) it was made with, or move "
                                  f"{g} away")
+            if g not in stored and g in present:
+                raise ValueError(f"ssd_path {ssd_path} holds {g}, which its {MANIFEST} does not record (a collection "
+                                 f"that failed while opening?): move {g} away")
             if g in stored and stored[g] != want[g]:
                 raise ValueError(f"ssd_path {ssd_path}: {g} holds tables {_names(stored[g])}, this collection would "
                                  f"put {_names(want[g])} there; give the tables in the order (and with the plan) "
                                  "they were stored with")
 
+    @staticmethod
+    def _described(layout: dict) -> str:
+        return "; ".join(f"{g}: {_names(entries)}" for g, entries in layout.items())
+
     def _write_manifest(self, ssd_path: str) -> None:
         layout = self._stored_layout()
         if layout:
+            os.makedirs(ssd_path, exist_ok=True)
             write_json_atomic(os.path.join(ssd_path, MANIFEST), {"format": _FORMAT, "groups": layout})
 
 

@@ -12,6 +12,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from .prefetch import version_of
+
 
 @dataclasses.dataclass(frozen=True)
 class InverseKeyed:
@@ -133,7 +135,7 @@ def same_sources(a: tuple, b: tuple, versions: tuple) -> bool:
 
 
 def source_versions(sources: tuple) -> tuple:
-    return tuple(t._version for t in sources if isinstance(t, Tensor))
+    return tuple(version_of(t) for t in sources if isinstance(t, Tensor))
 
 
 def keyed_lengths(kjt) -> Tensor:

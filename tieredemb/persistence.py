@@ -58,6 +58,7 @@ class Persistence:
     def iter_rows(self, chunk_rows: int = 1 << 18):
         """Yields (ids [k], weights [k, D], optimizer_state [k, S]) over every row ever written,
         in id order, chunk by chunk; rows not listed hold their deterministic initial values."""
+        check_chunk_rows(chunk_rows)
         start = 0
         while True:
             ids = self._store.written_ids(start, chunk_rows)
@@ -111,6 +112,11 @@ class Persistence:
         return self._store.read(ids)
 
 
+def check_chunk_rows(chunk_rows) -> None:
+    if isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or chunk_rows < 1:
+        raise ValueError(f"chunk_rows {chunk_rows!r} must be an int >= 1")
+
+
 def save_rows(destination: dict, prefix: str, rows: Tensor, layout, dtype: torch.dtype, step: int) -> None:
     """A table's entries of a state_dict: prefix + weight (in the table's dtype), optimizer_state,
     optimizer_step."""
@@ -138,6 +144,15 @@ def rows_in_state_dict(state_dict, prefix: str, n: int, d: int, state_width: int
     elif st is not None and st.shape[0] != n:
         error_msgs.append(f"size mismatch for {prefix}optimizer_state: {tuple(st.shape)} vs ({n}, {state_width})")
         return None
+    for name, t in ((key, w), (prefix + "optimizer_state", st)):
+        if t is None:
+            continue
+        if not t.dtype.is_floating_point:
+            error_msgs.append(f"{name} must be floating point, got {t.dtype}")
+            return None
+        if t.device.type == "meta":
+            error_msgs.append(f"{name} is on the meta device: it holds no values to load")
+            return None
     step = state_dict.get(prefix + "optimizer_step")
     return w, st, None if step is None else int(step)
 
@@ -147,6 +162,11 @@ def write_export(directory, chunks, meta: dict) -> int:
     and the rows written): the format export_rows writes. Returns the rows written."""
     directory = os.fspath(directory)
     os.makedirs(directory, exist_ok=True)
+    # An earlier export there goes first, its meta.json before its chunks: an export that stops
+    # part way leaves no meta.json (import refuses it), and no old chunk is read with the new ones.
+    for old in [os.path.join(directory, "meta.json")] + glob.glob(os.path.join(directory, "chunk_*.pt")):
+        if os.path.exists(old):
+            os.remove(old)
     total = 0
     for k, (ids, w, s) in enumerate(chunks):
         torch.save({"ids": ids, "weights": w, "state": s}, os.path.join(directory, f"chunk_{k:06d}.pt"))

@@ -364,7 +364,13 @@ class Prefetcher:
 
 
 def _versions(tensors: tuple) -> tuple:
-    return tuple(None if t is None else t._version for t in tensors)
+    return tuple(None if t is None else version_of(t) for t in tensors)
+
+
+def version_of(t: torch.Tensor):
+    """t's version counter, or for an inference tensor (which keeps none) a new object, equal to
+    nothing: such tensors are never recognized unchanged, their values are compared instead."""
+    return object() if t.is_inference() else t._version
 
 
 def _in_bags(ids: torch.Tensor, offsets: torch.Tensor, check) -> tuple[torch.Tensor, torch.Tensor]:
@@ -506,7 +512,7 @@ class PrefetchLoader:
             raise ValueError(f"ids_fn must return exactly the loader's modules: missing {missing}, unknown {extra}")
         for m in self.modules:
             given = inputs[m]
-            if isinstance(given, tuple):  # (input, offsets): a single table's
+            if isinstance(given, (tuple, list)):  # (input, offsets): a single table's
                 input, offsets = given
                 m.prefetch(input) if offsets is None else m.prefetch(input, offsets)
             else:  # a collection's features
