@@ -181,3 +181,21 @@ def test_a_single_tables_ids_fn_may_give_a_list():
     for ids, offsets in PrefetchLoader(batches, [emb], depth=1, ids_fn=lambda b: {emb: list(b)}):
         emb(ids, offsets).sum().backward()
     assert emb.stats()["prefetch"]["registered"] == 3 and emb.stats()["prefetch"]["demand_misses"] == 0
+
+
+def test_weights_that_need_their_gradient_get_it_whatever_mode_prefetch_ran_in():
+    tables = [EmbeddingBagConfig("a", 100, 4, ["fa"]), EmbeddingBagConfig("b", 50, 4, ["fb"])]
+    plain, fetched = make(tables), make(tables)
+    features = batch(3, tables)
+    grads = []
+    for ebc, ahead in ((plain, False), (fetched, True)):
+        weighted = {f: (ids, off, torch.linspace(0.5, 1.5, len(ids)).requires_grad_(True))
+                    for f, (ids, off) in features.items()}
+        if ahead:
+            with torch.no_grad():  # (a loader may register batches under no_grad)
+                ebc.prefetch(weighted)
+        out = ebc(weighted).values()
+        out.backward(torch.ones_like(out))
+        grads.append([weighted[f][2].grad for f in weighted])
+    assert all(g is not None for g in grads[1])
+    assert all(torch.equal(x, y) for x, y in zip(*grads))

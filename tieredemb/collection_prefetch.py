@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from torch import Tensor
+
 from .keyed import batch_sources, is_keyed_jagged, same_sources, source_versions
 
 
@@ -59,7 +61,11 @@ class CollectionPrefetch:
         """forward's batch: the oldest prefetched one, if features are its very tensors,
         unchanged (then checked and cut already); else checked and cut now."""
         self._prune()
-        if self._ahead and same_sources(self._ahead[0].sources, batch_sources(features), self._ahead[0].versions):
+        sources = batch_sources(features)
+        # (weights that need their gradient are cut into groups again: the graph then runs from
+        # this forward, whatever grad mode the prefetch ran in)
+        if self._ahead and same_sources(self._ahead[0].sources, sources, self._ahead[0].versions) and \
+                not any(isinstance(t, Tensor) and t.requires_grad for t in sources):
             return self._ahead[0]
         return self._prepare(features)
 
