@@ -4,9 +4,11 @@ one process, on the same batches.
 Workload (the GPU issue's): 10M rows x 128 fp32, batches of 8192 bags x 20 ids, Zipf 1.05 over
 permuted rows; forward + backward + row-wise Adagrad. Each system: 20 warm-up batches, then
 --runs runs of 20 timed batches (the device synchronized around each run); lookups/s is the
-median over runs. Batches are made on the host (as a data loader gives them) and each system
-moves them to the device as it needs, inside the timed step; with --ids-on-device every system
-is given them on the GPU (ours then checks them there, gpu/checks.py).
+median over runs. Batches are made on the host, in pinned memory (as a torch DataLoader with
+pin_memory=True gives them: a copy from pageable memory may wait for the device, and would slow
+the peers' steps for want of a loader option; --pageable-batches gives them pageable), and each
+system moves them to the device as it needs, inside the timed step; with --ids-on-device every
+system is given them on the GPU (ours then checks them there, gpu/checks.py).
 
 Systems:
   fbgemm-hbm     FBGEMM TBE, the table in HBM (EmbeddingLocation.DEVICE), EXACT_ROWWISE_ADAGRAD
@@ -183,6 +185,8 @@ def run_system(name: str, w: Workload, source: BatchSource, a, dev: torch.device
     batches = [source.batch(i) for i in range(a.warmup + a.runs * w.batches + counted + profiled)]
     if a.ids_on_device:  # (staged before the memory baseline: the batches are not the system's)
         batches = [(ids.to(dev), offsets.to(dev)) for ids, offsets in batches]
+    elif on_gpu and not a.pageable_batches:  # (a DataLoader's pin_memory=True)
+        batches = [(ids.pin_memory(), offsets.pin_memory()) for ids, offsets in batches]
     if on_gpu:
         torch.cuda.reset_peak_memory_stats(dev)
     before = torch.cuda.memory_allocated(dev) if on_gpu else 0
@@ -312,6 +316,9 @@ def main(argv=None) -> int:
     p.add_argument("--ids-on-device", action="store_true",
                    help="every system is given its batches' ids and offsets on the device (as a loader that moves "
                         "them ahead gives them), not on the host")
+    p.add_argument("--pageable-batches", action="store_true",
+                   help="host batches in pageable memory, not pinned (the default pins them, as a DataLoader with "
+                        "pin_memory=True does)")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                    help="cpu: a check of this script where there is no GPU (FBGEMM's GPU TBE skipped)")
     a = p.parse_args(argv)
@@ -352,7 +359,9 @@ def main(argv=None) -> int:
             print(f"{'':18s} profiled {pr['steps']} steps: {pr['wall_ms_per_step']:.3f} ms a step, kernels "
                   f"{pr['kernel_ms_per_step']:.3f} ms a step ({a.profile}/{name}.txt)", flush=True)
         write_json(a.json, dev, w, results, failed)  # (after each system: a later one may not finish)
-    print(f"\ndevice: {device_name(dev)}; torch {torch.__version__}")
+    batches = ("on the device" if a.ids_on_device else
+               "on the host, " + ("pageable" if a.pageable_batches or dev.type != "cuda" else "pinned"))
+    print(f"\ndevice: {device_name(dev)}; torch {torch.__version__}; batches given {batches}")
     for ours, (peer, target) in TARGETS.items():
         if ours in results and peer in results:
             ratio = results[ours]["lookups_per_s"] / results[peer]["lookups_per_s"]
