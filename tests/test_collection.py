@@ -550,3 +550,46 @@ def test_a_torchrec_that_does_not_load_is_passed_over_with_one_warning(tmp_path,
     assert warned == "1"
     assert f"torchrec is installed but does not import ({said}" in message
     assert (tmp_path / "imports").read_text() == "1"
+
+
+def test_torchrecs_dlrm_trains_with_our_collection_as_with_its_own():
+    """torchrec.models.dlrm.DLRM, given our collection for its EmbeddingBagCollection (it reads
+    embedding_bag_configs() for the dims and features): loaded from the torchrec model's
+    state_dict (our keys are torchrec's), it trains as that model does, SGD on both."""
+    torchrec = pytest.importorskip("torchrec")
+    from torchrec.models.dlrm import DLRM
+
+    specs = [("user", 300, ["user_id", "friend_id"]), ("item", 200, ["item_id"]), ("cat", 50, ["category"])]
+    theirs_ebc = torchrec.EmbeddingBagCollection(tables=[torchrec.EmbeddingBagConfig(
+        name=n, num_embeddings=r, embedding_dim=8, feature_names=f) for n, r, f in specs])
+    ours_ebc = TieredEmbeddingBagCollection([EmbeddingBagConfig(n, r, 8, f) for n, r, f in specs],
+                                            optimizer=tieredemb.SGD(lr=0.05), cache_bytes=2000)
+    torch.manual_seed(0)
+    theirs = DLRM(embedding_bag_collection=theirs_ebc, dense_in_features=5, dense_arch_layer_sizes=[16, 8],
+                  over_arch_layer_sizes=[16, 1])
+    ours = DLRM(embedding_bag_collection=ours_ebc, dense_in_features=5, dense_arch_layer_sizes=[16, 8],
+                over_arch_layer_sizes=[16, 1])
+    ours.load_state_dict(theirs.state_dict())  # dense layers and every table, one call
+    opt_theirs = torch.optim.SGD(theirs.parameters(), lr=0.05)
+    opt_ours = torch.optim.SGD([p for n, p in ours.named_parameters() if "embedding_bag_collection" not in n], lr=0.05)
+    g = torch.Generator().manual_seed(4)
+    keys = [f for _, _, fs in specs for f in fs]
+    rows = {f: r for _, r, fs in specs for f in fs}
+    for step in range(5):
+        lengths = torch.randint(0, 4, (len(keys) * B,), generator=g)
+        values = torch.cat([torch.randint(0, rows[f], (int(n),), generator=g)
+                            for f, n in zip(keys, lengths.view(len(keys), B).sum(1))])
+        kjt = torchrec.KeyedJaggedTensor(keys=keys, values=values, lengths=lengths)
+        dense, label = torch.randn(B, 5, generator=g), torch.rand(B, generator=g).round()
+        losses = []
+        for model, opt in ((theirs, opt_theirs), (ours, opt_ours)):
+            loss = torch.nn.functional.binary_cross_entropy_with_logits(model(dense, kjt).squeeze(1), label)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        assert losses[0] == pytest.approx(losses[1], rel=1e-5, abs=1e-6), step
+    for n, r, _ in specs:
+        torch.testing.assert_close(ours_ebc.read_rows(n, torch.arange(r)),
+                                   theirs_ebc.embedding_bags[n].weight.detach(), rtol=1e-5, atol=1e-6)
+    assert ours_ebc.device == torch.device("cpu")

@@ -74,6 +74,13 @@ def test_state_dict_holds_each_table_under_torchrecs_key():
     unpooled = TieredEmbeddingCollection([EmbeddingConfig("e", 10, 4, ["fe"])], optimizer=tieredemb.SGD(lr=0.1))
     assert sorted(unpooled.state_dict()) == ["embeddings.e.optimizer_state", "embeddings.e.optimizer_step",
                                              "embeddings.e.weight"]
+    # what TorchRec's collections answer besides (their models read them)
+    assert [t.name for t in ebc.embedding_bag_configs()] == ["a", "b", "c"] and ebc.device == torch.device("cpu")
+    assert [t.name for t in unpooled.embedding_configs()] == ["e"] and unpooled.embedding_dim() == 4
+    two = TieredEmbeddingCollection([EmbeddingConfig("e", 10, 4, ["fe"]), EmbeddingConfig("f", 10, 8, ["ff"])],
+                                    optimizer=tieredemb.SGD(lr=0.1))
+    with pytest.raises(ValueError, match=r"several dims \[4, 8\]"):
+        two.embedding_dim()
 
 
 def test_state_dict_round_trip_trains_on_bit_for_bit():

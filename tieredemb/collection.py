@@ -360,6 +360,12 @@ class _Collection(CollectionPrefetch, CollectionState, nn.Module):
         ends = [int(group.offsets[t.name]) + t.num_embeddings for t in group.tables]
         return torch.from_numpy(np.cumsum([0] + sizes)), torch.tensor(ends, dtype=torch.int64)
 
+    # -- what TorchRec's collections answer ----------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        """The device tier 0's rows are on (the collection's outputs are there)."""
+        return self.engines[0].device
+
     # -- rows, state, stats ---------------------------------------------------------------------
     def _rows(self, table: str, ids) -> tuple:
         """(the table's group engine, its ids as the group's rows), ids checked to lie in the table."""
@@ -416,6 +422,11 @@ class TieredEmbeddingBagCollection(_Collection):
     tables: EmbeddingBagConfig list {_ARGS}"""
 
     _state_prefix = "embedding_bags"  # (TorchRec's: its state_dict keys)
+
+    def embedding_bag_configs(self) -> list:
+        """The tables' configs, in order (as TorchRec's EmbeddingBagCollection answers: its models,
+        e.g. torchrec.models.dlrm.DLRM, read the dims and feature names from them)."""
+        return list(self.tables)
 
     def _kind(self, t) -> tuple:
         return t.embedding_dim, t.pooling, t.optimizer, t.init, t.dtype
@@ -476,6 +487,17 @@ class TieredEmbeddingCollection(_Collection):
     tables: EmbeddingConfig list {_ARGS}"""
 
     _state_prefix = "embeddings"
+
+    def embedding_configs(self) -> list:
+        """The tables' configs, in order (as TorchRec's EmbeddingCollection answers)."""
+        return list(self.tables)
+
+    def embedding_dim(self) -> int:
+        """The tables' one dim (TorchRec's EmbeddingCollection has one); ValueError if they differ."""
+        dims = sorted({t.embedding_dim for t in self.tables})
+        if len(dims) != 1:
+            raise ValueError(f"the tables have several dims {dims}: embedding_dim() is for collections of one")
+        return dims[0]
 
     def _kind(self, t) -> tuple:
         return t.embedding_dim, t.optimizer, t.init, t.dtype
