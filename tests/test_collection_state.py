@@ -240,6 +240,39 @@ def test_a_collection_that_fails_to_open_closes_what_it_opened(tmp_path):
     make(tables, ssd_path=tmp_path).close()  # group0's store was closed: it opens again in this process
 
 
+def test_a_collection_that_fails_to_open_leaves_the_directory_as_it_was(tmp_path, monkeypatch):
+    """A third table (a new group) whose store fails to open (a fault injected into the engine's
+    making: the failures that reach there for real, an unwritable disk, cannot be had here for
+    one group alone): the record is as before, the new group's directory is gone, and the
+    collection as it was opens again."""
+    tables = [EmbeddingBagConfig("x", 100, 8, ["fx"]), EmbeddingBagConfig("w", 10, 4, ["fw"])]
+    make(tables, ssd_path=tmp_path).close()
+    record = (tmp_path / "collection.json").read_text()
+    make_engine = TieredEmbeddingBagCollection._engine
+
+    def failing(self, group, **args):
+        engine = make_engine(self, group, **args)  # (its directory is made, its store opened)
+        if group.tables[0].name == "v":
+            engine.close()
+            raise OSError("injected: the disk failed")
+        return engine
+
+    monkeypatch.setattr(TieredEmbeddingBagCollection, "_engine", failing)
+    with pytest.raises(OSError, match="injected"):
+        make(tables + [EmbeddingBagConfig("v", 10, 2, ["fv"])], ssd_path=tmp_path)
+    assert (tmp_path / "collection.json").read_text() == record
+    assert sorted(os.listdir(tmp_path)) == ["collection.json", "group0", "group1"]
+    monkeypatch.undo()
+    make(tables, ssd_path=tmp_path).close()
+    fresh = tmp_path / "fresh"  # the same on a new directory: nothing is left that refuses a retry
+    monkeypatch.setattr(TieredEmbeddingBagCollection, "_engine", failing)
+    with pytest.raises(OSError, match="injected"):
+        make(tables + [EmbeddingBagConfig("v", 10, 2, ["fv"])], ssd_path=fresh)
+    monkeypatch.undo()
+    assert os.listdir(fresh) == []
+    make(tables, ssd_path=fresh).close()
+
+
 def test_export_import_table_by_table_and_into_a_single_table(tmp_path):
     ebc = make(cache_bytes=3000)
     train(ebc, range(3))

@@ -174,9 +174,11 @@ class _Collection(CollectionPrefetch, CollectionState, nn.Module):
         self.looked_up: list = []  # the last forward's ids, per group
         self._ahead = collections.deque()  # prefetched batches (Prepared), oldest first
         self.engines = nn.ModuleList()
-        if ssd_path is not None:  # (recorded before any store opens: a retry after a failure finds the record)
-            self._check_manifest(os.fspath(ssd_path))
-            self._write_manifest(os.fspath(ssd_path))
+        self._record_then_open(ssd_path, lambda: self._open_groups(tier0, host_bytes, total_bytes, ssd_path,
+                                                                   table_args))
+
+    def _open_groups(self, tier0: dict, host_bytes, total_bytes: int, ssd_path, table_args: dict) -> None:
+        """Each group's engine; if one fails, the ones opened are closed (their stores let go)."""
         try:
             for k, g in enumerate(self.groups):
                 t0 = g.tables[0]
@@ -193,7 +195,10 @@ class _Collection(CollectionPrefetch, CollectionState, nn.Module):
                 self.engines[-1]._state_in_collection = True  # (state_dict: the collection's, table by table)
         except BaseException:  # (the groups opened already let go of their stores: they open again)
             for e in self.engines:
-                e.close()
+                try:
+                    e.close()
+                except Exception:  # (the first error is the one to see)
+                    pass
             raise
 
     def _shares(self, cache_bytes, host_bytes, ssd_path, plan) -> tuple[dict, dict]:

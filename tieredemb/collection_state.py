@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import warnings
 
 import torch
@@ -220,6 +221,33 @@ class CollectionState:
     @staticmethod
     def _described(layout: dict) -> str:
         return "; ".join(f"{g}: {_names(entries)}" for g, entries in layout.items())
+
+    def _record_then_open(self, ssd_path, open_groups) -> None:
+        """open_groups() under ssd_path's record: checked (_check_manifest), then written with this
+        collection's groups before any store opens. If opening fails, the directory is left as it
+        was: the record as before, the group directories this attempt made removed."""
+        if ssd_path is None:
+            open_groups()
+            return
+        ssd_path = os.fspath(ssd_path)
+        self._check_manifest(ssd_path)
+        path = os.path.join(ssd_path, MANIFEST)
+        before = None
+        if os.path.exists(path):
+            with open(path) as f:
+                before = json.load(f)
+        made = [g for g in self._stored_layout() if not os.path.exists(os.path.join(ssd_path, g))]
+        self._write_manifest(ssd_path)
+        try:
+            open_groups()
+        except BaseException:
+            for g in made:
+                shutil.rmtree(os.path.join(ssd_path, g), ignore_errors=True)
+            if before is None:
+                os.remove(path)
+            else:
+                write_json_atomic(path, before)
+            raise
 
     def _write_manifest(self, ssd_path: str) -> None:
         layout = self._stored_layout()

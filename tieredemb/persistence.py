@@ -128,8 +128,9 @@ def save_rows(destination: dict, prefix: str, rows: Tensor, layout, dtype: torch
 def rows_in_state_dict(state_dict, prefix: str, n: int, d: int, state_width: int, missing_keys: list,
                        error_msgs: list):
     """(weight [n, d], optimizer_state [n, S] or None, step or None) of a table in state_dict, or
-    None with the key missing or its shape wrong (said in missing_keys / error_msgs). A state of
-    another width (another optimizer's) is left out: the rows keep theirs."""
+    None with the key missing, or a shape, dtype (not floating point) or device (meta) wrong (said
+    in missing_keys / error_msgs). A state of another width (another optimizer's) is left out: the
+    rows keep theirs."""
     key = prefix + "weight"
     if key not in state_dict:
         missing_keys.append(key)
