@@ -53,10 +53,11 @@ def test_demo_trains_a_collection_of_tables(capsys):
 
 
 def test_demo_of_tables_over_ssd_stores_them_there_and_reopens_them(tmp_path, capsys):
-    args = ["demo", *SMALL, "--tables", "3", "--ssd-path", str(tmp_path / "c")]
+    args = ["demo", *SMALL, "--tables", "3", "--ssd-path", str(tmp_path / "c"), "--ssd-backend", "log"]
     assert main(args) == 0
     assert "created a new collection at" in capsys.readouterr().out
     assert sorted(os.listdir(tmp_path / "c")) == ["collection.json", "group0", "group1"]  # every table on SSD
+    assert (tmp_path / "c" / "group0" / "log.json").exists()  # the store --ssd-backend names
     assert main(args) == 0
     assert "its groups have trained [3, 3] steps" in capsys.readouterr().out
     with pytest.raises(ValueError, match=r"group0 holds tables \[table0 .*, table2 .*\], this collection would put"):

@@ -74,8 +74,8 @@ class CollectionState:
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
         """Every table's rows (and optimizer state and step, where given) from its keys. A table
-        of the wrong shape, or a group's tables at different steps, is an error, and then no
-        table is written; a table missing is said in missing_keys, and the others are loaded."""
+        of the wrong shape or dtype, or a group's tables at different steps, is an error, and then
+        no table is written; a table missing is said in missing_keys, and the others are loaded."""
         found, errors = [], []
         for t, engine, base in self._table_places():
             key = f"{prefix}{self._state_prefix}.{t.name}."
@@ -102,8 +102,8 @@ class CollectionState:
     def checkpoint(self, path) -> None:
         """A consistent snapshot of every table (rows, optimizer state, step counts) at path, a new
         directory, which opens as this collection (ssd_path=path, the same tables and plan). Every
-        table must be stored on SSD. collection.json is written last: a directory without it is
-        not a whole checkpoint, and does not open."""
+        table must be stored on SSD. collection.json is written last: a directory that lacks it and
+        some group's checkpoint does not open (one with every group's is adopted, with a warning)."""
         held = [t.name for g in self.groups if g.store != "ssd" for t in g.tables]
         if held:
             raise RuntimeError(f"cannot checkpoint to {path}: tables {held} keep their rows in host memory; "

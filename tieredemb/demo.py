@@ -162,7 +162,8 @@ def _demo_collection(args) -> int:
     print(planner.report(plans))
     existing = args.ssd_path is not None and os.path.exists(os.path.join(args.ssd_path, "collection.json"))
     ebc = tieredemb.TieredEmbeddingBagCollection(tables, plan=plans["planned"], ssd_path=args.ssd_path,
-                                                 optimizer=opt, policy=args.policy)
+                                                 optimizer=opt, policy=args.policy,
+                                                 ssd_options={"backend": args.ssd_backend} if args.ssd_backend else None)
     print(f"{len(ebc.groups)} groups looked up together")
     if args.ssd_path:
         print(f"reopened the collection at {os.path.abspath(args.ssd_path)}: its groups have trained "
