@@ -214,7 +214,7 @@ def test_a_directory_of_other_tables_is_refused_before_anything_opens(tmp_path):
     # a directory without collection.json (made before collections recorded their tables): adopted,
     # with a warning, where every group it needs is there; refused where some are and some are not
     os.remove(tmp_path / "collection.json")
-    with pytest.raises(ValueError, match=r"holds group0, group1 but not group2, and no collection.json"):
+    with pytest.raises(ValueError, match=r"holds group0, group1 but no whole store in group2, and no collection.json"):
         make(same + [EmbeddingBagConfig("w", 10, 4, ["fw"]), EmbeddingBagConfig("v", 10, 2, ["fv"])],
              ssd_path=tmp_path)
     assert not os.path.exists(tmp_path / "group2") and not os.path.exists(tmp_path / "collection.json")
@@ -238,6 +238,46 @@ def test_a_collection_that_fails_to_open_closes_what_it_opened(tmp_path):
     with pytest.raises(ValueError, match=r"group1: stored width 8 != requested 12"):  # group0 opened first
         make(changed, ssd_path=tmp_path)
     make(tables, ssd_path=tmp_path).close()  # group0's store was closed: it opens again in this process
+
+
+def test_an_unfinished_checkpoint_is_refused(tmp_path):
+    """A checkpoint cut short in its last group (that store's record, written last, missing; and
+    no collection.json): refused, where adopting it would read that group's rows as new ones."""
+    ebc = make(ssd_path=tmp_path / "live", ssd={"backend": "log"})
+    ebc.write_rows("c", torch.arange(3), torch.full((3, 4), 7.0))
+    ebc.checkpoint(tmp_path / "ckpt")
+    ebc.close()
+    os.remove(tmp_path / "ckpt" / "collection.json")
+    os.remove(tmp_path / "ckpt" / "group1" / "log.json")
+    with pytest.raises(ValueError, match=r"holds group0, group1 but no whole store in group1, and no collection.json"):
+        make(ssd_path=tmp_path / "ckpt", ssd={"backend": "log"})
+    assert not os.path.exists(tmp_path / "ckpt" / "collection.json")
+
+
+def test_the_directory_is_locked_while_a_collection_opens_it(tmp_path, monkeypatch):
+    """A second process opening the same directory waits for the first one's opening (else its
+    clean-up after a failure could remove the stores the first one is making)."""
+    import fcntl
+
+    make_engine, held = TieredEmbeddingBagCollection._engine, []
+
+    def probing(self, group, **args):
+        fd = os.open(tmp_path, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            held.append(False)
+        except BlockingIOError:
+            held.append(True)
+        finally:
+            os.close(fd)
+        return make_engine(self, group, **args)
+
+    monkeypatch.setattr(TieredEmbeddingBagCollection, "_engine", probing)
+    make(ssd_path=tmp_path).close()
+    assert held == [True, True]
+    fd = os.open(tmp_path, os.O_RDONLY)  # and let go of once open
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    os.close(fd)
 
 
 def test_a_collection_that_fails_to_open_leaves_the_directory_as_it_was(tmp_path, monkeypatch):
@@ -271,6 +311,11 @@ def test_a_collection_that_fails_to_open_leaves_the_directory_as_it_was(tmp_path
     monkeypatch.undo()
     assert os.listdir(fresh) == []
     make(tables, ssd_path=fresh).close()
+    # no table on SSD (a plan that keeps them in host memory): a failure is the failure itself
+    with pytest.raises(ValueError, match=r"policy 'bogus'"):
+        make(tables, ssd_path=tmp_path / "none", plan={"tables": [
+            {"name": t.name, "rows": t.num_embeddings, "cache_rows": t.num_embeddings, "store": "host"}
+            for t in tables]}, policy="bogus")
 
 
 def test_export_import_table_by_table_and_into_a_single_table(tmp_path):

@@ -18,6 +18,7 @@ any store is opened. (Each store checks its rows' width and meta itself when it 
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -25,6 +26,7 @@ import warnings
 
 import torch
 
+import ssd_backend
 from ssd_backend.common import write_json_atomic
 
 from .persistence import (check_chunk_rows, import_chunks, read_export_meta, rows_in_state_dict, save_rows,
@@ -188,10 +190,11 @@ class CollectionState:
         path = os.path.join(ssd_path, MANIFEST)
         present = [g for g in want if os.path.exists(os.path.join(ssd_path, g))]
         if not os.path.exists(path):
-            if present and len(present) < len(want):
-                raise ValueError(f"ssd_path {ssd_path} holds {', '.join(present)} but not "
-                                 f"{', '.join(g for g in want if g not in present)}, and no {MANIFEST} (an unfinished "
-                                 "checkpoint?): it is not a whole collection's directory")
+            unfinished = [g for g in want if ssd_backend.detect_backend(os.path.join(ssd_path, g)) is None]
+            if present and unfinished:
+                raise ValueError(f"ssd_path {ssd_path} holds {', '.join(present)} but no whole store in "
+                                 f"{', '.join(unfinished)}, and no {MANIFEST} (an unfinished checkpoint?): it is not "
+                                 "a whole collection's directory")
             if present:
                 warnings.warn(f"ssd_path {ssd_path} has no {MANIFEST}: its groups' tables are now recorded as this "
                               f"collection has them ({self._described(want)}); a collection that puts other tables "
@@ -225,29 +228,40 @@ class CollectionState:
     def _record_then_open(self, ssd_path, open_groups) -> None:
         """open_groups() under ssd_path's record: checked (_check_manifest), then written with this
         collection's groups before any store opens. If opening fails, the directory is left as it
-        was: the record as before, the group directories this attempt made removed."""
+        was: the record as before, the group directories this attempt made removed. The
+        directory is locked (flock) from the check to the end of the opening, so a process
+        opening it at the same time waits, and then sees what this one made."""
         if ssd_path is None:
             open_groups()
             return
         ssd_path = os.fspath(ssd_path)
-        self._check_manifest(ssd_path)
-        path = os.path.join(ssd_path, MANIFEST)
-        before = None
-        if os.path.exists(path):
-            with open(path) as f:
-                before = json.load(f)
-        made = [g for g in self._stored_layout() if not os.path.exists(os.path.join(ssd_path, g))]
-        self._write_manifest(ssd_path)
+        os.makedirs(ssd_path, exist_ok=True)
+        fd = os.open(ssd_path, os.O_RDONLY)
         try:
-            open_groups()
-        except BaseException:
-            for g in made:
-                shutil.rmtree(os.path.join(ssd_path, g), ignore_errors=True)
-            if before is None:
-                os.remove(path)
-            else:
-                write_json_atomic(path, before)
-            raise
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            self._check_manifest(ssd_path)
+            if not self._stored_layout():  # (no table on SSD: nothing to record)
+                open_groups()
+                return
+            path = os.path.join(ssd_path, MANIFEST)
+            before = None
+            if os.path.exists(path):
+                with open(path) as f:
+                    before = json.load(f)
+            made = [g for g in self._stored_layout() if not os.path.exists(os.path.join(ssd_path, g))]
+            self._write_manifest(ssd_path)
+            try:
+                open_groups()
+            except BaseException:
+                for g in made:
+                    shutil.rmtree(os.path.join(ssd_path, g), ignore_errors=True)
+                if before is None:
+                    os.remove(path)
+                else:
+                    write_json_atomic(path, before)
+                raise
+        finally:
+            os.close(fd)  # (and the lock with it)
 
     def _write_manifest(self, ssd_path: str) -> None:
         layout = self._stored_layout()
