@@ -124,6 +124,12 @@ def test_budget_is_split_in_proportion_to_bytes_and_each_table_keeps_its_share()
     assert s["a"]["tier0"]["hits"] == 6 and s["a"]["lookups"] == 106
     assert s["b"]["tier0"]["capacity"] == 300 and s["b"]["tier0"]["evictions"] >= 5 * 300 - 1
     assert s["c"]["group"] == "group1" and s["c"]["tier0"]["capacity"] == 50
+    ebc.reset_stats()  # a window of its own from here
+    ebc({"fa": (torch.tensor([0, 1]), one), "fb": (torch.tensor([0]), one), "fc": (torch.tensor([0]), one)})
+    s = ebc.stats()["tables"]
+    assert s["a"]["lookups"] == 2 and s["a"]["tier0"]["hits"] == 2 and s["a"]["tier0"]["misses"] == 0
+    assert s["b"]["tier0"]["hits"] + s["b"]["tier0"]["misses"] == 1 and s["b"]["tier0"]["evictions"] <= 1
+    assert ebc.stats()["groups"]["group0"]["tier0"]["hits"] + ebc.stats()["groups"]["group0"]["tier0"]["misses"] == 3
 
 
 @pytest.mark.parametrize("keyed", ["all", "friend_id"])  # friend_id alone: user_id's bags share its lookup

@@ -412,6 +412,13 @@ class _Collection(CollectionPrefetch, CollectionState, nn.Module):
                                   "tier0": None if parts is None else parts[i]}
         return {"tables": {t.name: tables[t.name] for t in self.tables}, "groups": groups}
 
+    def reset_stats(self) -> None:
+        """Every counter stats() reports back to zero (the lookups, and each group's tiers' and
+        prefetch's), to measure a window of training."""
+        self.lookups = dict.fromkeys(self.lookups, 0)
+        for e in self.engines:
+            e.reset_stats()
+
     def flush(self) -> None:
         for e in self.engines:
             e.flush()
