@@ -218,6 +218,13 @@ def build(name: str, a, tables: list[Table], src: Batches, grad: torch.Tensor) -
     return System(prepare, step, tier0 if name != "collection" else None, ebc)
 
 
+def prefetch_counters(ebc) -> dict:
+    """A collection's prefetch counters, summed over its groups."""
+    stats = [e.stats()["prefetch"] for e in ebc.engines]
+    return {k: sum(st[k] for st in stats) for k in ("prefetched_rows", "late_rows", "demand_misses", "wait_seconds",
+                                                     "room_waits")}
+
+
 def worker(a) -> None:
     """Builds one system, trains the warm-up batches, times the next ones; prints one RESULT line."""
     torch.set_num_threads(a.threads)
@@ -252,6 +259,8 @@ def worker(a) -> None:
             system.step(system.prepare(src.ids(a.warmup - 1)))
     warmed = time.perf_counter() - start
     before = system.tier0() if system.tier0 else None
+    prefetched = a.worker.endswith("-pf")
+    before_pf = prefetch_counters(system.module) if prefetched else None
     out = None
     sync = torch.cuda.synchronize if a.device == "cuda" else (lambda: None)
     sync()
@@ -273,10 +282,9 @@ def worker(a) -> None:
             tier0[n] = {"hits": hits, "misses": misses, "capacity": s["capacity"],
                         "resident_after_warmup": before[n]["resident"]}
     prefetch = None
-    if system.module is not None and a.worker.endswith("-pf"):
-        stats = [e.stats()["prefetch"] for e in system.module.engines]
-        prefetch = {k: sum(st[k] for st in stats) for k in ("prefetched_rows", "late_rows", "demand_misses",
-                                                            "wait_seconds", "room_waits")}
+    if prefetched:  # (the timed batches': the counters after warm-up taken off)
+        after_pf = prefetch_counters(system.module)
+        prefetch = {k: after_pf[k] - before_pf[k] for k in after_pf}
     result = {"system": a.worker, "seconds": seconds, "lookups": a.batches * src.lookups_per_batch, "prefetch": prefetch,
               "build_seconds": built, "warmup_seconds": warmed, "peak_rss": peak_rss(), "tier0": tier0,
               "load_before": load, "load_after": os.getloadavg()[0],

@@ -311,11 +311,13 @@ def test_a_collection_that_fails_to_open_leaves_the_directory_as_it_was(tmp_path
     monkeypatch.undo()
     assert os.listdir(fresh) == []
     make(tables, ssd_path=fresh).close()
-    # no table on SSD (a plan that keeps them in host memory): a failure is the failure itself
+    # no table on SSD (a plan that keeps them in host memory): a failure is the failure itself,
+    # and nothing is made
     with pytest.raises(ValueError, match=r"policy 'bogus'"):
         make(tables, ssd_path=tmp_path / "none", plan={"tables": [
             {"name": t.name, "rows": t.num_embeddings, "cache_rows": t.num_embeddings, "store": "host"}
             for t in tables]}, policy="bogus")
+    assert not os.path.exists(tmp_path / "none")
 
 
 def test_export_import_table_by_table_and_into_a_single_table(tmp_path):
@@ -355,3 +357,9 @@ def test_an_export_written_again_holds_only_the_new_rows(tmp_path):
     other = make()
     assert other.import_rows(tmp_path / "exp")["b"] == 4
     assert torch.equal(other.read_rows("b", torch.arange(4)), torch.full((4, 8), 2.0))
+    single = tieredemb.TieredEmbeddingBag(10, 4, "sum", optimizer=tieredemb.SGD(lr=0.1))
+    single.write_rows(torch.arange(2), torch.ones(2, 4))
+    assert single.export_rows(tmp_path / "one") == 2
+    with pytest.raises(ValueError, match=r"chunk_rows 0 must be an int >= 1"):
+        single.export_rows(tmp_path / "one", chunk_rows=0)
+    assert sorted(os.listdir(tmp_path / "one")) == ["chunk_000000.pt", "meta.json"]  # the earlier export kept

@@ -413,8 +413,9 @@ class _Collection(CollectionPrefetch, CollectionState, nn.Module):
         return {"tables": {t.name: tables[t.name] for t in self.tables}, "groups": groups}
 
     def reset_stats(self) -> None:
-        """Every counter stats() reports back to zero (the lookups, and each group's tiers' and
-        prefetch's), to measure a window of training."""
+        """The lookups, and each group's tier counters and prefetch's, back to zero, to measure a
+        window of training (as TieredEmbeddingBag.reset_stats: an SSD store's own reads and
+        writes, counted since it opened, go on)."""
         self.lookups = dict.fromkeys(self.lookups, 0)
         for e in self.engines:
             e.reset_stats()

@@ -235,14 +235,15 @@ class CollectionState:
             open_groups()
             return
         ssd_path = os.fspath(ssd_path)
+        if not self._stored_layout():  # (no table on SSD: nothing to record, but what is there must agree)
+            self._check_manifest(ssd_path)
+            open_groups()
+            return
         os.makedirs(ssd_path, exist_ok=True)
         fd = os.open(ssd_path, os.O_RDONLY)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             self._check_manifest(ssd_path)
-            if not self._stored_layout():  # (no table on SSD: nothing to record)
-                open_groups()
-                return
             path = os.path.join(ssd_path, MANIFEST)
             before = None
             if os.path.exists(path):

@@ -71,6 +71,7 @@ class Persistence:
     def export_rows(self, directory, chunk_rows: int = 1 << 18) -> int:
         """Writes the table to directory (chunk files, then meta.json) in bounded memory.
         Returns the rows written."""
+        check_chunk_rows(chunk_rows)  # (before an earlier export there is removed)
         return write_export(directory, self.iter_rows(chunk_rows), {**self.config.meta(), "step": self.step})
 
     def import_rows(self, directory) -> int:

@@ -314,7 +314,8 @@ class DeviceTier:
         index updates and row copies), and after what was queued on every stream batches were
         computed on (their backwards' updates: a flush, read or write from the default stream
         while training runs on a side stream must see them), before it reads or writes the index
-        or the pool."""
+        or the pool. A stream is known once a batch computed on it was released: a flush from
+        another thread while the first batch on a new stream is in flight does not wait for it."""
         if self.stream is not None:
             current = torch.cuda.current_stream(self.device)
             current.wait_stream(self.stream)
