@@ -167,9 +167,9 @@ def test_prefetch_on_the_device_path_equals_no_prefetch():
     kw = dict(optimizer=tieredemb.RowWiseAdagrad(lr=0.1), cache_bytes=2500)
     plain = collection_on_cpu_tensors(TieredEmbeddingBagCollection(TABLES, **kw))
     fetched = collection_on_cpu_tensors(TieredEmbeddingBagCollection(TABLES, **kw))
-    batches = [batch(s, kjt=True) for s in range(6)]
+    batches = [batch(s, kjt=True) for s in range(4)]  # (the interpreter's time: as few as show it)
     want = [step(plain, f, s) for s, f in enumerate(batches)]
-    got = [step(fetched, f, s) for s, f in enumerate(PrefetchLoader(batches, [fetched], depth=2))]
+    got = [step(fetched, f, s) for s, f in enumerate(PrefetchLoader(batches, [fetched], depth=1))]
     assert all(torch.equal(x, y) for x, y in zip(want, got))
     assert all(torch.equal(x, y) for x, y in zip(rows(plain), rows(fetched)))
     assert all(e.stats()["prefetch"]["demand_misses"] == 0 for e in fetched.engines)
