@@ -61,12 +61,13 @@ class CollectionPrefetch:
         """forward's batch: the oldest prefetched one, if features are its very tensors,
         unchanged (then checked and cut already); else checked and cut now."""
         self._prune()
-        sources = batch_sources(features)
-        # (weights that need their gradient are cut into groups again: the graph then runs from
-        # this forward, whatever grad mode the prefetch ran in)
-        if self._ahead and same_sources(self._ahead[0].sources, sources, self._ahead[0].versions) and \
-                not any(isinstance(t, Tensor) and t.requires_grad for t in sources):
-            return self._ahead[0]
+        if self._ahead:  # (nothing prefetched: no sources to take)
+            sources = batch_sources(features)
+            # (weights that need their gradient are cut into groups again: the graph then runs
+            # from this forward, whatever grad mode the prefetch ran in)
+            if same_sources(self._ahead[0].sources, sources, self._ahead[0].versions) and \
+                    not any(isinstance(t, Tensor) and t.requires_grad for t in sources):
+                return self._ahead[0]
         return self._prepare(features)
 
     def _prune(self) -> None:

@@ -357,8 +357,7 @@ class DeviceTier:
             try:
                 self.lower.write_from(part_ids.cpu(), self.pool.to_host(part_slots), torch.arange(part_ids.numel()))
             except BaseException:
-                with self.index_lock:
-                    self.index.dirty[part_slots] = 1
+                self.mark_dirty(part_slots)
                 raise
             self.bytes_out += part_ids.numel() * self.row_bytes
         self._before_residencies()

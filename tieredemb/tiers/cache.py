@@ -160,8 +160,7 @@ class CacheTier:
             try:
                 self.pool.drain_to(self.lower, ids[start:end], slots[start:end])
             except BaseException:
-                with self.index_lock:
-                    self.index.mark_dirty(slots[start:end])
+                self.mark_dirty(slots[start:end])
                 raise
             self.bytes_out += (min(end, len(ids)) - start) * self.row_bytes
 
