@@ -68,6 +68,7 @@ TARGETS = {"ours-hbm": ("fbgemm-hbm", 1.0), "ours-host10": ("fbgemm-uvm10", 1.0)
            "ours-host10-zc": ("fbgemm-uvm10", 1.0), "ours-host10-pf2": ("fbgemm-uvm10", 1.0),
            "ours-host10-zc-pf2": ("fbgemm-uvm10", 1.0), "ours-ssd10": ("fbgemm-uvm10", 0.5)}
 PROFILED_STEPS = 5
+SAMPLED_STEPS = 30
 
 
 def prefetched(name: str) -> bool:
@@ -180,7 +181,7 @@ def build(name: str, w: Workload, a, dev: torch.device):
 
 def run_system(name: str, w: Workload, source: BatchSource, a, dev: torch.device) -> dict:
     on_gpu = dev.type == "cuda"
-    profiled = PROFILED_STEPS if a.profile else 0
+    profiled = (PROFILED_STEPS if a.profile else 0) + (SAMPLED_STEPS if a.stacks else 0)
     counted = COUNTED_STEPS if on_gpu else 0
     batches = [source.batch(i) for i in range(a.warmup + a.runs * w.batches + counted + profiled)]
     if a.ids_on_device:  # (staged before the memory baseline: the batches are not the system's)
@@ -229,6 +230,8 @@ def measure(name, what, step, module, stream, grad, w: Workload, a, dev: torch.d
         out["waits_per_batch"], out["worker_waits_per_batch"] = waits["training"], waits["other"]
     if module is not None:
         out["tier0_hit_rate"] = module.stats()["tier0"]["hit_rate"]
+    if a.stacks:
+        out["stacks"] = sample_steps(name, step, stream, SAMPLED_STEPS, grad, dev, a.stacks)
     if a.profile:
         try:
             out["profile"] = profile_steps(name, step, stream, PROFILED_STEPS, grad, dev, a.profile)
@@ -262,6 +265,65 @@ def profile_steps(name: str, step, stream, steps: int, grad, dev: torch.device, 
     prof.export_chrome_trace(os.path.join(out_dir, f"{name}.trace.json"))
     kernel_us = sum(e.self_device_time_total for e in events if e.device_type.name == "CUDA")
     return {"steps": steps, "wall_ms_per_step": wall * 1e3 / steps, "kernel_ms_per_step": kernel_us / 1e3 / steps}
+
+
+def sample_steps(name: str, step, stream, steps: int, grad, dev: torch.device, out_dir: str) -> dict:
+    """`steps` more training steps with every thread's Python stack sampled each half millisecond
+    (autograd runs a CUDA backward on a thread of its own, which cProfile would not see): where
+    the host's time goes, in out_dir/<name>.stacks.txt: each function's share of the samples at
+    the top of a stack (its own time, what it calls in C included) and anywhere in one (its
+    cumulative time), by thread. Returns the wall time per step."""
+    import collections
+    import sys
+    import threading
+
+    os.makedirs(out_dir, exist_ok=True)
+    own, anywhere, per_thread = collections.Counter(), collections.Counter(), collections.Counter()
+    done, me = threading.Event(), threading.get_ident()
+    names = {}
+
+    def sample():
+        while not done.wait(0.0005):
+            for tid, frame in sys._current_frames().items():
+                if tid == me:
+                    continue
+                if tid not in names:
+                    names[tid] = next((t.name for t in threading.enumerate() if t.ident == tid), str(tid))
+                per_thread[names[tid]] += 1
+                seen, top = set(), True
+                while frame is not None:
+                    c = frame.f_code
+                    key = f"{os.path.relpath(c.co_filename)}:{c.co_firstlineno}({c.co_name})"
+                    if top:  # (with the line it was on)
+                        own[(names[tid], f"{key} line {frame.f_lineno}")] += 1
+                        top = False
+                    if key not in seen:
+                        anywhere[(names[tid], key)] += 1
+                        seen.add(key)
+                    frame = frame.f_back
+
+    synchronize(dev)
+    sampler = threading.Thread(target=sample, daemon=True)
+    me = None
+    sampler.start()
+    me = sampler.ident
+    start = time.perf_counter()
+    for _ in range(steps):
+        ids, offsets = next(stream)[:2]
+        step(ids, offsets, grad)
+    synchronize(dev)
+    wall = time.perf_counter() - start
+    done.set()
+    sampler.join()
+    total = max(1, sum(per_thread.values()))
+    lines = [f"{steps} steps, {wall * 1e3 / steps:.3f} ms a step while sampled; samples by thread: "
+             + ", ".join(f"{t} {n}" for t, n in per_thread.most_common())]
+    for title, counts in (("own (top of the stack)", own), ("anywhere in the stack", anywhere)):
+        lines.append(f"\n{title}: % of all samples, thread, function")
+        lines += [f"{100 * n / total:6.1f}%  {t:20.20s} {key}" for (t, key), n in counts.most_common(60)]
+    with open(os.path.join(out_dir, f"{name}.stacks.txt"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    return {"steps": steps, "wall_ms_per_step": wall * 1e3 / steps}
 
 
 def tieredemb_loader(module, batches, depth):
@@ -313,6 +375,9 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--profile", default=None, metavar="DIR",
                    help=f"profile {PROFILED_STEPS} more steps of each system into DIR (see above)")
+    p.add_argument("--stacks", default=None, metavar="DIR",
+                   help=f"{SAMPLED_STEPS} more steps of each system with every thread's Python stack sampled: "
+                        "DIR/<system>.stacks.txt (where the host's time goes)")
     p.add_argument("--ids-on-device", action="store_true",
                    help="every system is given its batches' ids and offsets on the device (as a loader that moves "
                         "them ahead gives them), not on the host")

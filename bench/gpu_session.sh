@@ -10,8 +10,10 @@
 #   bash bench/gpu_session.sh first        in one call, in this order, each part stopped in time for the next:
 #                                          the GPU tests; the table whole in HBM (FBGEMM, ours, torch ops);
 #                                          tier 0 = 10% over host memory and over the log store (FBGEMM's UVM
-#                                          cache, ours with copies, with prefetch, over SSD, zero-copy); then
-#                                          the same with ids on the device, as time allows
+#                                          cache, ours with copies, with prefetch, over SSD, zero-copy; the
+#                                          profiles and every thread's sampled stacks of each packed in
+#                                          prof.tgz); the same with ids on the device; the lookup kernels by
+#                                          launch shape; the collection bench; as time allows
 #
 # and, where time is left, one of the parts alone:
 #
@@ -26,6 +28,7 @@
 #   bash bench/gpu_session.sh device-ids   bench_gpu.py with every system given its ids and offsets on the GPU
 #   bash bench/gpu_session.sh profile      one run of ours and FBGEMM's under torch.profiler ($OUT/prof.tgz)
 #   bash bench/gpu_session.sh collection   bench_collection.py --device cuda --quick
+#   bash bench/gpu_session.sh kernels      gpu_kernels.py: the forward and backward kernels alone, by launch shape
 #
 # FBGEMM's GPU TBE (the peer) and rocksdict / lz4 (which tieredemb imports: no table is made without
 # them) do not come with the machine. Stage them from here first (../shared/tools/stage_wheels.sh
@@ -42,8 +45,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 step=${1:-}
 case "$step" in
-  first|tests|interpreted|suite|hbm|host|ssd|device-ids|profile|collection) ;;
-  *) echo "usage: bash bench/gpu_session.sh first|tests|interpreted|suite|hbm|host|ssd|device-ids|profile|collection" >&2; exit 2 ;;
+  first|tests|interpreted|suite|hbm|host|ssd|device-ids|profile|collection|kernels) ;;
+  *) echo "usage: bash bench/gpu_session.sh first|tests|interpreted|suite|hbm|host|ssd|device-ids|profile|collection|kernels" >&2; exit 2 ;;
 esac
 PY=${PYTHON:-python3}
 OUT=${OUT:-/tmp/gpu_session}
@@ -87,6 +90,13 @@ bench() {  # bench NAME ARGS...: bench_gpu.py with a log and a JSON under $OUT
   local name=$1; shift
   timeout -k 15 -s ABRT "$(budget "$LIMIT")" "$PY" bench/bench_gpu.py "$@" --json "$OUT/$name.json" 2>&1 | log "$name"
 }
+kernels() {  # kernels ARGS...: gpu_kernels.py (the lookup kernels alone, by launch shape) with a log and a JSON
+  timeout -k 15 -s ABRT "$(budget "$LIMIT")" "$PY" bench/gpu_kernels.py "$@" --json "$OUT/kernels.json" 2>&1 | log kernels
+}
+collection() {  # bench_collection.py on the GPU, quick, with a log and a JSON
+  timeout -k 15 -s ABRT "$(budget "$LIMIT")" "$PY" bench/bench_collection.py --device cuda --quick \
+    --json "$OUT/collection.json" 2>&1 | log collection
+}
 tests() {  # tests NAME ARGS...: pytest with a log under $OUT
   local name=$1; shift
   timeout -k 15 -s ABRT "$(budget "$LIMIT")" "$PY" -m pytest -q -p no:cacheprovider -rs "$@" 2>&1 | log "$name"
@@ -106,10 +116,13 @@ case "$step" in
   first)  # (what comes back: first.log, each bench's JSON, prof.tgz: the profiles of the whole-table systems)
     rm -rf /tmp/prof
     part 170 tests test_gpu -v --durations=15 tests/test_gpu.py --deselect tests/test_gpu.py::test_the_cpu_tensor_tests_pass_in_a_child
-    part 120 bench hbm --only fbgemm-hbm,ours-hbm,torch-ops --profile /tmp/prof
+    part 120 bench hbm --only fbgemm-hbm,ours-hbm,torch-ops,torch-sparse --profile /tmp/prof --stacks /tmp/prof
+    part 170 bench cached --only fbgemm-uvm10,ours-host10,ours-host10-pf2,ours-ssd10,ours-host10-zc,ours-host10-zc-pf2 \
+      --ssd-path /tmp --stacks /tmp/prof
     { [ -d /tmp/prof ] && tar czf "$OUT/prof.tgz" -C /tmp prof; } || echo "first: no profiles packed" | log first
-    part 170 bench cached --only fbgemm-uvm10,ours-host10,ours-host10-pf2,ours-ssd10,ours-host10-zc --ssd-path /tmp
-    part 600 bench device_ids --only fbgemm-hbm,ours-hbm,fbgemm-uvm10,ours-host10-pf2 --ids-on-device ;;
+    part 100 bench device_ids --only fbgemm-hbm,ours-hbm,fbgemm-uvm10,ours-host10-pf2,ours-host10-zc --ids-on-device
+    part 90 kernels --warps 1,2,4 --tiles 8,16,32
+    part 600 collection ;;
   tests) tests test_gpu tests/test_gpu.py --deselect tests/test_gpu.py::test_the_cpu_tensor_tests_pass_in_a_child ;;
   interpreted)
     par=$("$PY" -c 'import xdist; print("-n 8")' 2>/dev/null || true)
@@ -125,7 +138,6 @@ case "$step" in
     bench profile --only fbgemm-hbm,ours-hbm,fbgemm-uvm10,ours-host10,ours-host10-zc --runs 1 --profile /tmp/prof || rc=$?
     [ -d /tmp/prof ] && tar czf "$OUT/prof.tgz" -C /tmp prof
     exit $rc ;;
-  collection)
-    timeout -k 15 -s ABRT "$LIMIT" "$PY" bench/bench_collection.py --device cuda --quick --json "$OUT/collection.json" 2>&1 \
-      | tee "$OUT/collection.log" ;;
+  collection) collection ;;
+  kernels) kernels ;;
 esac

@@ -57,6 +57,27 @@ def test_dedup_keeps_first_occurrence_order_and_inverse():
     assert torch.equal(torch.from_numpy(unique)[torch.from_numpy(inverse)], ids)
 
 
+@pytest.mark.parametrize("src", [torch.int64, torch.int32])
+def test_host_ids_for_the_gpu_are_checked_and_narrowed_in_one_pass(src):
+    """gpu/checks.checked_ids: a host batch bound for a GPU tier 0, copied into a new tensor as
+    int32 where every id fits (as int64 past 2^31 rows), the first id out of range named."""
+    from tieredemb.gpu.checks import checked_ids
+
+    ids = torch.tensor([7, 0, 99, 7, 42, 5, 3, 1], dtype=src)[::2]  # (not contiguous)
+    got = checked_ids(ids, 100, pin=False)
+    assert got.dtype == torch.int32 and got.tolist() == [7, 99, 42, 3] and got.data_ptr() != ids.data_ptr()
+    wide = checked_ids(ids, (1 << 31) + 1, pin=False)
+    assert wide.dtype == torch.int64 and wide.tolist() == [7, 99, 42, 3]
+    for bad, rows in (([5, 100, -1, 200], 100), ([5, -3, 100], 100), ([0, 1 << 31], 1 << 31)):
+        first = next(i for i in bad if not 0 <= i < rows)
+        with pytest.raises(IndexError, match=rf"^id {first} out of range \[0, {rows}\)$"):
+            checked_ids(torch.tensor(bad, dtype=torch.int64), rows, pin=False)
+    assert checked_ids(torch.empty(0, dtype=src), 10, pin=False).numel() == 0
+    assert checked_ids(torch.tensor([3, 4], dtype=torch.int16), 10, pin=False).tolist() == [3, 4]
+    with pytest.raises(ValueError, match="out has 2 entries, the ids 3"):
+        _C.checked_copy(np.arange(3), 10, np.empty(2, np.int32))
+
+
 def test_dedup_of_a_large_batch_with_many_distinct_ids():
     ids = torch.randint(0, 10**9, (300_000,), generator=torch.Generator().manual_seed(1))
     unique, inverse = _C.dedup(ids, 10**9)

@@ -126,9 +126,57 @@ void check_argmax(const PoolingArgs& a, int64_t argmax_size) {
                            " entries, got " + std::to_string(argmax_size)).c_str());
 }
 
+// ids[i] into out[i] as Out, each checked in [0, num_embeddings) in the same pass (a host
+// batch's check and its narrowing for the device, one read of the ids): IndexError naming the
+// first id out of range (out then holds a part of the ids).
+template <class In, class Out>
+Status checked_copy(const In* ids, int64_t n, int64_t num_embeddings, Out* out) {
+  const uint64_t limit = static_cast<uint64_t>(num_embeddings);
+  bool bad = false;
+  for (int64_t i = 0; i < n; ++i) {  // (no branch: the compiler vectorizes it)
+    bad |= static_cast<uint64_t>(static_cast<int64_t>(ids[i])) >= limit;
+    out[i] = static_cast<Out>(ids[i]);
+  }
+  if (!bad) return Status::Ok();
+  for (int64_t i = 0; i < n; ++i) {
+    if (ids[i] < 0 || ids[i] >= num_embeddings)
+      return Status::IndexError("id " + std::to_string(ids[i]) + " out of range [0, " +
+                                std::to_string(num_embeddings) + ")");
+  }
+  return Status::Ok();
+}
+
+template <class In, class Out>
+void def_checked_copy(nb::module_& m) {
+  m.def("checked_copy",
+        [](nb::ndarray<const In, nb::ndim<1>, nb::c_contig, nb::device::cpu> ids, int64_t num_embeddings,
+           nb::ndarray<Out, nb::ndim<1>, nb::c_contig, nb::device::cpu> out) {
+          if (out.shape(0) != ids.shape(0))
+            throw nb::value_error(("checked_copy: out has " + std::to_string(out.shape(0)) + " entries, the ids " +
+                                   std::to_string(ids.shape(0)))
+                                      .c_str());
+          if (num_embeddings < 0 || (sizeof(Out) < 8 && num_embeddings > (int64_t{1} << 31)))
+            throw nb::value_error(("checked_copy: num_embeddings " + std::to_string(num_embeddings) +
+                                   " must be in [0, " + (sizeof(Out) < 8 ? "2^31" : "2^63") + "] for this out")
+                                      .c_str());
+          const In* src = ids.data();
+          Out* dst = out.data();
+          const int64_t n = static_cast<int64_t>(ids.shape(0));
+          run_without_gil([&] { return checked_copy(src, n, num_embeddings, dst); });
+        },
+        "ids"_a.noconvert(), "num_embeddings"_a, "out"_a.noconvert(),
+        "ids (int64 or int32) copied into out (int32 or int64, as long), each checked in [0, num_embeddings) in "
+        "the same pass; IndexError naming the first id out of range");
+}
+
 }  // namespace
 
 void register_kernels(nb::module_& m) {
+  def_checked_copy<int64_t, int32_t>(m);
+  def_checked_copy<int64_t, int64_t>(m);
+  def_checked_copy<int32_t, int32_t>(m);
+  def_checked_copy<int32_t, int64_t>(m);
+
   m.def("dedup", [](Ids ids, int64_t num_embeddings, std::optional<Ids> starts, std::optional<Ids> row_ends) {
         std::vector<int64_t> unique, inverse(ids.shape(0));
         if (starts.has_value() != row_ends.has_value())

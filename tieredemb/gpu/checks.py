@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import _C
 from . import launch_turn, to_device
 
 SENTINEL64 = (1 << 63) - 1
@@ -42,6 +43,17 @@ def check_range(ids: np.ndarray, num_embeddings: int) -> None:
     if ids.size and (ids.min() < 0 or ids.max() >= num_embeddings):
         bad = int(ids.min()) if ids.min() < 0 else int(ids.max())
         raise IndexError(f"id {bad} out of range [0, {num_embeddings})")
+
+
+def checked_ids(ids: torch.Tensor, num_embeddings: int, pin: bool) -> torch.Tensor:
+    """Host ids [N] checked in [0, num_embeddings) (IndexError naming the first that is not) and
+    copied, in the same native pass, into a new host tensor, pinned if pin (ready for an
+    asynchronous copy to the GPU, the caller's tensor free to change at once): int32 where every
+    id fits (the sort on the device then takes half the radix passes), else int64."""
+    out = torch.empty(ids.shape[0], dtype=torch.int32 if num_embeddings <= 1 << 31 else torch.int64, pin_memory=pin)
+    src = ids.detach().numpy() if ids.dtype in (torch.int32, torch.int64) else ids.detach().to(torch.int64).numpy()
+    _C.checked_copy(np.ascontiguousarray(src), num_embeddings, out.numpy())
+    return out
 
 
 class DeviceCheck:

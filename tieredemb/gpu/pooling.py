@@ -25,11 +25,19 @@ from .rowinit import _mix64, _row_key, bf16_bits, load_weights, store_weights
 
 _SUM, _MEAN, _MAX = 0, 1, 2
 
+# Launch shapes of the forward and of the backward's update: warps per program, and the most
+# occurrences read at once (see _tile). Measured on an H200 by bench/gpu_kernels.py (bench_gpu.py's
+# batch, dim 128; bench/RESULTS.md): forward 105 us at 4 warps and 32 occurrences, 47 us at 1 and
+# 8; backward + update 529 us at 4 and 32, 397 us at 2 and 16. Module constants, so that
+# gpu_kernels.py can try others.
+FORWARD_WARPS, FORWARD_TILE = 1, 8
+UPDATE_WARPS, UPDATE_TILE = 2, 16
+
 
 @triton.jit
 def _forward_kernel(pool_ptr, slots_ptr, unique_ptr, inverse_ptr, offsets_ptr, psw_ptr, out_ptr, at_ptr, saved_ptr,
                     dim, width, skip_id, MODE: tl.constexpr, HAS_PSW: tl.constexpr, HAS_AT: tl.constexpr,
-                    WEIGHTS: tl.constexpr, TILE: tl.constexpr, BLOCK: tl.constexpr):
+                    WEIGHTS: tl.constexpr, HAS_SKIP: tl.constexpr, TILE: tl.constexpr, BLOCK: tl.constexpr):
     """Bag b = program 0, columns block = program 1: the pooled rows of the bag, row skip_id left
     out (EmbeddingBag's padding_idx; -1: none), into out[b] (HAS_AT: out's floats from at[b]).
     Sum and mean read TILE occurrences at a time (one [TILE, BLOCK] load, summed down: a chain of
@@ -59,7 +67,9 @@ def _forward_kernel(pool_ptr, slots_ptr, unique_ptr, inverse_ptr, offsets_ptr, p
             k = first + tl.arange(0, TILE)
             live = k < end
             u = tl.load(inverse_ptr + k, mask=live, other=0)
-            keep = live & (tl.load(unique_ptr + u, mask=live, other=0) != skip_id)
+            keep = live
+            if HAS_SKIP:  # (a dependent load less per tile where no row is left out)
+                keep = keep & (tl.load(unique_ptr + u, mask=live, other=0) != skip_id)
             slot = tl.load(slots_ptr + u, mask=keep, other=0)
             rows = load_weights(pool_ptr, slot[:, None], cols[None, :], keep[:, None] & in_row[None, :], width,
                                 WEIGHTS)
@@ -106,7 +116,8 @@ def forward(pool: torch.Tensor, dim: int, slots: torch.Tensor, unique: torch.Ten
         _forward_kernel[(bags, triton.cdiv(dim, block))](
             pool, slots, unique, inverse, offsets, psw if psw is not None else out, out,
             at if at is not None else offsets, saved if saved is not None else offsets, dim, pool.shape[1], skip_id,
-            MODE=mode, HAS_PSW=psw is not None, HAS_AT=at is not None, WEIGHTS=weights, TILE=_tile(block), BLOCK=block)
+            MODE=mode, HAS_PSW=psw is not None, HAS_AT=at is not None, WEIGHTS=weights, HAS_SKIP=skip_id >= 0,
+            TILE=_tile(block, FORWARD_TILE), BLOCK=block, num_warps=FORWARD_WARPS)
     return out, saved
 
 
@@ -129,11 +140,10 @@ def _psw_grad_kernel(pool_ptr, slots_ptr, unique_ptr, inverse_ptr, bag_ptr, grad
     tl.store(out_ptr + i, tl.sum(acc, axis=0))
 
 
-def _tile(block: int) -> int:
-    """Occurrences a kernel reads at once for rows of `block` columns: a [TILE, BLOCK] load of at
-    most 4096 floats (32 values a thread at 4 warps; with their addresses the sm_90 kernels take
-    up to 144 registers a thread, bench/RESULTS.md)."""
-    return max(1, min(32, 4096 // block))
+def _tile(block: int, most: int) -> int:
+    """Occurrences a kernel reads at once for rows of `block` columns: at most `most`, in a
+    [TILE, BLOCK] load of at most 4096 floats."""
+    return max(1, min(most, 4096 // block))
 
 
 @triton.jit
@@ -338,7 +348,7 @@ def backward_update(pool: torch.Tensor, dirty: torch.Tensor, dim: int, slots: to
     # summed a tile per program first (_chunk_kernel), their tiles' partial sums in rows chunk[u] ..
     # chunk[u + 1] - 1 of partial. Such rows number fewer than n / tile, and each has at most its
     # occurrences / tile + 1 tiles.
-    tile = _tile(block)
+    tile = _tile(block, UPDATE_TILE)
     bag_of, tiles = torch.empty(n, dtype=torch.int64, device=dev), torch.empty(n, dtype=torch.int64, device=dev)
     chunk = torch.empty(n + 1, dtype=torch.int64, device=dev)
     with launch_turn():
@@ -371,5 +381,5 @@ def backward_update(pool: torch.Tensor, dirty: torch.Tensor, dim: int, slots: to
                              dim if weights == 0 else (dim + 1) // 2, skip_id, frozen_id, a.lr, a.eps, a.beta1, a.beta2,
                              a.adam_step_size, a.accumulator_divisor, sr_seed, step, OPT=optimizer.kind, MODE=mode,
                              HAS_AT=at is not None, SCALE=scale_kind, WEIGHTS=weights, STOCHASTIC=stochastic_rounding,
-                             TILE=tile, BLOCK=block)
+                             TILE=tile, BLOCK=block, num_warps=UPDATE_WARPS)
     return psw_grad

@@ -25,7 +25,7 @@ from .. import _C, locks
 from ..tiers.cache import Deduped
 from ..tiers.rowstore import DEFERRED_MARK
 from . import hostmap, moves, rowinit, to_device
-from .checks import check_on_device, check_range
+from .checks import check_on_device, checked_ids
 from .dedup import dedup as device_dedup
 from .index import DirectIndex, SetIndex
 
@@ -156,14 +156,14 @@ class DeviceTier:
         runs of disjoint id ranges) are not needed: one sort dedups the whole batch on the
         device."""
         on_device = check is not None or self._on_device(ids)
-        if not on_device:
-            check_range(ids.numpy(), self.num_embeddings)
+        if not on_device:  # (checked and narrowed on the host, in one pass)
+            host_ids = checked_ids(ids, self.num_embeddings, pin=self.device.type == "cuda")
         if self.stream is not None and on_device:  # (ids on another GPU: its stream made them)
             self.stream.wait_stream(torch.cuda.current_stream(ids.device if ids.is_cuda else self.device))
             ids.record_stream(self.stream)  # (the caller's tensor, read on the tier's stream)
         with self._on_stream():
-            if not on_device:  # host ids, checked: as int32 where they fit (the sort then needs half the radix passes)
-                ids = to_device(ids, self.device, torch.int32 if self.num_embeddings <= 1 << 31 else torch.int64)
+            if not on_device:
+                ids = host_ids.to(self.device, non_blocking=True)
             elif check is None:  # (the check writes them as the sort takes them, narrowed where they fit)
                 ids, _, check = check_on_device(ids.to(self.device, non_blocking=True), None, self.num_embeddings)
             if ids.numel() == 0:

@@ -1,0 +1,107 @@
+"""The lookup kernels alone on a GPU, under each launch shape: tier 0's forward pooling and its
+backward fused with row-wise Adagrad (tieredemb/gpu/pooling.py), on bench_gpu.py's batch (8192
+bags x 20 ids, Zipf 1.05 over 10M rows, dim 128), the rows at random slots of a pool of --rows
+rows. For each shape (warps per program, the most occurrences read at once), the device time of
+one call, median of --reps calls timed by CUDA events, after a call that compiles it. Where the
+defaults (pooling.FORWARD_WARPS, FORWARD_TILE, UPDATE_WARPS, UPDATE_TILE) come from.
+
+    python bench/gpu_kernels.py
+    python bench/gpu_kernels.py --rows 1000000 --reps 20 --json $OUT/kernels.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from workload import BatchSource, Workload  # noqa: E402
+
+
+def timed(fn, reps: int, dev: torch.device) -> float:
+    """Median device microseconds of fn() over reps calls (the first call before, untimed); on the
+    CPU (a check of the script), wall microseconds."""
+    fn()
+    times = []
+    for _ in range(reps):
+        if dev.type != "cuda":
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e6)
+            continue
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", type=int, default=10_000_000)
+    p.add_argument("--reps", type=int, default=30)
+    p.add_argument("--warps", default="1,2,4,8")
+    p.add_argument("--tiles", default="4,8,16,32")
+    p.add_argument("--json", default=None)
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                   help="cpu: a check of this script under TRITON_INTERPRET=1 (no GPU figure)")
+    a = p.parse_args(argv)
+    if a.device == "cuda" and not torch.cuda.is_available():
+        print("gpu_kernels: no CUDA device here (--device cpu checks the script)", file=sys.stderr)
+        return 2
+    import tieredemb
+    from tieredemb.gpu import pooling
+
+    dev = torch.device(a.device)
+    w = Workload(rows=a.rows, dim=128, bags=8192, ids_per_bag=20, alpha=1.05, batches=1)
+    ids, offsets = (t.to(dev) for t in BatchSource(w).batch(0))
+    unique, inverse = torch.unique(ids, return_inverse=True)
+    n, u = ids.numel(), unique.numel()
+    width = w.dim + 1  # (row-wise Adagrad: the weights and one accumulator)
+    pool = torch.randn(a.rows, width, device=dev) * 0.01
+    pool[:, w.dim] = 0.0
+    slots = torch.randperm(a.rows, device=dev)[:u]
+    count = torch.tensor([u], device=dev)
+    dirty = torch.zeros(a.rows, dtype=torch.uint8, device=dev)
+    grad = torch.randn(w.bags, w.dim, device=dev)
+    opt = tieredemb.RowWiseAdagrad(lr=1e-6)
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu (a check of the script)"
+    print(f"device: {name}; torch {torch.__version__}; {n} ids, {u} distinct; pool "
+          f"{a.rows} x {width}; median of {a.reps} calls, microseconds")
+    defaults = (pooling.FORWARD_WARPS, pooling.FORWARD_TILE, pooling.UPDATE_WARPS, pooling.UPDATE_TILE)
+    results = []
+    try:
+        for warps, tile in itertools.product(map(int, a.warps.split(",")), map(int, a.tiles.split(","))):
+            pooling.FORWARD_WARPS = pooling.UPDATE_WARPS = warps
+            pooling.FORWARD_TILE = pooling.UPDATE_TILE = tile
+            fwd = timed(lambda: pooling.forward(pool, w.dim, slots, unique, inverse, offsets, None, 0, -1), a.reps, dev)
+            bwd = timed(lambda: pooling.backward_update(pool, dirty, w.dim, slots, unique, count, inverse, offsets,
+                                                        None, 0, -1, -1, grad, None, opt, 1, False), a.reps, dev)
+            results.append({"warps": warps, "max_tile": tile, "forward_us": fwd, "backward_update_us": bwd})
+            print(f"warps {warps}  max tile {tile:2d}:  forward {fwd:8.1f} us   backward+update {bwd:8.1f} us",
+                  flush=True)
+    finally:
+        pooling.FORWARD_WARPS, pooling.FORWARD_TILE, pooling.UPDATE_WARPS, pooling.UPDATE_TILE = defaults
+    best_f = min(results, key=lambda r: r["forward_us"])
+    best_b = min(results, key=lambda r: r["backward_update_us"])
+    print(f"fastest forward: warps {best_f['warps']}, max tile {best_f['max_tile']} ({best_f['forward_us']:.1f} us); "
+          f"fastest backward+update: warps {best_b['warps']}, max tile {best_b['max_tile']} "
+          f"({best_b['backward_update_us']:.1f} us)")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"device": name, "ids": n, "distinct": u, "rows": a.rows,
+                       "results": results}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
