@@ -32,7 +32,8 @@ training side, and on a prefetch worker's thread), and the targets.
 --json for the record. --profile DIR: after the timed runs, each system trains 5 more batches
 under torch.profiler: DIR/<system>.txt (the ops and kernels by device time) and
 DIR/<system>.trace.json (a Chrome trace), and the wall and kernel time per step are printed (a
-step whose kernel time is well under its wall time waits for the host).
+step whose kernel time is well under its wall time waits for the host), with the host's time
+split by trace_steps.py (torch ops, CUDA calls, the backward's thread, the rest).
 --device cpu runs the torch peers and ours on the CPU (FBGEMM's GPU TBE skipped): a check of
 this script's plumbing where there is no GPU, not a figure of the GPU path.
 
@@ -59,6 +60,7 @@ import traceback
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import trace_steps  # noqa: E402
 from workload import BatchSource, Workload  # noqa: E402
 
 SYSTEMS = ("fbgemm-hbm", "fbgemm-uvm10", "torch-ops", "torch-sparse", "ours-hbm", "ours-host10", "ours-host10-zc",
@@ -255,16 +257,19 @@ def profile_steps(name: str, step, stream, steps: int, grad, dev: torch.device, 
         start = time.perf_counter()
         for _ in range(steps):
             ids, offsets = next(stream)[:2]
-            step(ids, offsets, grad)
+            with torch.profiler.record_function(trace_steps.STEP):  # (trace_steps.py splits the trace by it)
+                step(ids, offsets, grad)
         synchronize(dev)
         wall = time.perf_counter() - start
     events = prof.key_averages()
     sort_by = "self_device_time_total" if on_gpu else "self_cpu_time_total"
     with open(os.path.join(out_dir, f"{name}.txt"), "w") as f:
         f.write(events.table(sort_by=sort_by, row_limit=40))
-    prof.export_chrome_trace(os.path.join(out_dir, f"{name}.trace.json"))
+    trace = os.path.join(out_dir, f"{name}.trace.json")
+    prof.export_chrome_trace(trace)
     kernel_us = sum(e.self_device_time_total for e in events if e.device_type.name == "CUDA")
-    return {"steps": steps, "wall_ms_per_step": wall * 1e3 / steps, "kernel_ms_per_step": kernel_us / 1e3 / steps}
+    return {"steps": steps, "wall_ms_per_step": wall * 1e3 / steps, "kernel_ms_per_step": kernel_us / 1e3 / steps,
+            "phases": trace_steps.summarize(trace)}
 
 
 def sample_steps(name: str, step, stream, steps: int, grad, dev: torch.device, out_dir: str) -> dict:
@@ -422,7 +427,8 @@ def main(argv=None) -> int:
         if "profile" in r:
             pr = r["profile"]
             print(f"{'':18s} profiled {pr['steps']} steps: {pr['wall_ms_per_step']:.3f} ms a step, kernels "
-                  f"{pr['kernel_ms_per_step']:.3f} ms a step ({a.profile}/{name}.txt)", flush=True)
+                  f"{pr['kernel_ms_per_step']:.3f} ms a step ({a.profile}/{name}.txt)\n"
+                  f"{'':18s} {trace_steps.line('', pr['phases']).strip()}", flush=True)
         write_json(a.json, dev, w, results, failed)  # (after each system: a later one may not finish)
     batches = ("on the device" if a.ids_on_device else
                "on the host, " + ("pageable" if a.pageable_batches or dev.type != "cuda" else "pinned"))
