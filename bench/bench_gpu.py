@@ -284,10 +284,11 @@ def sample_steps(name: str, step, stream, steps: int, grad, dev: torch.device, o
 
     os.makedirs(out_dir, exist_ok=True)
     own, anywhere, per_thread = collections.Counter(), collections.Counter(), collections.Counter()
-    done, me = threading.Event(), threading.get_ident()
+    done = threading.Event()
     names = {}
 
     def sample():
+        me = threading.get_ident()
         while not done.wait(0.0005):
             for tid, frame in sys._current_frames().items():
                 if tid == me:
@@ -309,9 +310,7 @@ def sample_steps(name: str, step, stream, steps: int, grad, dev: torch.device, o
 
     synchronize(dev)
     sampler = threading.Thread(target=sample, daemon=True)
-    me = None
     sampler.start()
-    me = sampler.ident
     start = time.perf_counter()
     for _ in range(steps):
         ids, offsets = next(stream)[:2]

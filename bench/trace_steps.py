@@ -2,8 +2,9 @@
 --profile writes one per system, each step inside a "bench_step" annotation): per step, the host's
 wall time split into the training thread's torch ops, its CUDA API calls outside them (Triton's
 launches among them), the time it waits while autograd's device thread runs the backward, and the
-rest (Python, and native code that is not a torch op); and the GPU's busy time (the union of its
-kernels, copies and fills) in the steps' span. The means over the steps are printed.
+rest (Python, and native code that is not a torch op): the four add up to the step; the kernel
+launches of both threads; and the GPU's busy time (the union of its kernels, copies and fills) in
+the steps' span. The means over the steps are printed.
 
     python bench/trace_steps.py DIR/ours-hbm.trace.json [more traces]
 """
@@ -37,7 +38,9 @@ def summarize(path: str) -> dict:
     with open(path) as f:
         events = json.load(f)["traceEvents"]
     spans = [e for e in events if e.get("ph") == "X" and "dur" in e]
-    steps = sorted((e for e in spans if e.get("name") == STEP), key=lambda e: e["ts"])
+    # (the host's annotation: torch also writes one per GPU stream, "gpu_user_annotation")
+    steps = sorted((e for e in spans if e.get("name") == STEP and e.get("cat") == "user_annotation"),
+                   key=lambda e: e["ts"])
     if not steps:
         raise ValueError(f"{path}: no {STEP!r} annotations (profile with bench_gpu.py --profile)")
     main = steps[0]["tid"]
@@ -53,13 +56,13 @@ def summarize(path: str) -> dict:
     for s in steps:
         lo, hi = s["ts"], s["ts"] + s["dur"]
         op_t = _union(_clip(ops, lo, hi))
-        api_t = _union(_clip(ops + api, lo, hi)) - op_t  # (CUDA calls outside any torch op)
-        bwd_t = _union(_clip(backward, lo, hi))
+        busy = _union(_clip(ops + api, lo, hi))
+        every = _union(_clip(ops + api + backward, lo, hi))
         out["host"] += s["dur"]
         out["torch_ops"] += op_t
-        out["cuda_api"] += api_t
-        out["backward_wait"] += bwd_t
-        out["other"] += max(0.0, s["dur"] - _union(_clip(ops + api + backward, lo, hi)))
+        out["cuda_api"] += busy - op_t  # (CUDA calls outside any torch op)
+        out["backward_wait"] += every - busy  # (the backward's thread at work, the training thread idle)
+        out["other"] += max(0.0, s["dur"] - every)
         out["launches"] += sum(1 for e in launches if lo <= e["ts"] < hi)
     first, last = steps[0]["ts"], steps[-1]["ts"] + steps[-1]["dur"]
     n = len(steps)
@@ -71,8 +74,9 @@ def summarize(path: str) -> dict:
 
 def line(name: str, r: dict) -> str:
     return (f"{name:18s} host {r['host_ms']:.3f} ms a step: torch ops {r['torch_ops_ms']:.3f}, CUDA calls outside "
-            f"them {r['cuda_api_ms']:.3f} ({r['launches']:.0f} launches), waiting on autograd's backward thread "
-            f"{r['backward_wait_ms']:.3f}, the rest (Python, native) {r['other_ms']:.3f}; GPU busy "
+            f"them {r['cuda_api_ms']:.3f}, waiting on autograd's backward thread "
+            f"{r['backward_wait_ms']:.3f}, the rest (Python, native) {r['other_ms']:.3f}; {r['launches']:.0f} kernel "
+            f"launches (both threads); GPU busy "
             f"{r['gpu_busy_ms']:.3f} ms a step")
 
 

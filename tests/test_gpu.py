@@ -110,7 +110,8 @@ def _assert_the_worker_made_batches_resident(emb) -> None:
     while the forward waited for it (which of the two is timing: on an H200 a run of 12 small
     batches of device ids had every batch late, and prefetched_rows > 0 failed)."""
     p = emb.stats()["prefetch"]
-    assert p["prefetched_rows"] + p["late_rows"] > 0 and p["demand_misses"] == 0, p
+    assert p["registered"] == p["forwards"] > 0 and p["demand_misses"] == 0, p  # (every forward's batch registered)
+    assert p["prefetched_rows"] + p["late_rows"] > 0, p
 
 
 def test_prefetch_over_ssd_gives_the_same_weights(tmp_path):

@@ -128,7 +128,7 @@ void check_argmax(const PoolingArgs& a, int64_t argmax_size) {
 
 // ids[i] into out[i] as Out, each checked in [0, num_embeddings) in the same pass (a host
 // batch's check and its narrowing for the device, one read of the ids): IndexError naming the
-// first id out of range (out then holds a part of the ids).
+// first id out of range (out is written whatever the ids: on an error, the caller's to discard).
 template <class In, class Out>
 Status checked_copy(const In* ids, int64_t n, int64_t num_embeddings, Out* out) {
   const uint64_t limit = static_cast<uint64_t>(num_embeddings);
