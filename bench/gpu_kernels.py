@@ -26,8 +26,9 @@ from workload import BatchSource, Workload  # noqa: E402
 
 
 def timed(fn, reps: int, dev: torch.device) -> float:
-    """Median device microseconds of fn() over reps calls (the first call before, untimed); on the
-    CPU (a check of the script), wall microseconds."""
+    """Median device microseconds of fn() over reps calls (the first call before, untimed), queued
+    behind a spin of about a millisecond so that the host's launch time is not counted; on the CPU
+    (a check of the script), wall microseconds."""
     fn()
     times = []
     for _ in range(reps):
@@ -37,6 +38,7 @@ def timed(fn, reps: int, dev: torch.device) -> float:
             times.append((time.perf_counter() - t0) * 1e6)
             continue
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(2_000_000)  # (the device busy while the host launches: the launches' host time left out)
         start.record()
         fn()
         end.record()
