@@ -83,6 +83,13 @@ def synchronize(dev: torch.device) -> None:
         torch.cuda.synchronize(dev)
 
 
+def train_steps(step, stream, grad, steps: int) -> None:
+    """`steps` training steps of a system, on the next batches of stream."""
+    for _ in range(steps):
+        ids, offsets = next(stream)[:2]
+        step(ids, offsets, grad)
+
+
 COUNTED_STEPS = 5  # steps after the timed runs whose waits for the device are counted
 
 
@@ -109,9 +116,7 @@ def count_waits(step, stream, grad, steps: int) -> dict:
             warnings.showwarning = lambda message, *a, **k: seen() if "synchroniz" in str(message) else None
             torch.cuda.set_sync_debug_mode("warn")
             try:
-                for _ in range(steps):
-                    ids, offsets = next(stream)[:2]
-                    step(ids, offsets, grad)
+                train_steps(step, stream, grad, steps)
             finally:
                 torch.cuda.set_sync_debug_mode("default")
     finally:
@@ -212,16 +217,12 @@ def run_system(name: str, w: Workload, source: BatchSource, a, dev: torch.device
 
 def measure(name, what, step, module, stream, grad, w: Workload, a, dev: torch.device, before: int) -> dict:
     on_gpu = dev.type == "cuda"
-    for _ in range(a.warmup):
-        ids, offsets = next(stream)[:2]
-        step(ids, offsets, grad)
+    train_steps(step, stream, grad, a.warmup)
     rates = []
     for _ in range(a.runs):
         synchronize(dev)
         start = time.perf_counter()
-        for _ in range(w.batches):
-            ids, offsets = next(stream)[:2]
-            step(ids, offsets, grad)
+        train_steps(step, stream, grad, w.batches)
         synchronize(dev)
         seconds = time.perf_counter() - start
         rates.append(w.batches * w.lookups_per_batch / seconds)
@@ -312,9 +313,7 @@ def sample_steps(name: str, step, stream, steps: int, grad, dev: torch.device, o
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
     start = time.perf_counter()
-    for _ in range(steps):
-        ids, offsets = next(stream)[:2]
-        step(ids, offsets, grad)
+    train_steps(step, stream, grad, steps)
     synchronize(dev)
     wall = time.perf_counter() - start
     done.set()

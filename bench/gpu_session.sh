@@ -113,7 +113,7 @@ part() {  # part CAP COMMAND...: one part of `first`, its outcome in $OUT/first.
   echo "first: exit $rc after $SECONDS s" | log first
 }
 case "$step" in
-  first)  # (what comes back: first.log, each bench's JSON, prof.tgz: the profiles of the whole-table systems)
+  first)  # (what comes back: first.log, each part's JSON, prof.tgz: the whole-table systems' profiles and every system's stacks)
     rm -rf /tmp/prof
     part 170 tests test_gpu -v --durations=15 tests/test_gpu.py --deselect tests/test_gpu.py::test_the_cpu_tensor_tests_pass_in_a_child
     part 120 bench hbm --only fbgemm-hbm,ours-hbm,torch-ops,torch-sparse --profile /tmp/prof --stacks /tmp/prof

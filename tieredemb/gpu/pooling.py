@@ -27,9 +27,9 @@ _SUM, _MEAN, _MAX = 0, 1, 2
 
 # Launch shapes of the forward and of the backward's update: warps per program, and the most
 # occurrences read at once (see _tile). Measured on an H200 by bench/gpu_kernels.py (bench_gpu.py's
-# batch, dim 128; two sweeps, bench/RESULTS.md): forward 91-105 us at 4 warps and 32 occurrences,
-# 47-59 us at 1 and 8; backward + update 529-631 us at 4 and 32, 404-408 us at 1 and 16. Module
-# constants, so that gpu_kernels.py can try others.
+# batch, dim 128; two sweeps, bench/RESULTS.md; each time with its launch's host time in it):
+# forward 91-105 us at 4 warps and 32 occurrences, 47-59 us at 1 and 8; backward + update 529-631
+# us at 4 and 32, 404-408 us at 1 and 16. Module constants, so that gpu_kernels.py can try others.
 FORWARD_WARPS, FORWARD_TILE = 1, 8
 UPDATE_WARPS, UPDATE_TILE = 1, 16
 
