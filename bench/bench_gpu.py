@@ -15,7 +15,9 @@ Systems:
   fbgemm-uvm10   FBGEMM TBE, UVM cache holding 10% of the rows (MANAGED_CACHING, LRU)
   torch-ops      plain torch ops, table in HBM: unique, F.embedding_bag, row-wise Adagrad by index_add_
   torch-sparse   torch.nn.EmbeddingBag(sparse=True) + torch.optim.Adagrad
-  ours-hbm       TieredEmbeddingBag(cache_rows=None, device="cuda")
+  ours-hbm       TieredEmbeddingBag(cache_rows=None, device="cuda"): its steps replay CUDA graphs
+                 (gpu/graphed.py)
+  ours-hbm-eager the same with cuda_graphs=False: every kernel launched from Python, as before
   ours-host10    tier 0 = 10% of the rows, over host memory
   ours-host10-zc the same with zero_copy=True: the GPU reads misses from, and writes dirty victims to,
                  the pinned host rows itself (no host copy)
@@ -63,10 +65,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import trace_steps  # noqa: E402
 from workload import BatchSource, Workload  # noqa: E402
 
-SYSTEMS = ("fbgemm-hbm", "fbgemm-uvm10", "torch-ops", "torch-sparse", "ours-hbm", "ours-host10", "ours-host10-zc",
+SYSTEMS = ("fbgemm-hbm", "fbgemm-uvm10", "torch-ops", "torch-sparse", "ours-hbm", "ours-hbm-eager", "ours-host10",
+           "ours-host10-zc",
            "ours-host10-pf2", "ours-host10-zc-pf2", "ours-ssd10")
 # The targets: ours / peer, at least.
-TARGETS = {"ours-hbm": ("fbgemm-hbm", 1.0), "ours-host10": ("fbgemm-uvm10", 1.0),
+TARGETS = {"ours-hbm": ("fbgemm-hbm", 1.0), "ours-hbm-eager": ("fbgemm-hbm", 1.0), "ours-host10": ("fbgemm-uvm10", 1.0),
            "ours-host10-zc": ("fbgemm-uvm10", 1.0), "ours-host10-pf2": ("fbgemm-uvm10", 1.0),
            "ours-host10-zc-pf2": ("fbgemm-uvm10", 1.0), "ours-ssd10": ("fbgemm-uvm10", 0.5)}
 PROFILED_STEPS = 5
@@ -173,16 +176,18 @@ def build(name: str, w: Workload, a, dev: torch.device):
 
     import tieredemb
 
-    cache = None if name == "ours-hbm" else int(rows * a.cache_fraction)
+    cache = None if name.startswith("ours-hbm") else int(rows * a.cache_fraction)
     kw = dict(ssd_path=a.ssd_dir, ssd_options={"backend": "log"}) if name == "ours-ssd10" else {}
     zero_copy = name.startswith("ours-host10-zc")
     emb = tieredemb.TieredEmbeddingBag(rows, dim, "sum", cache_rows=cache, device=dev, dtype=getattr(torch, a.dtype),
-                                       optimizer=tieredemb.RowWiseAdagrad(lr=lr, eps=eps), zero_copy=zero_copy, **kw)
+                                       optimizer=tieredemb.RowWiseAdagrad(lr=lr, eps=eps), zero_copy=zero_copy,
+                                       cuda_graphs=name != "ours-hbm-eager", **kw)
 
     def step(ids, offsets, grad):
         emb(ids, offsets).backward(grad)
     step.module = emb
     return step, (f"TieredEmbeddingBag cache_rows={cache}" + (", log store" if kw else "")
+                  + (", cuda_graphs=False" if name == "ours-hbm-eager" else "")
                   + (", zero_copy" if zero_copy else "") + (", prefetch depth 2" if prefetched(name) else ""))
 
 
@@ -233,6 +238,9 @@ def measure(name, what, step, module, stream, grad, w: Workload, a, dev: torch.d
         out["waits_per_batch"], out["worker_waits_per_batch"] = waits["training"], waits["other"]
     if module is not None:
         out["tier0_hit_rate"] = module.stats()["tier0"]["hit_rate"]
+        graphs = module._store.tier0.graphs
+        if graphs is not None:
+            out["graphs"] = graphs.stats()
     if a.stacks:
         out["stacks"] = sample_steps(name, step, stream, SAMPLED_STEPS, grad, dev, a.stacks)
     if a.profile:
@@ -421,6 +429,7 @@ def main(argv=None) -> int:
               + (f"  waits/batch {r['waits_per_batch']:.1f} (+{r['worker_waits_per_batch']:.1f} on the prefetch worker)"
                  if "waits_per_batch" in r else "")
               + (f"  tier-0 hit {r['tier0_hit_rate']:.3f}" if "tier0_hit_rate" in r else "")
+              + (f"  graphs {r['graphs']}" if "graphs" in r else "")
               + f"  [{r['config']}]", flush=True)
         if "profile" in r:
             pr = r["profile"]

@@ -8,12 +8,11 @@
 # what `status` says is left, less a minute: a call cut off by the budget brings nothing back.
 #
 #   bash bench/gpu_session.sh first        in one call, in this order, each part stopped in time for the next:
-#                                          the GPU tests; the table whole in HBM (FBGEMM, ours, torch ops);
-#                                          tier 0 = 10% over host memory and over the log store (FBGEMM's UVM
-#                                          cache, ours with copies, with prefetch, over SSD, zero-copy; the
-#                                          profiles and every thread's sampled stacks of each packed in
-#                                          prof.tgz); the same with ids on the device; the lookup kernels by
-#                                          launch shape; the collection bench; as time allows
+#                                          the GPU tests; the table whole in HBM (FBGEMM, ours with CUDA graphs
+#                                          and without, torch ops; their profiles packed in prof.tgz); the same
+#                                          with ids on the device; tier 0 = 10% over host memory and over the
+#                                          log store (FBGEMM's UVM cache, ours with copies, zero-copy, over SSD
+#                                          with prefetch); the collection bench; as time allows
 #
 # and, where time is left, one of the parts alone:
 #
@@ -116,19 +115,17 @@ case "$step" in
   first)  # (what comes back: first.log, each part's JSON, prof.tgz: the whole-table systems' profiles and every system's stacks)
     rm -rf /tmp/prof
     part 170 tests test_gpu -v --durations=15 tests/test_gpu.py --deselect tests/test_gpu.py::test_the_cpu_tensor_tests_pass_in_a_child
-    part 120 bench hbm --only fbgemm-hbm,ours-hbm,torch-ops,torch-sparse --profile /tmp/prof --stacks /tmp/prof
-    part 170 bench cached --only fbgemm-uvm10,ours-host10,ours-host10-pf2,ours-ssd10,ours-host10-zc,ours-host10-zc-pf2 \
-      --ssd-path /tmp --stacks /tmp/prof
+    part 150 bench hbm --only fbgemm-hbm,ours-hbm,ours-hbm-eager,torch-ops --profile /tmp/prof
     { [ -d /tmp/prof ] && tar czf "$OUT/prof.tgz" -C /tmp prof; } || echo "first: no profiles packed" | log first
-    part 100 bench device_ids --only fbgemm-hbm,ours-hbm,fbgemm-uvm10,ours-host10-pf2,ours-host10-zc --ids-on-device
-    part 90 kernels --warps 1,2,4 --tiles 8,16,32
+    part 70 bench device_ids --only fbgemm-hbm,ours-hbm --ids-on-device
+    part 150 bench cached --only fbgemm-uvm10,ours-host10,ours-host10-zc,ours-ssd10 --ssd-path /tmp
     part 600 collection ;;
   tests) tests test_gpu tests/test_gpu.py --deselect tests/test_gpu.py::test_the_cpu_tensor_tests_pass_in_a_child ;;
   interpreted)
     par=$("$PY" -c 'import xdist; print("-n 8")' 2>/dev/null || true)
     CUDA_VISIBLE_DEVICES="" TRITON_INTERPRET=1 tests interpreted -m interpreted $par tests ;;
   suite) tests suite --ignore tests/test_gpu.py -m "not interpreted" tests ;;
-  hbm) bench hbm --only fbgemm-hbm,ours-hbm,torch-ops,torch-sparse ;;
+  hbm) bench hbm --only fbgemm-hbm,ours-hbm,ours-hbm-eager,torch-ops,torch-sparse ;;
   host) bench host --only fbgemm-uvm10,ours-host10,ours-host10-zc,ours-host10-pf2,ours-host10-zc-pf2 ;;
   ssd) bench ssd --only fbgemm-uvm10,ours-ssd10 --ssd-path /tmp ;;
   device-ids) bench device_ids --only fbgemm-hbm,ours-hbm,fbgemm-uvm10,ours-host10,ours-host10-pf2 --ids-on-device ;;

@@ -520,3 +520,99 @@ def test_a_bad_id_prefetched_on_the_gpu_raises_at_its_forward():
         with pytest.raises(IndexError, match=rf"id {NUM + 2} out of range \[0, {NUM}\)"):
             emb(*bad)
         assert torch.equal(_table(emb), before)
+
+
+def _shaped(seed, bags, length, num=NUM):
+    g = torch.Generator().manual_seed(seed)
+    return ((torch.rand(bags * length, generator=g) ** 2 * num).long(), torch.arange(0, bags * length, length),
+            torch.randn(bags, DIM, generator=g))
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean", "max"])
+@pytest.mark.parametrize("opt", ["rowwise", "adam", "fp16-stochastic"])
+def test_cuda_graphs_train_bit_for_bit_as_kernels_launched_one_by_one(mode, opt):
+    """A whole table in HBM replays CUDA graphs of its lookups (gpu/graphed.py): the outputs,
+    rows and counters are those of cuda_graphs=False, bit for bit, through a change of shape,
+    two forwards before one backward, a forward without a graph and a bad id (refused, nothing
+    changed); and the graphs were captured and replayed (none failed)."""
+    kw = dict(rowwise=dict(optimizer=tieredemb.RowWiseAdagrad(lr=0.1)), adam=dict(optimizer=tieredemb.Adam(lr=0.05)),
+              **{"fp16-stochastic": dict(optimizer=tieredemb.SGD(lr=0.1), dtype=torch.float16,
+                                         stochastic_rounding=True)})[opt]
+    data = [_shaped(k, 16, 5) for k in range(4)] + [_shaped(10 + k, 7, 3) for k in range(4)] + [_shaped(20, 16, 5)]
+    runs, tables = [], []
+    for graphs in (True, False):
+        emb = tieredemb.TieredEmbeddingBag(NUM, DIM, mode, padding_idx=5, seed=3, device="cuda", cuda_graphs=graphs,
+                                           **kw)
+        outs = []
+        for ids, offsets, grad in data:
+            out = emb(ids, offsets)
+            out.backward(grad.cuda())
+            outs.append(out.detach())
+        (ids, offsets, grad), (ids2, offsets2, grad2) = data[0], data[1]
+        first, second = emb(ids, offsets), emb(ids2, offsets2)  # (the second before the first's backward)
+        (first * grad.cuda()).sum().add((second * grad2.cuda()).sum()).backward()
+        with torch.no_grad():
+            outs += [first.detach(), second.detach(), emb(ids, offsets)]
+        before = _table(emb)
+        with pytest.raises(IndexError, match=rf"id {NUM} out of range \[0, {NUM}\)"):
+            emb(torch.cat([ids[:-1], torch.tensor([NUM])]), offsets)
+        assert torch.equal(_table(emb), before)
+        stats = emb.stats()
+        stats["prefetch"].pop("wait_seconds")
+        runs.append((torch.cat(outs).cpu(), _table(emb), stats))
+        tables.append(emb)
+    (got, got_rows, got_stats), (want, want_rows, want_stats) = runs
+    assert torch.equal(got, want) and torch.equal(got_rows, want_rows) and got_stats == want_stats
+    graphs = tables[0]._store.tier0.graphs.stats()
+    assert graphs["failed"] is None and graphs["shapes"] == 2 and graphs["captures"] == (4 if opt == "rowwise" else 2)
+    assert tables[1]._store.tier0.graphs is None
+
+
+def test_cuda_graphs_replay_on_the_callers_stream_and_a_flush_sees_their_updates():
+    """Training on a side stream: the replayed graphs run there, the pooled rows read on that
+    stream are right, and a flush from the default stream writes down every update (it waits
+    for the stream the graphs ran on)."""
+    kw = dict(optimizer=tieredemb.SGD(lr=0.5), seed=1)
+    emb = tieredemb.TieredEmbeddingBag(NUM, DIM, "sum", device="cuda", **kw)
+    ref = tieredemb.TieredEmbeddingBag(NUM, DIM, "sum", **kw)
+    side = torch.cuda.Stream()
+    data = [_shaped(k, 16, 5) for k in range(6)]
+    for ids, offsets, grad in data:
+        with torch.cuda.stream(side):
+            out = emb(ids, offsets)
+            out.backward(grad.cuda())
+            got = out.detach().cpu()
+        want = ref(ids, offsets)
+        want.backward(grad)
+        torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-5)
+    emb.flush()
+    torch.testing.assert_close(_table(emb), _table(ref), rtol=1e-5, atol=1e-5)
+    assert emb._store.tier0.graphs.stats()["replays"] >= 8
+
+
+@pytest.mark.parametrize("include_last_offset", [False, True])
+def test_cuda_graphs_take_ids_and_offsets_checked_on_the_gpu(include_last_offset):
+    """Ids and offsets given on the GPU (checked there, the verdict read with one wait) go
+    through the replayed graphs too: bit for bit as cuda_graphs=False, and a bad id is refused
+    with nothing changed."""
+    data = [_shaped(k, 16, 5) for k in range(5)]
+    runs, tables = [], []
+    for graphs in (True, False):
+        emb = tieredemb.TieredEmbeddingBag(NUM, DIM, "sum", padding_idx=5, seed=3, device="cuda", cuda_graphs=graphs,
+                                           include_last_offset=include_last_offset,
+                                           optimizer=tieredemb.RowWiseAdagrad(lr=0.1))
+        outs = []
+        for ids, offsets, grad in data:
+            if include_last_offset:
+                offsets = torch.cat([offsets, torch.tensor([len(ids)])])
+            out = emb(ids.cuda(), offsets.cuda())
+            out.backward(grad.cuda())
+            outs.append(out.detach())
+        before = _table(emb)
+        with pytest.raises(IndexError, match=rf"id {NUM} out of range \[0, {NUM}\)"):
+            emb(torch.cat([ids[:-1], torch.tensor([NUM])]).cuda(), offsets.cuda())
+        assert torch.equal(_table(emb), before)
+        runs.append((torch.cat(outs).cpu(), _table(emb)))
+        tables.append(emb)
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
+    assert tables[0]._store.tier0.graphs.stats()["replays"] >= 5

@@ -633,3 +633,48 @@ def test_the_interpreter_can_run_a_launchs_programs_out_of_order(order, request)
     assert sorted(seen) == list(range(24))
     assert seen == (list(range(23, -1, -1)) if order == "reversed" else seen) and seen != list(range(24))
     assert run() == list(range(24))
+
+
+def test_replayed_lookups_train_bit_for_bit_as_kernels_launched_one_by_one():
+    """gpu/graphed.py on CPU tensors (a "graph" is its function run again over the shape's
+    buffers): a whole-table tier 0's lookups of a shape seen twice in a row replay their forward
+    and backward, and train to the very rows and outputs of the ordinary path, through a change
+    of shape, an optimizer whose arguments change every step (Adam: its backward not captured),
+    two forwards before one backward (the second takes the ordinary path: the shape's buffers are
+    in use), a forward without a graph, and a bad id (refused, nothing changed). The capture
+    itself runs on a GPU only (tests/test_gpu.py)."""
+    def shaped(seed, bags, length):
+        g = torch.Generator().manual_seed(seed)
+        return ((torch.rand(bags * length, generator=g) ** 2 * NUM).long(), torch.arange(0, bags * length, length),
+                torch.randn(bags, D, generator=g))
+
+    data = [shaped(k, 10, 6) for k in range(3)] + [shaped(10 + k, 4, 3) for k in range(3)] + [shaped(20, 10, 6)]
+    for opt in (lambda: tieredemb.RowWiseAdagrad(lr=0.1), lambda: tieredemb.Adam(lr=0.05)):
+        kw = dict(optimizer=opt(), seed=5, padding_idx=3)
+        tables = [device_tier(tieredemb.TieredEmbeddingBag(NUM, D, "sum", **kw), None, graphs=graphs)
+                  for graphs in (True, False)]
+        runs = []
+        for emb in tables:
+            outs = train(emb, data)
+            (ids, offsets, grad), (ids2, offsets2, grad2) = data[0], data[1]
+            first = emb(ids, offsets)
+            second = emb(ids2, offsets2)  # (before the first's backward)
+            (first * grad).sum().add((second * grad2).sum()).backward()
+            with torch.no_grad():
+                outs += [first.detach(), second.detach(), emb(ids, offsets)]
+            before = rows_and_state(emb)
+            with pytest.raises(IndexError, match=rf"id {NUM} out of range \[0, {NUM}\)"):
+                emb(torch.cat([ids[:-1], torch.tensor([NUM])]), offsets)
+            assert torch.equal(rows_and_state(emb), before)
+            outs += train(emb, data[:2])
+            runs.append((torch.cat(outs), rows_and_state(emb), emb.stats()))
+        (got, got_rows, got_stats), (want, want_rows, want_stats) = runs
+        assert torch.equal(got, want) and torch.equal(got_rows, want_rows)
+        counts = lambda stats: {k: v for k, v in stats["prefetch"].items() if k != "wait_seconds"}  # noqa: E731
+        assert got_stats["tier0"] == want_stats["tier0"] and counts(got_stats) == counts(want_stats)
+        graphs = tables[0]._store.tier0.graphs.stats()
+        adam = isinstance(kw["optimizer"], tieredemb.Adam)
+        # forwards: the second of each run of a shape is captured and replayed, and the later ones
+        assert graphs["failed"] is None and graphs["shapes"] == 2
+        assert graphs["captures"] == (2 if adam else 4)
+        assert tables[1]._store.tier0.graphs is None

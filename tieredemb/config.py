@@ -142,6 +142,10 @@ class TableConfig:
         host rows and writes its dirty victims straight into them (as FBGEMM's UVM table is read):
         the host rows are pinned and mapped into the GPU when the table is made, so they must fit
         in host memory. Off by default.
+    cuda_graphs: on cuda, with tier 0 holding the whole table (cache_rows None), lookups of a batch
+        shape seen before replay CUDA graphs of their forward and backward instead of launching
+        each kernel from Python (gpu/graphed.py says which lookups). The same results, bit for
+        bit. On by default; False: every lookup launches its kernels one by one.
 
     Sizes given in bytes are resolved to rows, and ssd_options dicts to typed options, when the
     config is made: the fields then read as rows and StoreOptions.
@@ -163,6 +167,7 @@ class TableConfig:
     dtype: torch.dtype = torch.float32
     stochastic_rounding: bool = False
     zero_copy: bool = False
+    cuda_graphs: bool = True
 
     def __post_init__(self):
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
@@ -202,6 +207,8 @@ class TableConfig:
             set_("partitions", _check_partitions(self.partitions, n, self.cache_rows))
             set_("cache_rows", sum(c for _, c in self.partitions))
         tier0 = self.tier0_rows
+        if not isinstance(self.cuda_graphs, bool):
+            raise TypeError(f"cuda_graphs must be a bool, got {self.cuda_graphs!r}")
         if not isinstance(self.zero_copy, bool):
             raise TypeError(f"zero_copy must be a bool, got {self.zero_copy!r}")
         host_cache = self.host_rows is not None and self.host_rows < n

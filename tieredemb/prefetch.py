@@ -158,6 +158,16 @@ class Prefetcher:
                 return p.ids, p.offsets, p.deduped.check
         return None
 
+    def idle(self) -> bool:
+        """Whether no batch is registered (a forward then makes its own batch resident)."""
+        with self.cond:
+            return not self.queue
+
+    def count_forward(self) -> None:
+        """Counts a forward that made its batch resident itself, without take() (gpu/graphed.py)."""
+        with self.cond:
+            self._count(0, "demand_misses", time.perf_counter())
+
     def take(self, ids: torch.Tensor, offsets: torch.Tensor, segments=None, check=None, source: tuple = ()):
         """A forward's batch, resident and pinned (a ResidentBatch). The oldest registered batch
         (checked: source, the caller's tensors, as register takes them), waited for; else

@@ -6,6 +6,7 @@
 // (common/bindings.h).
 #include <nanobind/stl/optional.h>
 
+#include <algorithm>
 #include <optional>
 #include <string>
 #include <vector>
@@ -131,13 +132,17 @@ void check_argmax(const PoolingArgs& a, int64_t argmax_size) {
 // first id out of range (out is written whatever the ids: on an error, the caller's to discard).
 template <class In, class Out>
 Status checked_copy(const In* ids, int64_t n, int64_t num_embeddings, Out* out) {
-  const uint64_t limit = static_cast<uint64_t>(num_embeddings);
-  bool bad = false;
-  for (int64_t i = 0; i < n; ++i) {  // (no branch: the compiler vectorizes it)
-    bad |= static_cast<uint64_t>(static_cast<int64_t>(ids[i])) >= limit;
-    out[i] = static_cast<Out>(ids[i]);
+  // In blocks that stay in L1: the narrowing copy, then the largest id as unsigned (a negative
+  // one is huge), each a loop the compiler vectorizes (one loop doing both was 3x slower).
+  constexpr int64_t kBlock = 4096;
+  uint64_t largest = 0;
+  for (int64_t start = 0; start < n; start += kBlock) {
+    const int64_t end = std::min(n, start + kBlock);
+    for (int64_t i = start; i < end; ++i) out[i] = static_cast<Out>(ids[i]);
+    for (int64_t i = start; i < end; ++i)
+      largest = std::max(largest, static_cast<uint64_t>(static_cast<int64_t>(ids[i])));
   }
-  if (!bad) return Status::Ok();
+  if (n == 0 || largest < static_cast<uint64_t>(num_embeddings)) return Status::Ok();
   for (int64_t i = 0; i < n; ++i) {
     if (ids[i] < 0 || ids[i] >= num_embeddings)
       return Status::IndexError("id " + std::to_string(ids[i]) + " out of range [0, " +

@@ -41,12 +41,26 @@ def to_device(t: torch.Tensor, device, dtype: torch.dtype | None = None, *, owne
     device = torch.device(device)
     if t.device.type != "cpu" or device.type != "cuda":
         return t.to(device, dtype, non_blocking=True)
-    dtype, pinned = dtype or t.dtype, t.is_pinned()
+    return _copy_source(t, dtype or t.dtype, owned).to(device, dtype, non_blocking=True)
+
+
+def copy_to(dst: torch.Tensor, t: torch.Tensor, *, owned: bool = False) -> None:
+    """t copied into dst (converted to its dtype), queued on the current stream without waiting
+    for it: a host tensor bound for a GPU goes through pinned memory as to_device's does."""
+    if t.device.type == "cpu" and dst.device.type == "cuda":
+        t = _copy_source(t, dst.dtype, owned)
+    dst.copy_(t, non_blocking=True)
+
+
+def _copy_source(t: torch.Tensor, dtype: torch.dtype, owned: bool) -> torch.Tensor:
+    """What a host tensor t bound for a GPU as dtype is copied from (see to_device): t itself if
+    it is the package's own pinned block, or small and pageable; else a pinned copy as dtype."""
+    pinned = t.is_pinned()
     if owned and pinned and dtype == t.dtype and t.is_contiguous():
-        return t.to(device, non_blocking=True)
+        return t
     if not pinned and t.numel() * max(t.element_size(), dtype.itemsize) <= _INLINE_COPY_BYTES:
-        return t.to(device, dtype, non_blocking=True)  # (the driver copies a small pageable source before it returns)
-    return staged(t, dtype, pin=True).to(device, non_blocking=True)
+        return t  # (the driver copies a small pageable source before it returns)
+    return staged(t, dtype, pin=True)
 
 
 def staged(t: torch.Tensor, dtype: torch.dtype, pin: bool) -> torch.Tensor:

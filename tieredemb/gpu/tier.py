@@ -27,6 +27,7 @@ from ..tiers.rowstore import DEFERRED_MARK
 from . import hostmap, moves, rowinit, to_device
 from .checks import check_on_device, checked_ids
 from .dedup import dedup as device_dedup
+from .graphed import StepGraphs
 from .index import DirectIndex, SetIndex
 
 _ROWS_PER_MOVE = 1 << 16  # write-backs at flush: staging blocks of at most this many rows
@@ -90,7 +91,7 @@ class DeviceTier:
 
     def __init__(self, num_embeddings: int, width: int, capacity: int | None, policy: str, lower, init,
                  device: torch.device, *, lower_is_store: bool = True, partitions: tuple | None = None,
-                 zero_copy: bool = False):
+                 zero_copy: bool = False, graphs: bool = False):
         self.num_embeddings = num_embeddings
         self.width = width
         self.device = device
@@ -133,6 +134,8 @@ class DeviceTier:
         # Held around each kernel launch on the pool, the index's dirty bits or its pins, and while
         # they are replaced by larger ones (_plan), so no kernel is queued on a tensor being replaced.
         self.pool_lock = locks.Counted()
+        # Lookups of a table held whole here, captured as CUDA graphs and replayed (gpu/graphed.py)
+        self.graphs = StepGraphs(self) if graphs and isinstance(self.index, DirectIndex) else None
 
     @property
     def state(self) -> dict:
@@ -198,7 +201,7 @@ class DeviceTier:
                 if check is not None:
                     check.resolve()
                 with self.index_lock:
-                    slots = self.index.draw(unique, num_unique, self.pool.rows, self.init)
+                    slots = self.draw(unique, num_unique)
                 # (it counts its misses on the device: see stats())
                 return slots, 0, self._record()
             with self.index_lock:
@@ -232,6 +235,11 @@ class DeviceTier:
             with self.index_lock:
                 self.index.commit(plan, pin)
             return plan.slots, plan.miss_ids.numel(), self._record()
+
+    def draw(self, unique: torch.Tensor, num_unique: torch.Tensor) -> torch.Tensor:
+        """A whole-table tier's residency, when every miss is drawn here (init_misses_here): one
+        launch on the current stream, which waits for nothing (DirectIndex.draw). Returns slots."""
+        return self.index.draw(unique, num_unique, self.pool.rows, self.init)
 
     def _record(self):
         """An event after the work queued on the tier's stream so far (None on the CPU)."""
@@ -291,7 +299,11 @@ class DeviceTier:
                 event.record(torch.cuda.current_stream(self.device))
                 self._released = event
                 if stream is not None:
-                    self._computed_on[stream] = True
+                    self.computed_on(stream)
+
+    def computed_on(self, stream) -> None:
+        """Notes that batches were computed on stream (a flush or a read then waits for it)."""
+        self._computed_on[stream] = True
 
     def after_releases(self) -> None:
         """Orders the tier's stream after the last release's unpin (queued on the stream that
@@ -417,6 +429,7 @@ class DeviceTier:
         self.bytes_in = self.bytes_out = 0
 
     def close(self) -> None:
+        self.graphs = None  # (their buffers and graphs' memory)
         try:
             self.flush()
             self.lower.close()
@@ -426,14 +439,16 @@ class DeviceTier:
                 self._unmap()
 
 
-def on_cpu_tensors(table, cache_rows: int | None, policy: str = "lru", partitions=None, zero_copy: bool = False):
+def on_cpu_tensors(table, cache_rows: int | None, policy: str = "lru", partitions=None, zero_copy: bool = False,
+                   graphs: bool = False):
     """A CPU table (TieredEmbeddingBag / TieredEmbedding) with its tier 0 replaced by a DeviceTier
     on CPU tensors over the same layers below: the GPU path run on a CPU, its Triton kernels under
-    TRITON_INTERPRET=1 (tests/test_gpu_tier.py, bench/gpu_ops.py). Returns the table."""
+    TRITON_INTERPRET=1 (tests/test_gpu_tier.py, bench/gpu_ops.py). graphs: its lookups go through
+    gpu/graphed.py (whose graphs are then their functions run again). Returns the table."""
     st = table._store
     lower = st.tier0.lower
     tier = DeviceTier(table.num_embeddings, table.width, cache_rows, policy, lower, st.init, torch.device("cpu"),
-                      lower_is_store=lower is st.bottom, partitions=partitions, zero_copy=zero_copy)
+                      lower_is_store=lower is st.bottom, partitions=partitions, zero_copy=zero_copy, graphs=graphs)
     st.tier0 = st.tiers[0] = tier
     return table
 

@@ -44,6 +44,8 @@ class Deduped(NamedTuple):
 
 
 class CacheTier:
+    graphs = None  # (a host tier 0 captures no lookups: see gpu/graphed.py)
+
     def __init__(self, name: str, index, pool, lower: RowStore, num_embeddings: int):
         self.name = name
         self.num_embeddings = num_embeddings
