@@ -37,13 +37,15 @@ DIR/<system>.trace.json (a Chrome trace), and the wall and kernel time per step 
 step whose kernel time is well under its wall time waits for the host), with the host's time
 split by trace_steps.py (torch ops, CUDA calls, the backward's thread, the rest).
 --device cpu runs the torch peers and ours on the CPU (FBGEMM's GPU TBE skipped): a check of
-this script's plumbing where there is no GPU, not a figure of the GPU path.
+this script's plumbing where there is no GPU, not a figure of the GPU path. --ragged: bags of
+L/2 to 3L/2 ids, so the number of ids varies from batch to batch (lookups/s counts the ids given).
 
     python bench/bench_gpu.py                      # everything (about 10 minutes on an H100)
     python bench/bench_gpu.py --only fbgemm-hbm,ours-hbm --runs 3
     python bench/bench_gpu.py --rows 1000000 --quick
     python bench/bench_gpu.py --dtype float16      # 16-bit weights (FBGEMM: weights_precision FP16)
     python bench/bench_gpu.py --only fbgemm-hbm,ours-hbm --ids-on-device
+    python bench/bench_gpu.py --only fbgemm-hbm,ours-hbm,ours-hbm-eager --ragged
     python bench/bench_gpu.py --only fbgemm-uvm10,ours-host10-zc --profile $OUT/prof
     python bench/bench_gpu.py --device cpu --rows 20000 --quick --only torch-ops,ours-hbm,ours-host10-pf2
 """
@@ -59,6 +61,7 @@ import tempfile
 import time
 import traceback
 
+import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -86,11 +89,14 @@ def synchronize(dev: torch.device) -> None:
         torch.cuda.synchronize(dev)
 
 
-def train_steps(step, stream, grad, steps: int) -> None:
-    """`steps` training steps of a system, on the next batches of stream."""
+def train_steps(step, stream, grad, steps: int) -> int:
+    """`steps` training steps of a system, on the next batches of stream. Returns the ids looked up."""
+    looked = 0
     for _ in range(steps):
         ids, offsets = next(stream)[:2]
         step(ids, offsets, grad)
+        looked += ids.numel()
+    return looked
 
 
 COUNTED_STEPS = 5  # steps after the timed runs whose waits for the device are counted
@@ -148,7 +154,11 @@ def build(name: str, w: Workload, a, dev: torch.device):
             device=dev)
 
         def step(ids, offsets, grad):
-            tbe(ids.to(dev, non_blocking=True), offsets_fb).backward(grad)
+            if a.ragged:  # (TBE takes B + 1 boundaries; fixed bags have them made once, above)
+                fb = torch.cat((offsets, offsets.new_tensor([ids.numel()]))).to(dev, non_blocking=True)
+            else:
+                fb = offsets_fb
+            tbe(ids.to(dev, non_blocking=True), fb).backward(grad)
         return step, f"TBE {where.name}, EXACT_ROWWISE_ADAGRAD"
     if name == "torch-ops":
         table = torch.randn(rows, dim, device=dev)
@@ -191,11 +201,21 @@ def build(name: str, w: Workload, a, dev: torch.device):
                   + (", zero_copy" if zero_copy else "") + (", prefetch depth 2" if prefetched(name) else ""))
 
 
+def ragged(source: BatchSource, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Batch i with bags of L/2 to 3L/2 ids (L on average; drawn for i alone): as many bags, a
+    number of ids that varies from batch to batch, as jagged features give."""
+    w = source.workload
+    lengths = np.random.default_rng([w.seed, 3, i]).integers(w.ids_per_bag // 2, w.ids_per_bag * 3 // 2 + 1, w.bags)
+    offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    return torch.from_numpy(source.ids.batch(i, int(lengths.sum()))), torch.from_numpy(offsets)
+
+
 def run_system(name: str, w: Workload, source: BatchSource, a, dev: torch.device) -> dict:
     on_gpu = dev.type == "cuda"
     profiled = (PROFILED_STEPS if a.profile else 0) + (SAMPLED_STEPS if a.stacks else 0)
     counted = COUNTED_STEPS if on_gpu else 0
-    batches = [source.batch(i) for i in range(a.warmup + a.runs * w.batches + counted + profiled)]
+    batches = [ragged(source, i) if a.ragged else source.batch(i)
+               for i in range(a.warmup + a.runs * w.batches + counted + profiled)]
     if a.ids_on_device:  # (staged before the memory baseline: the batches are not the system's)
         batches = [(ids.to(dev), offsets.to(dev)) for ids, offsets in batches]
     elif on_gpu and not a.pageable_batches:  # (a DataLoader's pin_memory=True)
@@ -227,10 +247,10 @@ def measure(name, what, step, module, stream, grad, w: Workload, a, dev: torch.d
     for _ in range(a.runs):
         synchronize(dev)
         start = time.perf_counter()
-        train_steps(step, stream, grad, w.batches)
+        looked = train_steps(step, stream, grad, w.batches)
         synchronize(dev)
         seconds = time.perf_counter() - start
-        rates.append(w.batches * w.lookups_per_batch / seconds)
+        rates.append(looked / seconds)
     out = {"system": name, "config": what, "lookups_per_s": statistics.median(rates), "runs": rates,
            "gpu_bytes": (torch.cuda.max_memory_allocated(dev) - before) if on_gpu else 0}
     if on_gpu:
@@ -392,6 +412,8 @@ def main(argv=None) -> int:
     p.add_argument("--ids-on-device", action="store_true",
                    help="every system is given its batches' ids and offsets on the device (as a loader that moves "
                         "them ahead gives them), not on the host")
+    p.add_argument("--ragged", action="store_true",
+                   help="bags of L/2 to 3L/2 ids (a number of ids that varies from batch to batch)")
     p.add_argument("--pageable-batches", action="store_true",
                    help="host batches in pageable memory, not pinned (the default pins them, as a DataLoader with "
                         "pin_memory=True does)")
@@ -437,8 +459,9 @@ def main(argv=None) -> int:
                   f"{pr['kernel_ms_per_step']:.3f} ms a step ({a.profile}/{name}.txt)\n"
                   f"{'':18s} {trace_steps.line('', pr['phases']).strip()}", flush=True)
         write_json(a.json, dev, w, results, failed)  # (after each system: a later one may not finish)
-    batches = ("on the device" if a.ids_on_device else
-               "on the host, " + ("pageable" if a.pageable_batches or dev.type != "cuda" else "pinned"))
+    batches = (("on the device" if a.ids_on_device else
+                "on the host, " + ("pageable" if a.pageable_batches or dev.type != "cuda" else "pinned"))
+               + (", ragged bags" if a.ragged else ""))
     print(f"\ndevice: {device_name(dev)}; torch {torch.__version__}; batches given {batches}")
     for ours, (peer, target) in TARGETS.items():
         if ours in results and peer in results:

@@ -9,10 +9,10 @@
 #
 #   bash bench/gpu_session.sh first        in one call, in this order, each part stopped in time for the next:
 #                                          the GPU tests; the table whole in HBM (FBGEMM, ours with CUDA graphs
-#                                          and without, torch ops; their profiles packed in prof.tgz); the same
-#                                          with ids on the device; tier 0 = 10% over host memory and over the
-#                                          log store (FBGEMM's UVM cache, ours with copies, zero-copy, over SSD
-#                                          with prefetch); the collection bench; as time allows
+#                                          and without, torch ops); the same with ragged bags, and with ids on
+#                                          the device; tier 0 = 10% over host memory and over the log store
+#                                          (FBGEMM's UVM cache, ours with copies, zero-copy, over SSD with
+#                                          prefetch); the collection bench; as time allows
 #
 # and, where time is left, one of the parts alone:
 #
@@ -115,9 +115,9 @@ case "$step" in
   first)  # (what comes back: first.log, each part's JSON, prof.tgz: the whole-table systems' profiles and every system's stacks)
     rm -rf /tmp/prof
     part 170 tests test_gpu -v --durations=15 tests/test_gpu.py --deselect tests/test_gpu.py::test_the_cpu_tensor_tests_pass_in_a_child
-    part 150 bench hbm --only fbgemm-hbm,ours-hbm,ours-hbm-eager,torch-ops --profile /tmp/prof
-    { [ -d /tmp/prof ] && tar czf "$OUT/prof.tgz" -C /tmp prof; } || echo "first: no profiles packed" | log first
-    part 70 bench device_ids --only fbgemm-hbm,ours-hbm --ids-on-device
+    part 90 bench hbm --only fbgemm-hbm,ours-hbm,ours-hbm-eager,torch-ops --runs 5
+    part 70 bench ragged --only fbgemm-hbm,ours-hbm,ours-hbm-eager --runs 5 --ragged
+    part 70 bench device_ids --only fbgemm-hbm,ours-hbm,ours-hbm-eager --runs 5 --ids-on-device
     part 150 bench cached --only fbgemm-uvm10,ours-host10,ours-host10-zc,ours-ssd10 --ssd-path /tmp
     part 600 collection ;;
   tests) tests test_gpu tests/test_gpu.py --deselect tests/test_gpu.py::test_the_cpu_tensor_tests_pass_in_a_child ;;
@@ -125,7 +125,8 @@ case "$step" in
     par=$("$PY" -c 'import xdist; print("-n 8")' 2>/dev/null || true)
     CUDA_VISIBLE_DEVICES="" TRITON_INTERPRET=1 tests interpreted -m interpreted $par tests ;;
   suite) tests suite --ignore tests/test_gpu.py -m "not interpreted" tests ;;
-  hbm) bench hbm --only fbgemm-hbm,ours-hbm,ours-hbm-eager,torch-ops,torch-sparse ;;
+  hbm) bench hbm --only fbgemm-hbm,ours-hbm,ours-hbm-eager,torch-ops,torch-sparse --profile /tmp/prof
+    { [ -d /tmp/prof ] && tar czf "$OUT/prof.tgz" -C /tmp prof; } || true ;;
   host) bench host --only fbgemm-uvm10,ours-host10,ours-host10-zc,ours-host10-pf2,ours-host10-zc-pf2 ;;
   ssd) bench ssd --only fbgemm-uvm10,ours-ssd10 --ssd-path /tmp ;;
   device-ids) bench device_ids --only fbgemm-hbm,ours-hbm,fbgemm-uvm10,ours-host10,ours-host10-pf2 --ids-on-device ;;

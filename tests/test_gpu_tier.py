@@ -642,13 +642,16 @@ def test_replayed_lookups_train_bit_for_bit_as_kernels_launched_one_by_one():
     of shape, an optimizer whose arguments change every step (Adam: its backward not captured),
     two forwards before one backward (the second takes the ordinary path: the shape's buffers are
     in use), a forward without a graph, and a bad id (refused, nothing changed). The capture
-    itself runs on a GPU only (tests/test_gpu.py)."""
-    def shaped(seed, bags, length):
+    itself runs on a GPU only (tests/test_gpu.py). Batches of one number of bags whose ids vary in
+    number share a shape (padded)."""
+    def shaped(seed, bags, length, short=0):  # (the first bag `short` ids shorter)
         g = torch.Generator().manual_seed(seed)
-        return ((torch.rand(bags * length, generator=g) ** 2 * NUM).long(), torch.arange(0, bags * length, length),
-                torch.randn(bags, D, generator=g))
+        n = bags * length - short
+        return ((torch.rand(n, generator=g) ** 2 * NUM).long(),
+                torch.cat([torch.tensor([0]), torch.arange(length - short, n, length)]), torch.randn(bags, D, generator=g))
 
-    data = [shaped(k, 10, 6) for k in range(3)] + [shaped(10 + k, 4, 3) for k in range(3)] + [shaped(20, 10, 6)]
+    # 10 bags of 57-60 ids in all share one shape (60 ids: padded), 4 bags of 12 ids another
+    data = [shaped(k, 10, 6, short=k) for k in range(4)] + [shaped(10 + k, 4, 3) for k in range(3)] + [shaped(20, 10, 6)]
     for opt in (lambda: tieredemb.RowWiseAdagrad(lr=0.1), lambda: tieredemb.Adam(lr=0.05)):
         kw = dict(optimizer=opt(), seed=5, padding_idx=3)
         tables = [device_tier(tieredemb.TieredEmbeddingBag(NUM, D, "sum", **kw), None, graphs=graphs)

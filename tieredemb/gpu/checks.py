@@ -45,15 +45,22 @@ def check_range(ids: np.ndarray, num_embeddings: int) -> None:
         raise IndexError(f"id {bad} out of range [0, {num_embeddings})")
 
 
-def checked_ids(ids: torch.Tensor, num_embeddings: int, pin: bool) -> torch.Tensor:
+def checked_ids(ids: torch.Tensor, num_embeddings: int, pin: bool, out: torch.Tensor | None = None) -> torch.Tensor:
     """Host ids (any shape) checked in [0, num_embeddings) (IndexError naming the first that is not) and
     copied, in the same native pass, into a new host tensor, pinned if pin (ready for an
     asynchronous copy to the GPU, the caller's tensor free to change at once): int32 where every
-    id fits (the sort on the device then takes half the radix passes), else int64."""
-    out = torch.empty(ids.shape, dtype=torch.int32 if num_embeddings <= 1 << 31 else torch.int64, pin_memory=pin)
+    id fits (the sort on the device then takes half the radix passes), else int64. out: a
+    contiguous host tensor of the ids' size and that dtype to copy into instead."""
+    if out is None:
+        out = torch.empty(ids.shape, dtype=checked_dtype(num_embeddings), pin_memory=pin)
     src = ids.detach().numpy() if ids.dtype in (torch.int32, torch.int64) else ids.detach().to(torch.int64).numpy()
     _C.checked_copy(np.ascontiguousarray(src).reshape(-1), num_embeddings, out.numpy().reshape(-1))
     return out
+
+
+def checked_dtype(num_embeddings: int) -> torch.dtype:
+    """The dtype checked_ids gives a table's ids."""
+    return torch.int32 if num_embeddings <= SENTINEL32 else torch.int64  # (as check_on_device's)
 
 
 class DeviceCheck:

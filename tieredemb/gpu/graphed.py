@@ -10,9 +10,11 @@ them. Here the forward's device work (the dedup, the rows drawn, the pooling) an
 kept for the shape, and replayed: the host checks the ids into pinned memory (as before), queues
 two copies in, one graph, and one copy of the pooled rows out.
 
-When: a shape is captured the second time in a row a lookup of it comes (the first runs the
-ordinary path, which compiles the kernels); at most _MOST_SHAPES shapes a table are kept, the
-oldest dropped. A backward is captured for its optimizer arguments the same way: those that
+When: a shape is captured the second time a lookup of it comes (the first runs the ordinary path,
+which compiles the kernels); at most _MOST_SHAPES shapes a table are kept, the least recently used
+dropped. A shape is the number of bags and the number of ids rounded up (padded(): at most 1/8
+more), so batches whose ids vary in number, as jagged features' do, share one: the ids are padded
+with an id the dedup leaves out, after the bags. A backward is captured for its optimizer arguments the same way: those that
 change every step (Adam's step size; the step, with stochastic rounding) never repeat, and such
 backwards run the ordinary kernels over the captured forward's tensors. Ids and offsets given on
 the device, which the module checked there, are taken too, after the ordinary path's one wait to
@@ -20,7 +22,7 @@ read the verdict. Everything else takes the ordinary path: per-sample weights, s
 one call, batches registered for prefetch, a cached tier 0, a caller capturing a graph of its own,
 and a forward of a shape whose last batch still waits for its backward (gradient accumulation:
 the shape's buffers are in use). The results are the ordinary path's, bit for bit: the same
-kernels, in the same order.
+kernels, in the same order over the same ids (the padding is no distinct id and in no bag).
 
 On CPU tensors (a DeviceTier on CPU tensors: gpu/tier.on_cpu_tensors, the tests) a "graph" is its
 function run again over the same buffers at each replay, so the tests exercise the buffers' flow
@@ -31,17 +33,26 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from .. import kernels
 from ..kernels import Bags
-from . import copy_to
-from .checks import checked_ids
+from .checks import SENTINEL32, SENTINEL64, checked_dtype, checked_ids
 from .dedup import dedup as device_dedup
 from .index import DirectIndex
 
 _MOST_SHAPES = 4  # shapes whose graphs a table keeps
 _MOST_BACKWARDS = 2  # backward graphs a shape keeps (one per optimizer arguments)
+_CAPTURE_AT = 2  # the lookup of a shape that captures it (the first ones run the ordinary path)
+_MOST_SEEN = 64  # shapes counted towards capture (then the counts start again)
+
+
+def padded(n: int) -> int:
+    """The ids a shape of n ids holds: n rounded up to a multiple of an eighth of the largest power
+    of two at most n (at most 1/8 more), so batches whose ids vary in number share shapes."""
+    step = 1 << max(0, n.bit_length() - 4)
+    return -(-n // step) * step
 
 
 class _Batch(NamedTuple):
@@ -64,11 +75,12 @@ class _Graph:
         self.fn, self.graph = fn, None
         if device.type == "cuda":
             # (not torch.cuda.graph, which first waits for the device and empties its caches: a
-            # capture queues no work, so it needs no wait; "thread_local": other threads' CUDA calls,
-            # a prefetch worker's or autograd's, may go on meanwhile)
+            # capture queues no work, so it needs no wait; "relaxed": other threads' CUDA calls, a
+            # prefetch worker's or autograd's, may go on meanwhile, and a kernel Triton compiles for
+            # this shape, not yet loaded, may be loaded during the capture)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.device(device), torch.cuda.stream(stream):
-                graph.capture_begin(capture_error_mode="thread_local")
+                graph.capture_begin(capture_error_mode="relaxed")
                 try:
                     self.outputs = fn()
                 finally:
@@ -84,20 +96,25 @@ class _Graph:
 
 
 class _Shape:
-    """One shape's buffers and graphs. ids, offsets: the inputs, on the device; batch, out, saved:
-    what the forward's last replay left (the backward reads them); grad: the backward's input."""
+    """One shape's buffers and graphs. ids [P], offsets [B + 2]: the inputs, on the device: the
+    batch's N ids followed by P - N ids `drop` (gpu/checks.py's sentinel, which the dedup leaves
+    out), after an empty bag added after the B given (as the module's device check places the ids
+    after the last bag: gpu/pooling.py); samples: the bags of the output (the first B, or B - 1
+    where that check added one); batch, out, saved: what the forward's last replay left (the
+    backward reads them); grad: the backward's input (the added bags' rows zero)."""
 
-    def __init__(self, key: tuple, ids: torch.Tensor, offsets: torch.Tensor, bags: Bags, samples: int,
-                 drop: int | None):
+    def __init__(self, key: tuple, ids: torch.Tensor, offsets: torch.Tensor, bags: Bags, samples: int, drop: int):
         self.key = key
         self.ids, self.offsets, self.bags = ids, offsets, bags
-        self.samples, self.drop = samples, drop  # the output's bags (the rest added); the id left out
+        self.samples, self.drop = samples, drop
         self.forward: _Graph | None = None
         self.batch = self.out = self.saved = None
         self.grad: torch.Tensor | None = None
         self.backwards: dict = {}  # optimizer arguments -> _Graph
         self.last_args = None
         self.flight: _Flight | None = None  # the trained forward whose backward has not run yet
+        self.pinned: list = [None, None]  # host ids' staging: (ids, offsets, the event after their copy)
+        self.turn = 0
 
 
 class _Flight:
@@ -125,8 +142,8 @@ class StepGraphs:
 
     def __init__(self, tier):
         self.tier = tier
-        self.shapes: dict = {}  # key -> _Shape, oldest first
-        self.last_key = None
+        self.shapes: dict = {}  # key -> _Shape, the least recently used first
+        self.seen: dict = {}  # key -> lookups of a shape not captured yet
         self.stream = torch.cuda.Stream(tier.device) if tier.device.type == "cuda" else None
         self.captures = self.replays = 0
         self.failed: str | None = None
@@ -162,35 +179,36 @@ class StepGraphs:
         if trained and table.optimizer is None:
             return None  # (the ordinary path raises the error)
         pad = table.padding_idx
-        # (an added bag after the samples' holds a device check's ids after the last bag: the id `drop`)
-        drop = None if part.check is None else part.check.sentinel
-        key = (given, part.ids.dtype, part.ids.numel(), len(part.offsets), samples, drop, part.mode,
-               part.exclude_padding, -1 if pad is None else pad, tier.pool.rows.data_ptr())
-        return self.forward(table, part, key, samples, drop, trained)
+        dtype = part.ids.dtype if given == "device" else checked_dtype(tier.num_embeddings)
+        key = (given, dtype, padded(part.ids.numel()), len(part.offsets), samples, part.mode, part.exclude_padding,
+               -1 if pad is None else pad, tier.pool.rows.data_ptr())
+        return self.forward(table, part, key, dtype, samples, trained)
 
     # -- forward ------------------------------------------------------------------------------
-    def forward(self, table, part, key: tuple, samples: int, drop: int | None, trained: bool) -> torch.Tensor | None:
+    def forward(self, table, part, key: tuple, dtype: torch.dtype, samples: int, trained: bool) -> torch.Tensor | None:
         """The part's first `samples` bags pooled by the shape's graph (captured now if its time
-        has come), or None: the ordinary path is to run it. drop: an id left out of the distinct
-        ids (gpu/dedup.py), or None."""
-        shape = self.shapes.get(key)
-        if shape is None and key != self.last_key:
-            self.last_key = key
-            return None
-        if shape is not None and shape.flight is not None:
-            return None
+        has come), or None: the ordinary path is to run it."""
+        shape = self.shapes.pop(key, None)
+        if shape is None:
+            seen = self.seen.get(key, 0) + 1
+            if seen < _CAPTURE_AT:
+                if len(self.seen) >= _MOST_SEEN:
+                    self.seen.clear()
+                self.seen[key] = seen
+                return None
+            self.seen.pop(key, None)
+        else:
+            self.shapes[key] = shape  # (the last used, last: the oldest is dropped first)
+            if shape.flight is not None:
+                return None
         tier = table._store.tier0
-        if part.check is None:  # (IndexError: nothing changed)
-            ids = checked_ids(part.ids, tier.num_embeddings, pin=tier.device.type == "cuda")
-        else:  # (the verdict read: one wait, as the ordinary path's; the inputs' error if they break a rule)
-            ids = part.ids
+        if part.check is not None:  # (the verdict read: one wait, as the ordinary path's; its error if any)
             part.check.resolve()
         if shape is None:
-            shape = self._add_shape(key, ids, part, samples, drop)
-        copy_to(shape.ids, ids, owned=True)
-        copy_to(shape.offsets, part.offsets)
+            shape = self._add_shape(key, part, dtype, samples)
         with table._store.lock, kernels._current(tier.device):
-            tier._after_residencies()  # (rows a residency on the tier's stream drew or read)
+            self._inputs(shape, part)  # (IndexError for a bad host id: nothing changed)
+            tier.after_queued()  # (rows a residency on the tier's stream drew or read)
             if shape.forward is None:
                 shape.forward = self._capture(lambda: self._forward_work(table, shape))
                 if shape.forward is None:
@@ -198,7 +216,7 @@ class StepGraphs:
             with tier.index_lock:
                 shape.batch, shape.out, shape.saved = shape.forward.replay(lambda: tier.pool_lock)
                 tier.index.version += 1
-            tier._before_residencies()  # (a residency on the tier's stream sees the rows drawn here)
+            tier.before_next(torch.cuda.current_stream(tier.device) if tier.stream is not None else None)
             self.replays += 1
             table._prefetch.count_forward()
             if not trained:
@@ -206,7 +224,40 @@ class StepGraphs:
             shape.flight = _Flight(shape)
             return _Replayed.apply(self, shape, shape.flight, table, table._grad_anchor)
 
-    def _add_shape(self, key: tuple, ids: torch.Tensor, part, samples: int, drop: int | None) -> _Shape:
+    def _inputs(self, shape: _Shape, part) -> None:
+        """The part's ids (host ones checked) and offsets copied into the shape's buffers, on the
+        current stream. From the host through one of the shape's two pinned blocks, taken in
+        turn: a block whose last copy has not run yet is left alone and a new one taken (no
+        wait; the caller's tensors are free to change at once)."""
+        n, given = part.ids.numel(), len(part.offsets)
+        if part.check is not None:
+            shape.ids[:n].copy_(part.ids)
+            shape.ids[n:].fill_(shape.drop)
+            shape.offsets[:given].copy_(part.offsets)
+            shape.offsets[given:].copy_(part.offsets[given - 1:])
+            return
+        on_gpu = self.tier.device.type == "cuda"
+        if on_gpu:
+            shape.turn ^= 1
+            block = shape.pinned[shape.turn]
+            if block is None or not block[2].query():
+                block = shape.pinned[shape.turn] = (torch.empty(shape.ids.shape, dtype=shape.ids.dtype, pin_memory=True),
+                                                    torch.empty(shape.offsets.shape, dtype=torch.int64, pin_memory=True),
+                                                    torch.cuda.Event())
+            ids, offsets, copied = block
+        else:
+            ids, offsets = torch.empty_like(shape.ids), torch.empty_like(shape.offsets)
+        checked_ids(part.ids, self.tier.num_embeddings, pin=on_gpu, out=ids[:n])
+        ids.numpy()[n:] = shape.drop
+        o = offsets.numpy()
+        np.copyto(o[:given], part.offsets.numpy(), casting="unsafe")
+        o[given] = o[given - 1]
+        shape.ids.copy_(ids, non_blocking=True)
+        shape.offsets.copy_(offsets, non_blocking=True)
+        if on_gpu:
+            copied.record()
+
+    def _add_shape(self, key: tuple, part, dtype: torch.dtype, samples: int) -> _Shape:
         while len(self.shapes) >= _MOST_SHAPES:
             oldest = next((k for k, s in self.shapes.items() if s.flight is None), None)
             if oldest is None:
@@ -215,9 +266,11 @@ class StepGraphs:
         dev = self.tier.device
         pad = part.table.padding_idx
         pad = -1 if pad is None else pad
-        offsets = torch.empty(len(part.offsets), dtype=torch.int64, device=dev)
-        shape = _Shape(key, torch.empty(ids.shape, dtype=ids.dtype, device=dev), offsets,
-                       Bags(offsets, None, part.mode, pad if part.exclude_padding else -1, pad), samples, drop)
+        p = padded(part.ids.numel())
+        offsets = torch.empty(len(part.offsets) + 1, dtype=torch.int64, device=dev)
+        shape = _Shape(key, torch.empty(p, dtype=dtype, device=dev), offsets,
+                       Bags(offsets, None, part.mode, pad if part.exclude_padding else -1, pad), samples,
+                       SENTINEL32 if dtype == torch.int32 else SENTINEL64)
         self.shapes[key] = shape
         return shape
 

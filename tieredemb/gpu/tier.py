@@ -116,6 +116,8 @@ class DeviceTier:
         self.draws_misses = lower_is_store
         self._released = None  # an event after the last release's unpin (a GPU's; see after_releases)
         self._computed_on: dict = {}  # the streams batches were computed on (a GPU's; see _after_residencies)
+        self._queued = False  # work was queued on the tier's stream since after_queued() last looked
+        self._graphed_on = None  # the stream of replayed lookups the tier's stream is yet to wait for
         self.mapped = None  # zero_copy: the host rows below, which the kernels read and write
         self._unmap = None  # (and on a GPU, their release from it)
         if zero_copy:
@@ -142,7 +144,28 @@ class DeviceTier:
         return self.lower.state
 
     def _on_stream(self):
-        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+        if self.stream is None:
+            return contextlib.nullcontext()
+        self._queued = True
+        if self._graphed_on is not None:  # (after the replayed lookups' draws and updates: see before_next)
+            self.stream.wait_stream(self._graphed_on)
+            self._graphed_on = None
+        return torch.cuda.stream(self.stream)
+
+    def after_queued(self) -> None:
+        """Orders the current stream after the work queued on the tier's stream since the last
+        call (a residency's draws), if any (gpu/graphed.py's replays, which do not use it)."""
+        if self._queued:
+            self._queued = False
+            torch.cuda.current_stream(self.device).wait_stream(self.stream)
+
+    def before_next(self, stream) -> None:
+        """Work queued on stream (replayed lookups: gpu/graphed.py) comes before the next work
+        queued on the tier's stream (a residency must see the rows they drew and updated); the
+        wait is queued then, not now. A flush or a read waits for stream too."""
+        self._graphed_on = stream
+        if stream is not None:
+            self.computed_on(stream)
 
     # -- batches ------------------------------------------------------------------------------
     def dedup(self, ids: torch.Tensor, segments=None, *, in_plan: bool = False, check=None):
