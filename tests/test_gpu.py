@@ -620,3 +620,35 @@ def test_cuda_graphs_take_ids_and_offsets_checked_on_the_gpu(include_last_offset
         tables.append(emb)
     assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
     assert tables[0]._store.tier0.graphs.stats()["replays"] >= 5
+
+
+@pytest.mark.parametrize("where", ["host", "device"])
+def test_cuda_graphs_of_a_collection_train_bit_for_bit_as_kernels_launched_one_by_one(where):
+    """A collection of whole tables in HBM (three groups) replays one graph each way for all its
+    groups: outputs and rows bit for bit as cuda_graphs=False, features on the host or the GPU,
+    their ids varying in number within a shape."""
+    tables = [tieredemb.EmbeddingBagConfig("u", 120, DIM, ["a", "b"]),
+              tieredemb.EmbeddingBagConfig("v", 80, DIM, ["c"], pooling="mean"),
+              tieredemb.EmbeddingBagConfig("w", 40, 8, ["d"])]
+    runs, made = [], []
+    for graphs in (True, False):
+        col = tieredemb.TieredEmbeddingBagCollection(tables, optimizer=tieredemb.RowWiseAdagrad(lr=0.1), seed=3,
+                                                     device="cuda", cuda_graphs=graphs)
+        g = torch.Generator().manual_seed(2)
+        outs = []
+        for step in range(6):
+            feats = {}
+            for t in tables:
+                for f in t.feature_names:
+                    n = 40 - (step + ord(f)) % 4  # (37 to 40 ids a feature: one shape, padded)
+                    ids, starts = torch.randint(0, t.num_embeddings, (n,), generator=g), torch.arange(0, 32, 4)
+                    feats[f] = (ids.cuda(), starts.cuda()) if where == "device" else (ids, starts)
+            out = col(feats)
+            out.values().backward(torch.randn(out.values().shape, generator=g).cuda())
+            outs.append(out.values().detach().cpu())
+        rows = torch.cat([col.read_rows(t.name, torch.arange(t.num_embeddings)).reshape(-1) for t in tables])
+        runs.append((torch.cat(outs), rows))
+        made.append(col)
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
+    lead = made[0].engines[0]._store.tier0.graphs.stats()
+    assert lead["failed"] is None and lead["captures"] == 2 and lead["replays"] >= 6

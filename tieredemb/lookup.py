@@ -99,9 +99,9 @@ def pooled_block(parts: list, shape: tuple, samples: int, expand: tuple = ()) ->
     gradient where its row went. Returns the block's first `samples` rows, each Expand's columns
     filled from its distinct bags (which the rows after them hold). Each part's table is a
     different module (each has one batch in flight here)."""
-    graphs = parts[0].table._store.tier0.graphs if len(parts) == 1 else None
+    graphs = parts[0].table._store.tier0.graphs
     if graphs is not None:  # (replayed CUDA graphs: gpu/graphed.py; None where they do not apply)
-        out = graphs.pooled(parts[0], shape, samples, expand)
+        out = graphs.pooled(parts, shape, samples, expand)
         if out is not None:
             return out
     taken = []

@@ -1,4 +1,4 @@
-"""CUDA graphs of the lookups of a table held whole in tier 0 on a GPU.
+"""CUDA graphs of the lookups of tables held whole in tier 0 on a GPU.
 
 Such a table (a DeviceTier with a DirectIndex whose misses are drawn on the device) makes a batch
 resident without waiting for the device, and the device work of its lookup depends only on the
@@ -8,21 +8,24 @@ kernels (bench/RESULTS.md), spent in some 30 CUDA calls, 6 Triton launches and t
 them. Here the forward's device work (the dedup, the rows drawn, the pooling) and the backward's
 (each row's gradient summed, the optimizer) are each captured once as a CUDA graph over buffers
 kept for the shape, and replayed: the host checks the ids into pinned memory (as before), queues
-two copies in, one graph, and one copy of the pooled rows out.
+the copies in, one graph, and one copy of the pooled rows out. A lookup of several tables at once
+(a collection's groups, each writing its features' rows into one block at out_at) is one graph
+each way for all of them.
 
 When: a shape is captured the second time a lookup of it comes (the first runs the ordinary path,
-which compiles the kernels); at most _MOST_SHAPES shapes a table are kept, the least recently used
-dropped. A shape is the number of bags and the number of ids rounded up (padded(): at most 1/8
-more), so batches whose ids vary in number, as jagged features' do, share one: the ids are padded
-with an id the dedup leaves out, after the bags. A backward is captured for its optimizer arguments the same way: those that
-change every step (Adam's step size; the step, with stochastic rounding) never repeat, and such
-backwards run the ordinary kernels over the captured forward's tensors. Ids and offsets given on
-the device, which the module checked there, are taken too, after the ordinary path's one wait to
-read the verdict. Everything else takes the ordinary path: per-sample weights, several tables in
-one call, batches registered for prefetch, a cached tier 0, a caller capturing a graph of its own,
-and a forward of a shape whose last batch still waits for its backward (gradient accumulation:
-the shape's buffers are in use). The results are the ordinary path's, bit for bit: the same
-kernels, in the same order over the same ids (the padding is no distinct id and in no bag).
+which compiles the kernels); at most _MOST_SHAPES shapes are kept, the least recently used
+dropped. A shape is each table's number of bags and number of ids rounded up (padded(): at most
+1/8 more), so batches whose ids vary in number, as jagged features' do, share one: the ids are
+padded with an id the dedup leaves out, after the bags. A backward is captured for its optimizer
+arguments the same way: those that change every step (Adam's step size; the step, with
+stochastic rounding) never repeat, and such backwards run the ordinary kernels over the captured
+forward's tensors. Ids and offsets given on the device, which the module checked there, are taken
+too, after the ordinary path's one wait to read the verdict. Everything else takes the ordinary
+path: per-sample weights, inverse-keyed features, batches registered for prefetch, a cached tier
+0, a caller capturing a graph of its own, and a forward of a shape whose last batch still waits
+for its backward (gradient accumulation: the shape's buffers are in use). The results are the
+ordinary path's, bit for bit: the same kernels, in the same order over the same ids (the padding
+is no distinct id and in no bag).
 
 On CPU tensors (a DeviceTier on CPU tensors: gpu/tier.on_cpu_tensors, the tests) a "graph" is its
 function run again over the same buffers at each replay, so the tests exercise the buffers' flow
@@ -31,6 +34,7 @@ without a GPU; the capture itself runs only on one (tests/test_gpu.py).
 
 from __future__ import annotations
 
+import contextlib
 from typing import NamedTuple
 
 import numpy as np
@@ -38,6 +42,7 @@ import torch
 
 from .. import kernels
 from ..kernels import Bags
+from . import copy_to
 from .checks import SENTINEL32, SENTINEL64, checked_dtype, checked_ids
 from .dedup import dedup as device_dedup
 from .index import DirectIndex
@@ -95,36 +100,53 @@ class _Graph:
         return self.outputs
 
 
-class _Shape:
-    """One shape's buffers and graphs. ids [P], offsets [B + 2]: the inputs, on the device: the
-    batch's N ids followed by P - N ids `drop` (gpu/checks.py's sentinel, which the dedup leaves
-    out), after an empty bag added after the B given (as the module's device check places the ids
-    after the last bag: gpu/pooling.py); samples: the bags of the output (the first B, or B - 1
-    where that check added one); batch, out, saved: what the forward's last replay left (the
-    backward reads them); grad: the backward's input (the added bags' rows zero)."""
+class _Input:
+    """One table's inputs in a shape, on the device: ids [P] (the batch's N ids, then P - N ids
+    `drop`: gpu/checks.py's sentinel, which the dedup leaves out), offsets [B + 2] (the B + 1
+    given, then an empty bag, to which the ids after the last bag belong, as the module's device
+    check places them: gpu/pooling.py), out_at [B + 1] or None (where each bag's row goes in the
+    block; the empty bag's in the block's last row, a scratch row), bags (as kernels.py takes
+    them); pinned: the host's two staging blocks, taken in turn."""
 
-    def __init__(self, key: tuple, ids: torch.Tensor, offsets: torch.Tensor, bags: Bags, samples: int, drop: int):
+    def __init__(self, table, ids: torch.Tensor, offsets: torch.Tensor, out_at: torch.Tensor | None, drop: int,
+                 mode: int, exclude_padding: bool, scratch: int):
+        pad = -1 if table.padding_idx is None else table.padding_idx
+        self.table, self.tier = table, table._store.tier0
+        self.ids, self.offsets, self.out_at, self.drop = ids, offsets, out_at, drop
+        self.scratch = scratch  # where the added bag's row goes in the block, in floats: its last row
+        self.bags = Bags(offsets, None, mode, pad if exclude_padding else -1, pad, out_at)
+        self.out_at_given = None  # (the host's out_at last copied in)
+        self.pinned: list = [None, None]
+        self.turn = 0
+
+
+class _Shape:
+    """One shape's inputs (one _Input a table), the block the forward pools into ([rows, width]:
+    the output's first `samples` rows, then the added bags' scratch rows), and its graphs. batches,
+    out, saved: what the forward's last replay left (the backward reads them); grad: the
+    backward's input (the added bags' rows zero)."""
+
+    def __init__(self, key: tuple, inputs: list, rows: int, width: int, samples: int):
         self.key = key
-        self.ids, self.offsets, self.bags = ids, offsets, bags
-        self.samples, self.drop = samples, drop
+        self.inputs = inputs
+        self.rows, self.width, self.samples = rows, width, samples
         self.forward: _Graph | None = None
-        self.batch = self.out = self.saved = None
+        self.batches = self.out = self.saved = None
         self.grad: torch.Tensor | None = None
         self.backwards: dict = {}  # optimizer arguments -> _Graph
         self.last_args = None
         self.flight: _Flight | None = None  # the trained forward whose backward has not run yet
-        self.pinned: list = [None, None]  # host ids' staging: (ids, offsets, the event after their copy)
-        self.turn = 0
 
 
 class _Flight:
     """A trained forward replayed from a shape's graph, until its backward runs or its autograd
-    graph is freed without one (then the shape's buffers are free again)."""
+    graph is freed without one (then the shape's buffers are free again). updates: whether each
+    table takes an update."""
 
-    __slots__ = ("shape", "done", "__weakref__")
+    __slots__ = ("shape", "updates", "done", "__weakref__")
 
-    def __init__(self, shape: _Shape):
-        self.shape, self.done = shape, False
+    def __init__(self, shape: _Shape, updates: tuple):
+        self.shape, self.updates, self.done = shape, updates, False
 
     def land(self) -> None:
         self.done = True
@@ -136,9 +158,10 @@ class _Flight:
 
 
 class StepGraphs:
-    """A DeviceTier's captured lookups, by shape (see the module's docstring). captures, replays:
-    graphs captured and replayed (forwards and backwards); failed: why capturing stopped for this
-    tier (a capture that raised: its lookup and every later one take the ordinary path)."""
+    """The captured lookups led by a DeviceTier's table (the first of a lookup's tables keeps
+    them), by shape (see the module's docstring). captures, replays: graphs captured and replayed
+    (forwards and backwards); failed: why capturing stopped here (a capture that raised: its
+    lookup and every later one take the ordinary path)."""
 
     def __init__(self, tier):
         self.tier = tier
@@ -161,33 +184,42 @@ class StepGraphs:
         self.captures += 1
         return graph
 
-    def pooled(self, part, shape: tuple, samples: int, expand) -> torch.Tensor | None:
-        """A lookup of this tier's table (lookup.py's Part, of `samples` bags into a block of
-        `shape`, expand: lookup.py's), its bags pooled through the table's graphs; or None where
-        they do not apply (see the module's docstring): the caller runs the ordinary path."""
-        table, tier = part.table, self.tier
+    def pooled(self, parts: list, shape: tuple, samples: int, expand) -> torch.Tensor | None:
+        """A lookup (lookup.py's parts, one a table, this tier's first, pooled into a block of
+        `shape`, the first `samples` rows returned; expand: lookup.py's), through the graphs; or
+        None where they do not apply (see the module's docstring): the caller runs the ordinary
+        path."""
+        if self.failed or expand or (self.tier.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            return None
+        keys = [self._part_key(p) for p in parts]
+        if None in keys:
+            return None
+        tables = [p.table for p in parts]
+        trained = torch.is_grad_enabled() and any(t._grad_anchor.requires_grad for t in tables)
+        updates = tuple(trained and t._grad_anchor.requires_grad for t in tables)
+        if any(u and t.optimizer is None for u, t in zip(updates, tables)):
+            return None  # (the ordinary path raises the error)
+        return self.forward(parts, (tuple(keys), tuple(shape), samples), updates if trained else None)
+
+    def _part_key(self, part) -> tuple | None:
+        """What a part brings to its lookup's shape, or None if the graphs do not take it."""
+        tier = part.table._store.tier0
         # host ids, or device ids and offsets the module checked on the device (a verdict to read)
         given = "host" if part.check is None and part.ids.device.type == "cpu" else "device" if (
             part.check is not None and part.ids.device == tier.device and part.offsets.device == tier.device) else None
-        if (self.failed or given is None or expand or part.out_at is not None
-                or part.psw is not None or part.ids.numel() == 0
-                or not isinstance(tier.index, DirectIndex) or not tier.init_misses_here
-                or not table._prefetch.idle()
-                or (tier.device.type == "cuda" and torch.cuda.is_current_stream_capturing())):
+        if (given is None or tier.graphs is None or tier.device != self.tier.device or part.psw is not None
+                or part.ids.numel() == 0 or not isinstance(tier.index, DirectIndex) or not tier.init_misses_here
+                or not part.table._prefetch.idle()):
             return None
-        trained = torch.is_grad_enabled() and table._grad_anchor.requires_grad
-        if trained and table.optimizer is None:
-            return None  # (the ordinary path raises the error)
-        pad = table.padding_idx
         dtype = part.ids.dtype if given == "device" else checked_dtype(tier.num_embeddings)
-        key = (given, dtype, padded(part.ids.numel()), len(part.offsets), samples, part.mode, part.exclude_padding,
-               -1 if pad is None else pad, tier.pool.rows.data_ptr())
-        return self.forward(table, part, key, dtype, samples, trained)
+        return (tier.pool.rows.data_ptr(), given, dtype, padded(part.ids.numel()), len(part.offsets), part.mode,
+                part.exclude_padding, part.out_at is None)
 
     # -- forward ------------------------------------------------------------------------------
-    def forward(self, table, part, key: tuple, dtype: torch.dtype, samples: int, trained: bool) -> torch.Tensor | None:
-        """The part's first `samples` bags pooled by the shape's graph (captured now if its time
-        has come), or None: the ordinary path is to run it."""
+    def forward(self, parts: list, key: tuple, updates: tuple | None) -> torch.Tensor | None:
+        """The parts' bags pooled by the shape's graph (captured now if its time has come), the
+        block's first `samples` rows; or None: the ordinary path is to run it. updates: whether
+        each table takes an update in backward (None: no autograd graph is made)."""
         shape = self.shapes.pop(key, None)
         if shape is None:
             seen = self.seen.get(key, 0) + 1
@@ -201,113 +233,139 @@ class StepGraphs:
             self.shapes[key] = shape  # (the last used, last: the oldest is dropped first)
             if shape.flight is not None:
                 return None
-        tier = table._store.tier0
-        if part.check is not None:  # (the verdict read: one wait, as the ordinary path's; its error if any)
-            part.check.resolve()
+        for part in parts:  # (the verdict read: one wait, as the ordinary path's; its error if any)
+            if part.check is not None:
+                part.check.resolve()
         if shape is None:
-            shape = self._add_shape(key, part, dtype, samples)
-        with table._store.lock, kernels._current(tier.device):
-            self._inputs(shape, part)  # (IndexError for a bad host id: nothing changed)
-            tier.after_queued()  # (rows a residency on the tier's stream drew or read)
+            shape = self._add_shape(key, parts)
+        tiers = [inp.tier for inp in shape.inputs]
+        with contextlib.ExitStack() as held:
+            for inp in shape.inputs:
+                held.enter_context(inp.table._store.lock)
+            held.enter_context(kernels._current(self.tier.device))
+            for inp, part in zip(shape.inputs, parts):
+                self._inputs(inp, part)  # (IndexError for a bad host id: nothing changed)
+            for tier in tiers:
+                tier.after_queued()  # (rows a residency on a tier's stream drew or read)
             if shape.forward is None:
-                shape.forward = self._capture(lambda: self._forward_work(table, shape))
+                shape.forward = self._capture(lambda: self._forward_work(shape))
                 if shape.forward is None:
                     return None
-            with tier.index_lock:
-                shape.batch, shape.out, shape.saved = shape.forward.replay(lambda: tier.pool_lock)
-                tier.index.version += 1
-            tier.before_next(torch.cuda.current_stream(tier.device) if tier.stream is not None else None)
+            with contextlib.ExitStack() as index:
+                for tier in tiers:
+                    index.enter_context(tier.index_lock)
+                shape.batches, shape.out, shape.saved = shape.forward.replay(lambda: _all(t.pool_lock for t in tiers))
+                for tier in tiers:
+                    tier.index.version += 1
+            stream = torch.cuda.current_stream(self.tier.device) if self.tier.stream is not None else None
+            for inp in shape.inputs:
+                inp.tier.before_next(stream)
+                inp.table._prefetch.count_forward()
             self.replays += 1
-            table._prefetch.count_forward()
-            if not trained:
-                return shape.out[:samples].clone()
-            shape.flight = _Flight(shape)
-            return _Replayed.apply(self, shape, shape.flight, table, table._grad_anchor)
+            if updates is None:
+                return shape.out[:shape.samples].clone()
+            shape.flight = _Flight(shape, updates)
+            return _Replayed.apply(self, shape, shape.flight, *[inp.table._grad_anchor for inp in shape.inputs])
 
-    def _inputs(self, shape: _Shape, part) -> None:
-        """The part's ids (host ones checked) and offsets copied into the shape's buffers, on the
-        current stream. From the host through one of the shape's two pinned blocks, taken in
-        turn: a block whose last copy has not run yet is left alone and a new one taken (no
-        wait; the caller's tensors are free to change at once)."""
+    def _inputs(self, inp: _Input, part) -> None:
+        """A part's ids (host ones checked), offsets and out_at copied into its buffers, on the
+        current stream. From the host through one of two pinned blocks, taken in turn: a block
+        whose last copy has not run yet is left alone and a new one taken (no wait; the caller's
+        tensors are free to change at once). out_at (the same from batch to batch for one shape)
+        only when it changed."""
         n, given = part.ids.numel(), len(part.offsets)
+        if inp.out_at is not None and (inp.out_at_given is None or not np.array_equal(inp.out_at_given,
+                                                                                      part.out_at.numpy())):
+            inp.out_at_given = part.out_at.numpy().copy()
+            copy_to(inp.out_at, torch.from_numpy(np.append(inp.out_at_given, inp.scratch)))
         if part.check is not None:
-            shape.ids[:n].copy_(part.ids)
-            shape.ids[n:].fill_(shape.drop)
-            shape.offsets[:given].copy_(part.offsets)
-            shape.offsets[given:].copy_(part.offsets[given - 1:])
+            inp.ids[:n].copy_(part.ids)
+            inp.ids[n:].fill_(inp.drop)
+            inp.offsets[:given].copy_(part.offsets)
+            inp.offsets[given:].copy_(part.offsets[given - 1:])
             return
-        on_gpu = self.tier.device.type == "cuda"
+        on_gpu = inp.tier.device.type == "cuda"
         if on_gpu:
-            shape.turn ^= 1
-            block = shape.pinned[shape.turn]
+            inp.turn ^= 1
+            block = inp.pinned[inp.turn]
             if block is None or not block[2].query():
-                block = shape.pinned[shape.turn] = (torch.empty(shape.ids.shape, dtype=shape.ids.dtype, pin_memory=True),
-                                                    torch.empty(shape.offsets.shape, dtype=torch.int64, pin_memory=True),
-                                                    torch.cuda.Event())
+                block = inp.pinned[inp.turn] = (torch.empty(inp.ids.shape, dtype=inp.ids.dtype, pin_memory=True),
+                                                torch.empty(inp.offsets.shape, dtype=torch.int64, pin_memory=True),
+                                                torch.cuda.Event())
             ids, offsets, copied = block
         else:
-            ids, offsets = torch.empty_like(shape.ids), torch.empty_like(shape.offsets)
-        checked_ids(part.ids, self.tier.num_embeddings, pin=on_gpu, out=ids[:n])
-        ids.numpy()[n:] = shape.drop
+            ids, offsets = torch.empty_like(inp.ids), torch.empty_like(inp.offsets)
+        checked_ids(part.ids, inp.tier.num_embeddings, pin=on_gpu, out=ids[:n])
+        ids.numpy()[n:] = inp.drop
         o = offsets.numpy()
         np.copyto(o[:given], part.offsets.numpy(), casting="unsafe")
         o[given] = o[given - 1]
-        shape.ids.copy_(ids, non_blocking=True)
-        shape.offsets.copy_(offsets, non_blocking=True)
+        inp.ids.copy_(ids, non_blocking=True)
+        inp.offsets.copy_(offsets, non_blocking=True)
         if on_gpu:
             copied.record()
 
-    def _add_shape(self, key: tuple, part, dtype: torch.dtype, samples: int) -> _Shape:
+    def _add_shape(self, key: tuple, parts: list) -> _Shape:
         while len(self.shapes) >= _MOST_SHAPES:
             oldest = next((k for k, s in self.shapes.items() if s.flight is None), None)
             if oldest is None:
                 break
             del self.shapes[oldest]
         dev = self.tier.device
-        pad = part.table.padding_idx
-        pad = -1 if pad is None else pad
-        p = padded(part.ids.numel())
-        offsets = torch.empty(len(part.offsets) + 1, dtype=torch.int64, device=dev)
-        shape = _Shape(key, torch.empty(p, dtype=dtype, device=dev), offsets,
-                       Bags(offsets, None, part.mode, pad if part.exclude_padding else -1, pad), samples,
-                       SENTINEL32 if dtype == torch.int32 else SENTINEL64)
+        (rows, width), samples = key[1], key[2]
+        if parts[0].out_at is None:  # (one table, its own [B, dim] block: the added bag's row after)
+            rows, width = len(parts[0].offsets), parts[0].table.embedding_dim
+        else:
+            rows += 1
+        inputs = []
+        for part in parts:
+            dtype = part.ids.dtype if part.check is not None else checked_dtype(part.table._store.tier0.num_embeddings)
+            out_at = None if part.out_at is None else torch.empty(len(part.offsets), dtype=torch.int64, device=dev)
+            inputs.append(_Input(part.table, torch.empty(padded(part.ids.numel()), dtype=dtype, device=dev),
+                                 torch.empty(len(part.offsets) + 1, dtype=torch.int64, device=dev), out_at,
+                                 SENTINEL32 if dtype == torch.int32 else SENTINEL64, part.mode, part.exclude_padding,
+                                 (rows - 1) * width))
+        shape = _Shape(key, inputs, rows, width, samples)
         self.shapes[key] = shape
         return shape
 
-    def _forward_work(self, table, shape: _Shape) -> tuple:
+    def _forward_work(self, shape: _Shape) -> tuple:
         """The forward's device work over the shape's buffers: what the ordinary path queues for
-        a batch of a whole-table tier 0 (DeviceTier.dedup and resident, kernels.forward)."""
-        tier = table._store.tier0
-        deduped = device_dedup(shape.ids, shape.drop)
-        slots = tier.draw(deduped.unique, deduped.count)
-        batch = _Batch(deduped.unique, deduped.inverse, deduped.count, deduped.groups, slots)
-        out = torch.empty(len(shape.offsets) - 1, table.embedding_dim, dtype=torch.float32, device=tier.device)
-        out, saved = kernels.forward(tier, table.config, batch, shape.bags, out)
-        return batch, out, saved
+        a batch of a whole-table tier 0 (DeviceTier.dedup and resident, kernels.forward), for
+        each table, into one block."""
+        block = torch.empty(shape.rows, shape.width, dtype=torch.float32, device=self.tier.device)
+        batches, saved = [], []
+        for inp in shape.inputs:
+            deduped = device_dedup(inp.ids, inp.drop)
+            slots = inp.tier.draw(deduped.unique, deduped.count)
+            batch = _Batch(deduped.unique, deduped.inverse, deduped.count, deduped.groups, slots)
+            saved.append(kernels.forward(inp.tier, inp.table.config, batch, inp.bags, block)[1])
+            batches.append(batch)
+        return batches, block, saved
 
     # -- backward -----------------------------------------------------------------------------
-    def backward(self, table, shape: _Shape, flight: _Flight, grad: torch.Tensor) -> None:
-        """The optimizer applied to the rows of the shape's batch, from its bags' gradient: by
-        the backward's graph for these optimizer arguments (captured now if their time has
-        come), else by the ordinary kernels over the captured forward's tensors."""
+    def backward(self, shape: _Shape, flight: _Flight, grad: torch.Tensor) -> None:
+        """Each updated table's optimizer applied to the rows of its batch, from the bags'
+        gradient: by the backward's graph for these optimizer arguments (captured now if their
+        time has come), else by the ordinary kernels over the captured forward's tensors."""
         if flight.done:
             raise RuntimeError("this batch's rows were released before backward (was backward called twice?)")
         try:
-            tier = table._store.tier0
-            if table.optimizer is None:
-                raise RuntimeError(f"{type(table).__name__} has no optimizer: pass optimizer=tieredemb.SGD(lr=...) "
-                                   "(or Adagrad, RowWiseAdagrad, Adam); its update is fused into backward")
-            step = table.step + 1
-            args = _arguments(table.config, step)
+            inputs = shape.inputs
+            steps = [inp.table.step + 1 for inp in inputs]
+            args = tuple(_arguments(inp.table.config, step) if update else None
+                         for inp, step, update in zip(inputs, steps, flight.updates))
             if shape.grad is None:  # (the added bags' rows stay zero)
-                shape.grad = torch.zeros(shape.out.shape, dtype=torch.float32, device=tier.device)
+                shape.grad = torch.zeros(shape.out.shape, dtype=torch.float32, device=self.tier.device)
             shape.grad[:shape.samples].copy_(grad)
 
             def work():
-                kernels.backward_update(tier, table.config, shape.batch, shape.bags, shape.saved, shape.grad, step,
-                                        False)
+                for inp, batch, saved, step, update in zip(inputs, shape.batches, shape.saved, steps, flight.updates):
+                    if update:
+                        kernels.backward_update(inp.tier, inp.table.config, batch, inp.bags, saved, shape.grad, step,
+                                                False)
 
-            with kernels._current(tier.device):
+            with kernels._current(self.tier.device):
                 graph = shape.backwards.get(args)
                 if graph is None and args == shape.last_args and len(shape.backwards) < _MOST_BACKWARDS:
                     graph = shape.backwards[args] = self._capture(work)
@@ -315,13 +373,24 @@ class StepGraphs:
                 if graph is None:
                     work()
                 else:
-                    graph.replay(lambda: tier.pool_lock)
+                    graph.replay(lambda: _all(inp.tier.pool_lock for inp in inputs))
                     self.replays += 1
-                if tier.stream is not None:
-                    tier.computed_on(torch.cuda.current_stream(tier.device))
-            table.step = step
+                if self.tier.stream is not None:
+                    for inp in inputs:
+                        inp.tier.computed_on(torch.cuda.current_stream(self.tier.device))
+            for inp, step, update in zip(inputs, steps, flight.updates):
+                if update:
+                    inp.table.step = step
         finally:
             flight.land()
+
+
+def _all(locks) -> contextlib.ExitStack:
+    """Every lock of locks held (in their order) until the returned context ends."""
+    stack = contextlib.ExitStack()
+    for lock in locks:
+        stack.enter_context(lock)
+    return stack
 
 
 def _arguments(config, step: int) -> tuple:
@@ -333,16 +402,16 @@ def _arguments(config, step: int) -> tuple:
 
 
 class _Replayed(torch.autograd.Function):
-    """Autograd's view of a replayed forward: input the table's grad anchor, output the pooled
+    """Autograd's view of a replayed forward: inputs the tables' grad anchors, output the pooled
     rows (a copy of the graph's); its backward runs the shape's backward."""
 
     @staticmethod
-    def forward(ctx, graphs, shape, flight, table, anchor):
-        ctx.graphs, ctx.shape, ctx.flight, ctx.table = graphs, shape, flight, table
+    def forward(ctx, graphs, shape, flight, *anchors):
+        ctx.graphs, ctx.shape, ctx.flight = graphs, shape, flight
         return shape.out[:shape.samples].clone()
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
-        ctx.graphs.backward(ctx.table, ctx.shape, ctx.flight, grad)
-        return None, None, None, None, None
+        ctx.graphs.backward(ctx.shape, ctx.flight, grad)
+        return (None, None, None) + (None,) * len(ctx.shape.inputs)

@@ -476,13 +476,13 @@ def on_cpu_tensors(table, cache_rows: int | None, policy: str = "lru", partition
     return table
 
 
-def collection_on_cpu_tensors(collection):
+def collection_on_cpu_tensors(collection, graphs: bool = False):
     """A collection (collection.py) with every group's tier 0 replaced by a DeviceTier on CPU
-    tensors, as on_cpu_tensors does for one table (each table's share of tier 0 kept). Returns
-    the collection."""
+    tensors, as on_cpu_tensors does for one table (each table's share of tier 0 kept; graphs as
+    its). Returns the collection."""
     for engine in collection.engines:
         parts = engine.config.partitions
-        on_cpu_tensors(engine, None if parts is None else sum(c for _, c in parts), partitions=parts)
+        on_cpu_tensors(engine, None if parts is None else sum(c for _, c in parts), partitions=parts, graphs=graphs)
     return collection
 
 
