@@ -597,9 +597,9 @@ def test_cuda_graphs_replay_on_the_callers_stream_and_a_flush_sees_their_updates
 @pytest.mark.parametrize("include_last_offset", [False, True])
 def test_cuda_graphs_take_ids_and_offsets_checked_on_the_gpu(include_last_offset):
     """Ids and offsets given on the GPU (checked there, the verdict read with one wait) go
-    through the replayed graphs too: bit for bit as cuda_graphs=False, and a bad id is refused
-    with nothing changed."""
-    data = [_shaped(k, 16, 5) for k in range(5)]
+    through the replayed graphs too, their number varying within a shape (padded on the
+    device): bit for bit as cuda_graphs=False, and a bad id is refused with nothing changed."""
+    data = [_shaped(k, 16, 5, short=k % 3) for k in range(5)]
     runs, tables = [], []
     for graphs in (True, False):
         emb = tieredemb.TieredEmbeddingBag(NUM, DIM, "sum", padding_idx=5, seed=3, device="cuda", cuda_graphs=graphs,

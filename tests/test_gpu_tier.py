@@ -641,7 +641,8 @@ def test_replayed_lookups_train_bit_for_bit_as_kernels_launched_one_by_one():
     and backward, and train to the very rows and outputs of the ordinary path, through a change
     of shape, an optimizer whose arguments change every step (Adam: its backward not captured),
     two forwards before one backward (the second takes the ordinary path: the shape's buffers are
-    in use), a forward without a graph, and a bad id (refused, nothing changed). The capture
+    in use), a forward without a graph, a bad id (refused, nothing changed), and a trained
+    forward whose output is dropped without its backward (the shape is free again). The capture
     itself runs on a GPU only (tests/test_gpu.py). Batches of one number of bags whose ids vary in
     number share a shape (padded)."""
     def shaped(seed, bags, length, short=0):  # (the first bag `short` ids shorter)
@@ -669,6 +670,13 @@ def test_replayed_lookups_train_bit_for_bit_as_kernels_launched_one_by_one():
             with pytest.raises(IndexError, match=rf"id {NUM} out of range \[0, {NUM}\)"):
                 emb(torch.cat([ids[:-1], torch.tensor([NUM])]), offsets)
             assert torch.equal(rows_and_state(emb), before)
+            graphs = emb._store.tier0.graphs
+            replays = graphs.stats()["replays"] if graphs is not None else 0
+            dropped = emb(ids, offsets)  # (a trained forward's output dropped without its backward)
+            del dropped
+            outs += train(emb, data[:1])  # (its shape replayed again: nothing waits for that backward)
+            if graphs is not None:
+                assert graphs.stats()["replays"] >= replays + 2
             runs.append((torch.cat(outs), rows_and_state(emb), emb.stats()))
         (got, got_rows, got_stats), (want, want_rows, want_stats) = runs
         assert torch.equal(got, want) and torch.equal(got_rows, want_rows)
@@ -718,3 +726,26 @@ def test_a_collections_lookups_replay_one_graph_for_all_its_tables_bit_for_bit()
     assert torch.equal(got, want) and torch.equal(got_rows, want_rows) and got_stats == want_stats
     lead = made[0].engines[0]._store.tier0.graphs.stats()
     assert lead["failed"] is None and lead["shapes"] == 1 and lead["captures"] == 2 and lead["replays"] >= 2
+
+
+def test_a_table_keeps_its_last_used_shapes_and_captures_a_dropped_one_again():
+    """More shapes than a table keeps (gpu/graphed.py's _MOST_SHAPES): the least recently used is
+    dropped, and captured again when it comes back twice; training stays bit for bit the
+    ordinary path's throughout."""
+    from tieredemb.gpu import graphed
+
+    def batch(bags, seed):
+        g = torch.Generator().manual_seed(seed)
+        return torch.randint(0, NUM, (2 * bags,), generator=g), torch.arange(0, 2 * bags, 2), torch.randn(bags, D,
+                                                                                                         generator=g)
+
+    kinds = list(range(1, graphed._MOST_SHAPES + 2))  # (bags per batch: one shape each)
+    data = [batch(b, 10 * b + k) for b in kinds for k in range(2)] + [batch(kinds[0], 99 + k) for k in range(2)]
+    kw = dict(optimizer=tieredemb.SGD(lr=0.1), seed=1)
+    tables = [device_tier(tieredemb.TieredEmbeddingBag(NUM, D, "sum", **kw), None, graphs=graphs)
+              for graphs in (True, False)]
+    runs = [(torch.cat([o.reshape(-1) for o in train(emb, data)]), rows_and_state(emb)) for emb in tables]
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
+    stats = tables[0]._store.tier0.graphs.stats()
+    # each shape's forward captured at its second batch, the first shape's twice (dropped between)
+    assert stats["shapes"] == graphed._MOST_SHAPES and stats["captures"] == len(kinds) + 1

@@ -35,6 +35,7 @@ without a GPU; the capture itself runs only on one (tests/test_gpu.py).
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import NamedTuple
 
 import numpy as np
@@ -71,12 +72,12 @@ class _Batch(NamedTuple):
 
 
 class _Graph:
-    """fn's device work captured as a CUDA graph on stream (a table's own: captures on two
-    threads at once each have theirs), or on CPU tensors fn itself. replay(held) runs it again
+    """fn's device work captured as a CUDA graph (on a stream of its own: captures on two threads
+    at once, a forward's and autograd's backward's, do not meet), or on CPU tensors fn itself. replay(held) runs it again
     and returns its outputs (a graph's: the tensors its capture made, rewritten in place); held:
     the locks a graph's launch takes (fn takes its own, as the ordinary path does)."""
 
-    def __init__(self, fn, device: torch.device, stream):
+    def __init__(self, fn, device: torch.device):
         self.fn, self.graph = fn, None
         if device.type == "cuda":
             # (not torch.cuda.graph, which first waits for the device and empties its caches: a
@@ -84,7 +85,7 @@ class _Graph:
             # prefetch worker's or autograd's, may go on meanwhile, and a kernel Triton compiles for
             # this shape, not yet loaded, may be loaded during the capture)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.device(device), torch.cuda.stream(stream):
+            with torch.cuda.device(device), torch.cuda.stream(torch.cuda.Stream(device)):
                 graph.capture_begin(capture_error_mode="relaxed")
                 try:
                     self.outputs = fn()
@@ -135,7 +136,13 @@ class _Shape:
         self.grad: torch.Tensor | None = None
         self.backwards: dict = {}  # optimizer arguments -> _Graph
         self.last_args = None
-        self.flight: _Flight | None = None  # the trained forward whose backward has not run yet
+        self.flight = None  # a weak reference to the trained forward whose backward has not run yet
+
+    @property
+    def busy(self) -> bool:
+        """Whether a trained forward's backward is still to come (its autograd graph alive)."""
+        flight = self.flight() if self.flight is not None else None
+        return flight is not None and not flight.done
 
 
 class _Flight:
@@ -150,7 +157,7 @@ class _Flight:
 
     def land(self) -> None:
         self.done = True
-        if self.shape.flight is self:
+        if self.shape.flight is not None and self.shape.flight() is self:
             self.shape.flight = None
 
     def __del__(self):
@@ -167,7 +174,6 @@ class StepGraphs:
         self.tier = tier
         self.shapes: dict = {}  # key -> _Shape, the least recently used first
         self.seen: dict = {}  # key -> lookups of a shape not captured yet
-        self.stream = torch.cuda.Stream(tier.device) if tier.device.type == "cuda" else None
         self.captures = self.replays = 0
         self.failed: str | None = None
 
@@ -176,8 +182,10 @@ class StepGraphs:
                 "failed": self.failed}
 
     def _capture(self, fn) -> _Graph | None:
+        if self.failed:
+            return None
         try:
-            graph = _Graph(fn, self.tier.device, self.stream)
+            graph = _Graph(fn, self.tier.device)
         except Exception as e:  # (nothing ran: a capture queues no work)
             self.failed = f"{type(e).__name__}: {e}"
             return None
@@ -206,7 +214,8 @@ class StepGraphs:
         tier = part.table._store.tier0
         # host ids, or device ids and offsets the module checked on the device (a verdict to read)
         given = "host" if part.check is None and part.ids.device.type == "cpu" else "device" if (
-            part.check is not None and part.ids.device == tier.device and part.offsets.device == tier.device) else None
+            part.check is not None and part.ids.device == tier.device
+            and part.offsets.device in (tier.device, torch.device("cpu"))) else None
         if (given is None or tier.graphs is None or tier.device != self.tier.device or part.psw is not None
                 or part.ids.numel() == 0 or not isinstance(tier.index, DirectIndex) or not tier.init_misses_here
                 or not part.table._prefetch.idle()):
@@ -231,7 +240,7 @@ class StepGraphs:
             self.seen.pop(key, None)
         else:
             self.shapes[key] = shape  # (the last used, last: the oldest is dropped first)
-            if shape.flight is not None:
+            if shape.busy:
                 return None
         for part in parts:  # (the verdict read: one wait, as the ordinary path's; its error if any)
             if part.check is not None:
@@ -264,8 +273,9 @@ class StepGraphs:
             self.replays += 1
             if updates is None:
                 return shape.out[:shape.samples].clone()
-            shape.flight = _Flight(shape, updates)
-            return _Replayed.apply(self, shape, shape.flight, *[inp.table._grad_anchor for inp in shape.inputs])
+            flight = _Flight(shape, updates)  # (held by the autograd graph alone: see _Shape.busy)
+            shape.flight = weakref.ref(flight)
+            return _Replayed.apply(self, shape, flight, *[inp.table._grad_anchor for inp in shape.inputs])
 
     def _inputs(self, inp: _Input, part) -> None:
         """A part's ids (host ones checked), offsets and out_at copied into its buffers, on the
@@ -281,8 +291,12 @@ class StepGraphs:
         if part.check is not None:
             inp.ids[:n].copy_(part.ids)
             inp.ids[n:].fill_(inp.drop)
-            inp.offsets[:given].copy_(part.offsets)
-            inp.offsets[given:].copy_(part.offsets[given - 1:])
+            if part.offsets.device.type != "cpu":
+                inp.offsets[:given].copy_(part.offsets)
+                inp.offsets[given:].copy_(part.offsets[given - 1:])
+            else:  # (a collection's features checked on the device keep their boundaries on the host)
+                o = part.offsets.numpy()
+                copy_to(inp.offsets, torch.from_numpy(np.append(o, o[-1])))
             return
         on_gpu = inp.tier.device.type == "cuda"
         if on_gpu:
@@ -307,9 +321,11 @@ class StepGraphs:
 
     def _add_shape(self, key: tuple, parts: list) -> _Shape:
         while len(self.shapes) >= _MOST_SHAPES:
-            oldest = next((k for k, s in self.shapes.items() if s.flight is None), None)
+            oldest = next((k for k, s in self.shapes.items() if not s.busy), None)
             if oldest is None:
                 break
+            if self.tier.device.type == "cuda":  # (its buffers and graphs' memory freed only once no replay reads them)
+                torch.cuda.synchronize(self.tier.device)
             del self.shapes[oldest]
         dev = self.tier.device
         (rows, width), samples = key[1], key[2]
@@ -368,7 +384,9 @@ class StepGraphs:
             with kernels._current(self.tier.device):
                 graph = shape.backwards.get(args)
                 if graph is None and args == shape.last_args and len(shape.backwards) < _MOST_BACKWARDS:
-                    graph = shape.backwards[args] = self._capture(work)
+                    graph = self._capture(work)
+                    if graph is not None:
+                        shape.backwards[args] = graph
                 shape.last_args = args
                 if graph is None:
                     work()

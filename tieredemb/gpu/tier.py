@@ -372,9 +372,11 @@ class DeviceTier:
 
     def _before_residencies(self) -> None:
         """Orders the tier's stream after what the current stream queued on the pool or the index
-        (a residency must see those rows and dirty bits: it may evict them)."""
+        (a residency must see those rows and dirty bits: it may evict them; and so must a replayed
+        lookup: see after_queued)."""
         if self.stream is not None:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
+            self._queued = True
 
     def write_back(self) -> None:
         """Writes every dirty row down (they stay resident, now clean). Each part is marked clean
