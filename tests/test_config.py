@@ -85,3 +85,10 @@ def test_zero_copy_is_for_a_cuda_tier_0_right_above_host_rows(tmp_path):
     assert not (tmp_path / "t").exists()  # (refused before any store was made)
     for good in (dict(cache_rows=10), dict(cache_rows=10, host_rows=100)):  # (host_rows 100: no host cache)
         assert tieredemb.TableConfig(100, 4, device="cuda", zero_copy=True, **good).zero_copy
+
+
+def test_cuda_graphs_is_a_bool_and_a_cpu_table_captures_nothing():
+    with pytest.raises(TypeError, match="cuda_graphs must be a bool, got 1"):
+        tieredemb.TableConfig(100, 4, cuda_graphs=1)
+    emb = tieredemb.TieredEmbeddingBag(100, 4, cuda_graphs=True)  # (the default; graphs are for cuda)
+    assert emb.config.cuda_graphs and emb._store.tier0.graphs is None
