@@ -568,7 +568,7 @@ def test_cuda_graphs_train_bit_for_bit_as_kernels_launched_one_by_one(mode, opt)
     (got, got_rows, got_stats), (want, want_rows, want_stats) = runs
     assert torch.equal(got, want) and torch.equal(got_rows, want_rows) and got_stats == want_stats
     graphs = tables[0]._store.tier0.graphs.stats()
-    assert graphs["failed"] is None and graphs["shapes"] == 2 and graphs["captures"] == (4 if opt == "rowwise" else 2)
+    assert graphs["failed"] is None and graphs["shapes"] == 2 and graphs["captures"] == 4
     assert tables[1]._store.tier0.graphs is None
 
 

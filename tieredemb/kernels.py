@@ -117,10 +117,11 @@ def _row_floats(bags: Bags, dim: int, device) -> torch.Tensor:
 
 
 def backward_update(tier0, config, batch, bags: Bags, saved, grad_out: torch.Tensor, step: int,
-                    need_psw_grad: bool) -> torch.Tensor | None:
+                    need_psw_grad: bool, scalars: tuple | None = None) -> torch.Tensor | None:
     """Sums each unique row's gradient and applies the table's optimizer to its row in tier 0,
     except the padding row, and marks the rows it updated dirty. grad_out: [B, dim], or the block
-    bags.out_at places the rows in. Returns the gradient of the per-sample weights when asked."""
+    bags.out_at places the rows in. Returns the gradient of the per-sample weights when asked.
+    scalars: on the triton path, the step's scalars as device tensors (gpu/pooling.py's)."""
     pool, layout, optimizer = tier0.pool, config.layout, config.optimizer
     dim = layout.dim
     how = implementation(pool)
@@ -134,7 +135,7 @@ def backward_update(tier0, config, batch, bags: Bags, saved, grad_out: torch.Ten
                                                batch.inverse, bags.offsets, psw, bags.mode,
                                                bags.skip_id, bags.frozen_id, grad_out, saved, optimizer, step,
                                                need_psw_grad, layout.code, config.stochastic_rounding, config.seed,
-                                               bags.out_at, batch.groups)
+                                               bags.out_at, batch.groups, scalars)
         return None if psw_grad is None else psw_grad.to(bags.psw.device, bags.psw.dtype)
     skip_u, frozen_u = _unique_index(batch, bags.skip_id), _unique_index(batch, bags.frozen_id)
     count = int(batch.count)

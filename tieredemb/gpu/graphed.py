@@ -16,11 +16,11 @@ When: a shape is captured the second time a lookup of it comes (the first runs t
 which compiles the kernels); at most _MOST_SHAPES shapes are kept, the least recently used
 dropped. A shape is each table's number of bags and number of ids rounded up (padded(): at most
 1/8 more), so batches whose ids vary in number, as jagged features' do, share one: the ids are
-padded with an id the dedup leaves out, after the bags. A backward is captured for its optimizer
-arguments the same way: those that change every step (Adam's step size; the step, with
-stochastic rounding) never repeat, and such backwards run the ordinary kernels over the captured
-forward's tensors. Ids and offsets given on the device, which the module checked there, are taken
-too, after the ordinary path's one wait to read the verdict. Everything else takes the ordinary
+padded with an id the dedup leaves out, after the bags. A backward is captured for its optimizer's
+arguments the same way; what changes every step (Adam's step size, and the step that stochastic
+rounding draws from) the update kernel reads from device tensors, filled before each replay. Ids
+and offsets given on the device, which the module checked there, are taken too, after the
+ordinary path's one wait to read the verdict. Everything else takes the ordinary
 path: per-sample weights, inverse-keyed features, batches registered for prefetch, a cached tier
 0, a caller capturing a graph of its own, and a forward of a shape whose last batch still waits
 for its backward (gradient accumulation: the shape's buffers are in use). The results are the
@@ -43,7 +43,7 @@ import torch
 
 from .. import kernels
 from ..kernels import Bags
-from . import copy_to
+from . import copy_to, pooling
 from .checks import SENTINEL32, SENTINEL64, checked_dtype, checked_ids
 from .dedup import dedup as device_dedup
 from .index import DirectIndex
@@ -117,6 +117,7 @@ class _Input:
         self.scratch = scratch  # where the added bag's row goes in the block, in floats: its last row
         self.bags = Bags(offsets, None, mode, pad if exclude_padding else -1, pad, out_at)
         self.out_at_given = None  # (the host's out_at last copied in)
+        self.scalars = None  # the backward's step-dependent scalars (pooling.step_scalars)
         self.pinned: list = [None, None]
         self.turn = 0
 
@@ -369,17 +370,24 @@ class StepGraphs:
         try:
             inputs = shape.inputs
             steps = [inp.table.step + 1 for inp in inputs]
-            args = tuple(_arguments(inp.table.config, step) if update else None
-                         for inp, step, update in zip(inputs, steps, flight.updates))
+            native = [inp.table.config.optimizer.native_args(step) if update else None
+                      for inp, step, update in zip(inputs, steps, flight.updates)]
+            args = tuple(_arguments(inp.table.config, a) if a is not None else None for inp, a in zip(inputs, native))
             if shape.grad is None:  # (the added bags' rows stay zero)
                 shape.grad = torch.zeros(shape.out.shape, dtype=torch.float32, device=self.tier.device)
+                for inp in inputs:
+                    inp.scalars = pooling.step_scalars(self.tier.device)
             shape.grad[:shape.samples].copy_(grad)
+            for inp, a, step in zip(inputs, native, steps):  # (what changes every step, read by the graph)
+                config = inp.table.config
+                if a is not None and pooling.step_dependent(config.optimizer, config.stochastic_rounding):
+                    pooling.fill_step_scalars(inp.scalars, a.adam_step_size, step)
 
             def work():
                 for inp, batch, saved, step, update in zip(inputs, shape.batches, shape.saved, steps, flight.updates):
                     if update:
                         kernels.backward_update(inp.tier, inp.table.config, batch, inp.bags, saved, shape.grad, step,
-                                                False)
+                                                False, inp.scalars)
 
             with kernels._current(self.tier.device):
                 graph = shape.backwards.get(args)
@@ -411,12 +419,11 @@ def _all(locks) -> contextlib.ExitStack:
     return stack
 
 
-def _arguments(config, step: int) -> tuple:
-    """What a backward graph holds of the optimizer: its arguments at this step (and the step,
-    which stochastic rounding draws from)."""
-    a = config.optimizer.native_args(step)
-    return (a.kind, a.lr, a.eps, a.beta1, a.beta2, a.adam_step_size, a.accumulator_divisor,
-            step if config.stochastic_rounding else None)
+def _arguments(config, a) -> tuple:
+    """What a backward graph holds of the optimizer (a: its native_args): the arguments that stay
+    from step to step (Adam's step size and the step are read from device tensors: see
+    pooling.backward_update's scalars)."""
+    return a.kind, a.lr, a.eps, a.beta1, a.beta2, a.accumulator_divisor
 
 
 class _Replayed(torch.autograd.Function):

@@ -203,12 +203,12 @@ def _chunk_kernel(sorted_ptr, order_ptr, start_ptr, chunk_ptr, unique_ptr, bag_p
                 tl.store(partial_ptr + c * dim + cols, g, mask=w)
 
 
-# sr_seed and step are 64-bit keys, never constants: Triton would compile a value of 1 in as a
+# sr_seed is a 64-bit key, never a constant: Triton would compile a value of 1 in as a
 # Python int, which has no .to().
-@triton.jit(do_not_specialize=["sr_seed", "step"])
+@triton.jit(do_not_specialize=["sr_seed"])
 def _update_kernel(pool_ptr, dirty_ptr, slots_ptr, unique_ptr, num_unique_ptr, order_ptr, start_ptr, chunk_ptr,
                    partial_ptr, bag_ptr, scale_ptr, grad_ptr, at_ptr, argmax_ptr, dim, dim_f, width, weight_words,
-                   skip_id, frozen_id, lr, eps, beta1, beta2, adam_step, acc_div, sr_seed, step, OPT: tl.constexpr,
+                   skip_id, frozen_id, lr, eps, beta1, beta2, adam_step_ptr, acc_div, sr_seed, step_ptr, OPT: tl.constexpr,
                    MODE: tl.constexpr, HAS_AT: tl.constexpr, SCALE: tl.constexpr, WEIGHTS: tl.constexpr,
                    STOCHASTIC: tl.constexpr, TILE: tl.constexpr, BLOCK: tl.constexpr):
     """Unique row u = program 0: g = the sum of its occurrences' gradients (occurrences
@@ -259,9 +259,9 @@ def _update_kernel(pool_ptr, dirty_ptr, slots_ptr, unique_ptr, num_unique_ptr, o
             vv = (g * g - v) * (1.0 - beta2) + v
             tl.store(row + dim + cols, numer, mask=w)
             tl.store(row + 2 * dim + cols, vv, mask=w)
-            x = x - adam_step * tl.math.div_rn(numer, tl.math.sqrt_rn(vv) + eps)
+            x = x - tl.load(adam_step_ptr) * tl.math.div_rn(numer, tl.math.sqrt_rn(vv) + eps)
         if STOCHASTIC and WEIGHTS != 0:
-            _store_stochastic(pool_ptr, slot, cols, x, w, width, uid, sr_seed, step, WEIGHTS)
+            _store_stochastic(pool_ptr, slot, cols, x, w, width, uid, sr_seed, tl.load(step_ptr), WEIGHTS)
         else:
             store_weights(pool_ptr, slot, cols, x, w, width, WEIGHTS)
         tl.store(dirty_ptr + slot, 1)
@@ -322,14 +322,17 @@ def backward_update(pool: torch.Tensor, dirty: torch.Tensor, dim: int, slots: to
                     num_unique: torch.Tensor, inverse: torch.Tensor, offsets: torch.Tensor, psw: torch.Tensor | None,
                     mode: int, skip_id: int, frozen_id: int, grad_out: torch.Tensor, saved: torch.Tensor | None,
                     optimizer, step: int, need_psw_grad: bool, weights: int = 0, stochastic_rounding: bool = False,
-                    sr_seed: int = 0, at: torch.Tensor | None = None, groups: tuple | None = None
-                    ) -> torch.Tensor | None:
+                    sr_seed: int = 0, at: torch.Tensor | None = None, groups: tuple | None = None,
+                    scalars: tuple | None = None) -> torch.Tensor | None:
     """Applies the optimizer to every unique row the batch used but rows skip_id and frozen_id,
     with the gradients of duplicate ids summed first, and marks those rows dirty (dirty: uint8
     [slots]). num_unique: int64 [1] on the device (U). grad_out: [B, dim], or with at (int64 [B])
     a block holding bag b's gradient at its floats from at[b]. saved: the forward's (argmax for
     max, the bags' scales for mean). groups: the dedup's grouping of the occurrences
-    (gpu/dedup.py), or None to sort for it here. Returns the per-sample weights' gradient when
+    (gpu/dedup.py), or None to sort for it here. scalars: what changes from step to step, as
+    device tensors the kernel reads (a CUDA graph of this call then serves every step, its
+    caller filling them: gpu/graphed.py): (Adam's step size float32 [1], the step int64 [1]);
+    None: made here from optimizer and step. Returns the per-sample weights' gradient when
     asked."""
     n, bags, dev = inverse.numel(), offsets.numel() - 1, pool.device
     if n == 0:
@@ -375,11 +378,46 @@ def backward_update(pool: torch.Tensor, dirty: torch.Tensor, dim: int, slots: to
                                                    MODE=mode, HAS_AT=at is not None, SCALE=scale_kind, TILE=tile,
                                                    BLOCK=block)
     a = optimizer.native_args(step)
+    if scalars is None:
+        if step_dependent(optimizer, stochastic_rounding):
+            scalars = step_scalars(dev)
+            fill_step_scalars(scalars, a.adam_step_size, step)
+        else:  # (never read)
+            scalars = _unread_scalars(dev)
     with launch_turn():
         _update_kernel[(n,)](pool, dirty, slots, unique, num_unique, order, start, chunk, partial, bag_of, scale,
                              grad_out, at_arg, argmax_arg, dim, float(dim), pool.shape[1],
                              dim if weights == 0 else (dim + 1) // 2, skip_id, frozen_id, a.lr, a.eps, a.beta1, a.beta2,
-                             a.adam_step_size, a.accumulator_divisor, sr_seed, step, OPT=optimizer.kind, MODE=mode,
+                             scalars[0], a.accumulator_divisor, sr_seed, scalars[1], OPT=optimizer.kind, MODE=mode,
                              HAS_AT=at is not None, SCALE=scale_kind, WEIGHTS=weights, STOCHASTIC=stochastic_rounding,
                              TILE=tile, BLOCK=block, num_warps=UPDATE_WARPS)
     return psw_grad
+
+
+def step_dependent(optimizer, stochastic_rounding: bool) -> bool:
+    """Whether the update kernel reads backward_update's scalars (Adam, or stochastic rounding)."""
+    return optimizer.kind == 3 or stochastic_rounding
+
+
+_UNREAD: dict = {}
+
+
+def _unread_scalars(device) -> tuple:
+    """step_scalars of the device, made once, for calls whose kernel reads none."""
+    key = str(device)
+    if key not in _UNREAD:
+        _UNREAD[key] = step_scalars(device)
+    return _UNREAD[key]
+
+
+def step_scalars(device) -> tuple:
+    """Device tensors for backward_update's scalars: (Adam's step size float32 [1], the step
+    int64 [1])."""
+    return torch.empty(1, dtype=torch.float32, device=device), torch.empty(1, dtype=torch.int64, device=device)
+
+
+def fill_step_scalars(scalars: tuple, adam_step_size: float, step: int) -> None:
+    """Fills step_scalars' tensors on the current stream (a fill kernel each: no copy from the
+    host, nothing waits)."""
+    scalars[0].fill_(adam_step_size)
+    scalars[1].fill_(step)
