@@ -128,8 +128,7 @@ class _Shape:
     out, saved: what the forward's last replay left (the backward reads them); grad: the
     backward's input (the added bags' rows zero)."""
 
-    def __init__(self, key: tuple, inputs: list, rows: int, width: int, samples: int):
-        self.key = key
+    def __init__(self, inputs: list, rows: int, width: int, samples: int):
         self.inputs = inputs
         self.rows, self.width, self.samples = rows, width, samples
         self.forward: _Graph | None = None
@@ -227,9 +226,10 @@ class StepGraphs:
 
     # -- forward ------------------------------------------------------------------------------
     def forward(self, parts: list, key: tuple, updates: tuple | None) -> torch.Tensor | None:
-        """The parts' bags pooled by the shape's graph (captured now if its time has come), the
-        block's first `samples` rows; or None: the ordinary path is to run it. updates: whether
-        each table takes an update in backward (None: no autograd graph is made)."""
+        """The parts' bags pooled by the graph of the shape `key` names (captured now if its time
+        has come): the block's first rows, the lookup's samples; or None: the ordinary path is to
+        run it. updates: whether each table takes an update in backward (None: no autograd graph
+        is made)."""
         shape = self.shapes.pop(key, None)
         if shape is None:
             seen = self.seen.get(key, 0) + 1
@@ -249,10 +249,7 @@ class StepGraphs:
         if shape is None:
             shape = self._add_shape(key, parts)
         tiers = [inp.tier for inp in shape.inputs]
-        with contextlib.ExitStack() as held:
-            for inp in shape.inputs:
-                held.enter_context(inp.table._store.lock)
-            held.enter_context(kernels._current(self.tier.device))
+        with _all(inp.table._store.lock for inp in shape.inputs), kernels._current(self.tier.device):
             for inp, part in zip(shape.inputs, parts):
                 self._inputs(inp, part)  # (IndexError for a bad host id: nothing changed)
             for tier in tiers:
@@ -261,9 +258,7 @@ class StepGraphs:
                 shape.forward = self._capture(lambda: self._forward_work(shape))
                 if shape.forward is None:
                     return None
-            with contextlib.ExitStack() as index:
-                for tier in tiers:
-                    index.enter_context(tier.index_lock)
+            with _all(tier.index_lock for tier in tiers):
                 shape.batches, shape.out, shape.saved = shape.forward.replay(lambda: _all(t.pool_lock for t in tiers))
                 for tier in tiers:
                     tier.index.version += 1
@@ -342,7 +337,7 @@ class StepGraphs:
                                  torch.empty(len(part.offsets) + 1, dtype=torch.int64, device=dev), out_at,
                                  SENTINEL32 if dtype == torch.int32 else SENTINEL64, part.mode, part.exclude_padding,
                                  (rows - 1) * width))
-        shape = _Shape(key, inputs, rows, width, samples)
+        shape = _Shape(inputs, rows, width, samples)
         self.shapes[key] = shape
         return shape
 
@@ -372,7 +367,7 @@ class StepGraphs:
             steps = [inp.table.step + 1 for inp in inputs]
             native = [inp.table.config.optimizer.native_args(step) if update else None
                       for inp, step, update in zip(inputs, steps, flight.updates)]
-            args = tuple(_arguments(inp.table.config, a) if a is not None else None for inp, a in zip(inputs, native))
+            args = tuple(_arguments(a) if a is not None else None for a in native)
             if shape.grad is None:  # (the added bags' rows stay zero)
                 shape.grad = torch.zeros(shape.out.shape, dtype=torch.float32, device=self.tier.device)
                 for inp in inputs:
@@ -419,7 +414,7 @@ def _all(locks) -> contextlib.ExitStack:
     return stack
 
 
-def _arguments(config, a) -> tuple:
+def _arguments(a) -> tuple:
     """What a backward graph holds of the optimizer (a: its native_args): the arguments that stay
     from step to step (Adam's step size and the step are read from device tensors: see
     pooling.backward_update's scalars)."""
