@@ -246,7 +246,7 @@ def test_dirty_victims_ride_the_plans_transfer_when_the_guess_covers_them(carrie
     tier = dev._store.tier0
     if not carried:
         plan = tier.index.plan
-        monkeypatch.setattr(tier.index, "plan", lambda ids, count, num_embeddings, *_: plan(ids, count, num_embeddings))
+        monkeypatch.setattr(tier.index, "plan", lambda ids, count, num_embeddings, *_, **__: plan(ids, count, num_embeddings))
     fetched = []
     to_host = tier.pool.to_host
     monkeypatch.setattr(tier.pool, "to_host", lambda slots: (fetched.append(len(slots)), to_host(slots))[1])
@@ -565,15 +565,40 @@ def test_the_move_kernel_copies_rows_and_marks_those_never_written(width):
     assert torch.equal(dst[1], src[2]) and torch.equal(dst[2:].view(torch.int32), before[2:].view(torch.int32))
 
 
+def test_the_move_kernel_keeps_the_written_bits_on_the_device():
+    """With the written bits: a miss reads its id's row only where the row was ever written (else
+    marked), counting those found; a row written down is noted WROTE."""
+    from tieredemb.gpu.moves import WROTE, move_rows
+    from tieredemb.tiers.rowstore import DEFERRED_MARK
+
+    g = torch.Generator().manual_seed(3)
+    host, pool = torch.randn(40, 5, generator=g), torch.randn(20, 5, generator=g)
+    written = (torch.rand(40, generator=g) < 0.5).to(torch.uint8)
+    ids, slots = torch.randperm(40, generator=g)[:20], torch.randperm(20, generator=g)
+    found = torch.zeros(1, dtype=torch.int64)
+    want = pool.clone()
+    stored = written[ids] != 0
+    want[slots[stored]] = host[ids[stored]]
+    want.view(torch.int32)[slots[~stored], 0] = DEFERRED_MARK
+    move_rows(host, ids, pool, slots, mark=DEFERRED_MARK, written=written, src_written=True, found=found)
+    assert torch.equal(pool.view(torch.int32), want.view(torch.int32)) and int(found) == int(stored.sum())
+    back = torch.tensor([1, 7, 9])
+    move_rows(pool, back, host, ids[:3], written=written)
+    assert torch.equal(host[ids[:3]].view(torch.int32), pool[back].view(torch.int32)) and (written[ids[:3]] == WROTE).all()
+    with pytest.raises(ValueError, match="src_written counts the rows found into `found`, which is missing"):
+        move_rows(host, ids, pool, slots, written=written, src_written=True)
+
+
 # (each case with one optimizer: zero_copy changes how rows move, not the update; both optimizers run)
 @pytest.mark.parametrize("cache_rows, depth, dtype, opt", [(8, 0, torch.float32, "adam"), (64, 0, torch.float32, "rowwise"),
                                                           (8, 2, torch.float32, "rowwise"), (8, 0, torch.bfloat16, "adam")],
                          ids=["cache8-adam", "cache64-rowwise", "prefetch-rowwise", "bf16-adam"])
 def test_zero_copy_trains_bit_for_bit_as_the_host_copies(cache_rows, depth, dtype, opt, monkeypatch):
-    """zero_copy: tier 0's kernels read misses from the host rows and write dirty victims into them
-    (the host store's read_to and write_from are never called while training); the same outputs,
-    rows, optimizer state and counters as the copies through host blocks. (cache 8: overflow slots
-    and lingering rows leaving and coming back.)"""
+    """zero_copy: tier 0's kernels read misses from the host rows and write dirty victims into them,
+    and which rows were ever written is known on the device (the host store is not called at all
+    while training); the same outputs, rows, optimizer state and counters as the copies through
+    host blocks, also across rows written from outside and a flush between the batches.
+    (cache 8: overflow slots and lingering rows leaving and coming back.)"""
     from tieredemb.tiers.host_store import HostStore
 
     def make(zero_copy):
@@ -582,16 +607,26 @@ def test_zero_copy_trains_bit_for_bit_as_the_host_copies(cache_rows, depth, dtyp
         emb.write_rows(torch.arange(0, NUM, 7), weights()[:len(range(0, NUM, 7))])  # some rows stored, the rest drawn
         return device_tier(emb, cache_rows, zero_copy=zero_copy)
 
+    def between(emb):  # rows written from outside, some held in tier 0, most not; then every row flushed down
+        emb.write_rows(torch.arange(3, NUM, 11), weights()[:len(range(3, NUM, 11))] * 2)
+        emb.flush()
+
     data = batches(seed=6, steps=10)
     plain = make(False)
-    plain_outs = train(plain, data, depth=depth)
+    plain_outs = train(plain, data[:5], depth=depth)
+    between(plain)
+    plain_outs += train(plain, data[5:], depth=depth)
     copied = make(True)
     assert copied._store.tier0.mapped is copied._store.host_store.rows
-    with monkeypatch.context() as m:
-        for name in ("read_to", "write_from"):
-            m.setattr(HostStore, name, lambda *a, _n=name: pytest.fail(f"HostStore.{_n} called with zero_copy"))
-        outs = train(copied, data, depth=depth)
-    assert all(torch.equal(a, b) for a, b in zip(outs, plain_outs))
+    outs = []
+    for first, part in ((True, data[:5]), (False, data[5:])):
+        with monkeypatch.context() as m:
+            for name in ("read_to", "write_from", "locate", "wrote_in_place"):
+                m.setattr(HostStore, name, lambda *a, _n=name, **k: pytest.fail(f"HostStore.{_n} called with zero_copy"))
+            outs += train(copied, part, depth=depth)
+        if first:
+            between(copied)
+    assert [torch.equal(a, b) for a, b in zip(outs, plain_outs)] == [True] * 10
     st, st_plain = copied.stats(), plain.stats()
     assert st["store"] == st_plain["store"] and st["store"]["rows_written"] > 0
     assert {k: st["tier0"][k] for k in ("hits", "misses", "bytes_in", "bytes_out")} == \

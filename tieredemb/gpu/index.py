@@ -33,23 +33,27 @@ from .plan_kernels import HASH as _HASH, NEVER as _NEVER, USES_CAP as _USES_CAP,
 @dataclasses.dataclass
 class DevicePlan:
     """What plan() chose, on the device (slots [N]: each id's slot, -1 past U) and on the host (the
-    ids and slots that must move: miss_ids / miss_slots, dirty victims; counts)."""
+    ids and slots that must move: miss_ids / miss_slots, dirty victims; counts). miss_ids and
+    dirty_ids are None when the plan was asked not to bring ids to the host (their counts are
+    num_misses and num_dirty either way)."""
 
     ids: torch.Tensor
     valid: torch.Tensor          # bool [N]: u < U
     slots: torch.Tensor          # int64 [N] device
     fresh: torch.Tensor          # bool [N]: the id gets a new slot (a miss)
     victim_slots: torch.Tensor   # int64 device: slots whose row leaves (regular and overflow)
-    miss_ids: torch.Tensor       # int64 host
+    miss_ids: torch.Tensor | None  # int64 host
     miss_ids_device: torch.Tensor  # the same, on the device
     miss_slots: torch.Tensor     # int64 device
-    dirty_ids: torch.Tensor      # int64 host
+    dirty_ids: torch.Tensor | None  # int64 host
     dirty_ids_device: torch.Tensor  # the same, on the device
     dirty_slots: torch.Tensor    # int64 device
     num_overflow: int
     num_victims: int
     num_unique: int
     version: int
+    num_misses: int = 0
+    num_dirty: int = 0
     lingering: int = 0           # overflow rows left unpinned, evicted by this plan
     dirty_rows: torch.Tensor | None = None  # the dirty victims' rows on the host, if the transfer held them
     placed: plan_kernels.Placed | None = None  # the lists the plan was read from (what commit applies)
@@ -151,7 +155,7 @@ class SetIndex:
 
     # -- residency ----------------------------------------------------------------------------
     def plan(self, ids: torch.Tensor, num_unique: torch.Tensor, num_embeddings: int, rows: torch.Tensor | None = None,
-             guess: int = 0, check=None) -> DevicePlan | int:
+             guess: int = 0, check=None, ids_to_host: bool = True) -> DevicePlan | int:
         """Slots for the distinct ids[:U] (U = num_unique, int64 [1] on the device) and the victims
         that make room; overflow slots for the misses that find none. Changes nothing. Returns the
         plan, or the number of overflow slots to add (grow(), then plan again) when there are too
@@ -159,15 +163,16 @@ class SetIndex:
         transfer. rows (the tier's pool) and guess: that transfer also carries the rows of the
         first `guess` dirty victims; plan.dirty_rows holds them when they are all of them (so
         writing them down waits for nothing more), else None. check: a DeviceCheck whose verdict
-        the transfer carries too (its error raised first)."""
-        plan, need, free = self._plan(ids, num_unique, num_embeddings, rows, guess, check)
+        the transfer carries too (its error raised first). ids_to_host False: the transfer is the
+        counts only (the caller moves rows by their device lists: zero-copy)."""
+        plan, need, free = self._plan(ids, num_unique, num_embeddings, rows, guess, check, ids_to_host)
         return plan if need <= free else max(self.overflow_slots, need - free)
 
     def grow(self, slots: int) -> None:
         """Adds overflow slots (the caller makes sure no queued kernel uses the state tensors)."""
         self._alloc(self.overflow_slots + slots)
 
-    def _plan(self, ids, num_unique, num_embeddings, rows=None, guess=0, check=None):
+    def _plan(self, ids, num_unique, num_embeddings, rows=None, guess=0, check=None, ids_to_host=True):
         n, dev = ids.numel(), self.device
         guess = min(guess, n + self.overflow_slots) if rows is not None else 0
         if self.kernels == "triton":
@@ -179,11 +184,11 @@ class SetIndex:
             placed = plan_kernels.place(ids, num_unique, num_embeddings, self, found, chosen, self.tag, rows, guess)
         else:
             placed = self._place_twin(ids, num_unique, rows, guess, num_embeddings)
-        host, *guessed = _to_host(placed.xfer, *([placed.guessed] if guess else []),
+        k = plan_kernels.KINDS
+        host, *guessed = _to_host(placed.xfer if ids_to_host else placed.xfer[:k], *([placed.guessed] if guess else []),
                                   *([check.fault] if check is not None else []))
         if check is not None:
             check.raise_if(bool(guessed.pop().any()))
-        k = plan_kernels.KINDS
         c = host[:k].tolist()
         if c[plan_kernels.BAD]:
             valid = torch.arange(n, device=dev) < num_unique
@@ -193,12 +198,13 @@ class SetIndex:
         if self.kernels == "triton" and n_need <= n_free:
             plan_kernels.bind(placed, n_need)
         plan = DevicePlan(ids=ids, valid=placed.valid, slots=placed.slots, fresh=placed.fresh,
-                          victim_slots=placed.victims[:n_victims], miss_ids=host[k:k + n_miss],
+                          victim_slots=placed.victims[:n_victims],
+                          miss_ids=host[k:k + n_miss] if ids_to_host else None,
                           miss_ids_device=placed.xfer[k:k + n_miss], miss_slots=placed.miss_slots[:n_miss],
-                          dirty_ids=host[k + n:k + n + n_dirty], dirty_ids_device=placed.xfer[k + n:k + n + n_dirty],
-                          dirty_slots=placed.dirty_slots[:n_dirty],
+                          dirty_ids=host[k + n:k + n + n_dirty] if ids_to_host else None,
+                          dirty_ids_device=placed.xfer[k + n:k + n + n_dirty], dirty_slots=placed.dirty_slots[:n_dirty],
                           num_overflow=n_need, num_victims=n_victims, num_unique=n_valid, version=self.version,
-                          lingering=n_lingering, dirty_rows=guessed[0][:n_dirty] if guess and n_dirty <= guess else None,
+                          num_misses=n_miss, num_dirty=n_dirty, lingering=n_lingering, dirty_rows=guessed[0][:n_dirty] if guess and n_dirty <= guess else None,
                           placed=placed)
         return plan, n_need, n_free
 
@@ -297,11 +303,11 @@ class SetIndex:
         if plan.num_overflow or plan.lingering:  # (else the overflow rows are as they were)
             self._directory()
         s = self.counts
-        s["hits"] += plan.num_unique - plan.miss_ids.numel()
-        s["misses"] += plan.miss_ids.numel()
+        s["hits"] += plan.num_unique - plan.num_misses
+        s["misses"] += plan.num_misses
         s["evictions"] += plan.num_victims
-        s["dirty_writebacks"] += plan.dirty_ids.numel()
-        s["clean_drops"] += plan.num_victims - plan.dirty_ids.numel()
+        s["dirty_writebacks"] += plan.num_dirty
+        s["clean_drops"] += plan.num_victims - plan.num_dirty
         s["overflow_rows"] += plan.num_overflow
 
     def _count_parts(self, plan: DevicePlan) -> None:
@@ -455,10 +461,11 @@ class DirectIndex:
         return torch.where(self.held[ids], ids, -1)
 
     def plan(self, ids: torch.Tensor, num_unique: torch.Tensor, num_embeddings: int, rows=None,
-             guess: int = 0, check=None) -> DevicePlan:
+             guess: int = 0, check=None, ids_to_host: bool = True) -> DevicePlan:
         """The misses of ids[:U] (rows not held yet), their ids on the host (the caller reads them
-        from below), with one wait for the device. IndexError for an id out of range. Changes
-        nothing. (rows, guess, check: SetIndex.plan's; this tier evicts nothing.)"""
+        from below; not with ids_to_host False), with one wait for the device. IndexError for an
+        id out of range. Changes nothing. (rows, guess, check: SetIndex.plan's; this tier evicts
+        nothing.)"""
         n, dev = ids.numel(), self.device
         valid = torch.arange(n, device=dev) < num_unique
         slots = torch.where(valid, ids, -1)
@@ -466,26 +473,27 @@ class DirectIndex:
         fresh = valid & ~bad & ~self.held[torch.where(valid & ~bad, ids, self.slots_total)]
         miss_slots = _compact(fresh, ids, n)
         none = torch.empty(0, dtype=torch.int64, device=dev)
-        host, *fault = _to_host(torch.cat([torch.stack([fresh.sum(), valid.sum(), bad.sum()]), miss_slots]),
+        counts = torch.stack([fresh.sum(), valid.sum(), bad.sum()])
+        host, *fault = _to_host(torch.cat([counts, miss_slots]) if ids_to_host else counts,
                                 *([check.fault] if check is not None else []))
         if check is not None:
             check.raise_if(bool(fault[0].any()))
         n_miss, n_valid, n_bad = host[:3].tolist()
         if n_bad:
             raise IndexError(f"id {int(ids[bad][0])} out of range [0, {num_embeddings})")
-        miss_ids, miss_slots = host[3:3 + n_miss], miss_slots[:n_miss]  # (slot = id)
+        miss_ids, miss_slots = host[3:3 + n_miss] if ids_to_host else None, miss_slots[:n_miss]  # (slot = id)
         return DevicePlan(ids=ids, valid=valid, slots=slots, fresh=fresh, victim_slots=none, miss_ids=miss_ids,
                           miss_ids_device=miss_slots, miss_slots=miss_slots, dirty_ids=none.cpu(),
                           dirty_ids_device=none, dirty_slots=none, num_overflow=0, num_victims=0, num_unique=n_valid,
-                          version=self.version)
+                          version=self.version, num_misses=n_miss)
 
     def commit(self, plan: DevicePlan, pin: bool) -> None:
         self.version += 1
         at = torch.where(plan.fresh, plan.slots, self.slots_total)
         self.held[at] = True
         self.dirty[at] = 0
-        self.counts["misses"] += plan.miss_ids.numel()
-        self.counts["hits"] += plan.num_unique - plan.miss_ids.numel()
+        self.counts["misses"] += plan.num_misses
+        self.counts["hits"] += plan.num_unique - plan.num_misses
 
     def draw(self, ids: torch.Tensor, num_unique: torch.Tensor, rows: torch.Tensor, init) -> torch.Tensor:
         """A batch's residency when no row was ever stored below (a new table), in one kernel

@@ -120,6 +120,11 @@ class DeviceTier:
         self._graphed_on = None  # the stream of replayed lookups the tier's stream is yet to wait for
         self.mapped = None  # zero_copy: the host rows below, which the kernels read and write
         self._unmap = None  # (and on a GPU, their release from it)
+        # zero_copy: which host rows were ever written (uint8 per id; moves.WROTE: by this tier,
+        # the store not yet told), the rows of them found by misses, and the rows read and
+        # written, since the store was last told (settle)
+        self.written = self._found = None
+        self._moved = [0, 0]
         if zero_copy:
             if not (lower_is_store and hasattr(lower, "locate")):
                 below = getattr(lower, "name", lower)
@@ -128,6 +133,11 @@ class DeviceTier:
             if device.type == "cuda":  # pinned and mapped: Triton kernels take the host tensor as it is
                 self._unmap = hostmap.pin_and_map(lower, lower.rows, device)
             self.mapped = lower.rows
+            self.written = torch.zeros(num_embeddings, dtype=torch.uint8, device=device)
+            stored = lower.written_ids(0, None)
+            if len(stored):
+                self.written[to_device(stored, device)] = 1
+            self._found = torch.zeros(1, dtype=torch.int64, device=device)
         # (torch hands streams out of a pool of 32 a device, round robin: past 32 tables, or beside
         # a user's own torch.cuda.Stream, one may be shared; that orders more, never less)
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -231,33 +241,35 @@ class DeviceTier:
                 plan = self._plan(unique, num_unique, check)
             if plan.num_overflow and not allow_overflow:
                 return None
-            dirty = plan.dirty_ids.numel()
+            dirty, misses = plan.num_dirty, plan.num_misses
             if dirty:  # (first: a lingering overflow row may leave and come back)
-                if self.mapped is not None:  # written into the host rows by the device
-                    moves.move_rows(self.pool.rows, plan.dirty_slots, self.mapped, plan.dirty_ids_device)
-                    self.lower.wrote_in_place(plan.dirty_ids)
+                if self.mapped is not None:  # written into the host rows by the device, which notes them written
+                    moves.move_rows(self.pool.rows, plan.dirty_slots, self.mapped, plan.dirty_ids_device,
+                                    written=self.written)
+                    self._moved[1] += dirty
                 else:
                     rows = plan.dirty_rows if plan.dirty_rows is not None else self.pool.to_host(plan.dirty_slots)
                     self.lower.write_from(plan.dirty_ids, rows, torch.arange(dirty))
                 self.bytes_out += dirty * self.row_bytes
             # the next plan's transfer carries this many dirty rows: a quarter more than these
             self.dirty_guess = dirty + dirty // 4 + _DIRTY_SLACK
-            if plan.miss_ids.numel():
+            if misses:
                 if self.mapped is not None:  # read from the host rows by the device; those never written marked
-                    found = to_device(self.lower.locate(plan.miss_ids), self.device)
-                    moves.move_rows(self.mapped, found, self.pool.rows, plan.miss_slots, mark=DEFERRED_MARK)
+                    moves.move_rows(self.mapped, plan.miss_ids_device, self.pool.rows, plan.miss_slots,
+                                    mark=DEFERRED_MARK, written=self.written, src_written=True, found=self._found)
+                    self._moved[0] += misses
                 else:
-                    block = self.pool.staging(plan.miss_ids.numel())
+                    block = self.pool.staging(misses)
                     with self.init.deferred() if self.draws_misses else contextlib.nullcontext():
-                        self.lower.read_to(plan.miss_ids, block, torch.arange(plan.miss_ids.numel()))
+                        self.lower.read_to(plan.miss_ids, block, torch.arange(misses))
                     self.pool.from_host(plan.miss_slots, block)
                 if self.draws_misses:  # rows never stored (marked so): drawn here, bit for bit as the host would
                     rowinit.init_rows(plan.miss_ids_device, self.pool.rows, plan.miss_slots, *self.init.args,
                                       weights=self.init.weights, marked=DEFERRED_MARK)
-                self.bytes_in += plan.miss_ids.numel() * self.row_bytes
+                self.bytes_in += misses * self.row_bytes
             with self.index_lock:
                 self.index.commit(plan, pin)
-            return plan.slots, plan.miss_ids.numel(), self._record()
+            return plan.slots, misses, self._record()
 
     def draw(self, unique: torch.Tensor, num_unique: torch.Tensor) -> torch.Tensor:
         """A whole-table tier's residency, when every miss is drawn here (init_misses_here): one
@@ -280,7 +292,8 @@ class DeviceTier:
         while True:
             # (the transfer brings dirty rows for the host to write down; zero-copy writes them from the device)
             rows = self.pool.rows if self.mapped is None else None
-            plan = self.index.plan(unique, num_unique, self.num_embeddings, rows, self.dirty_guess, check)
+            plan = self.index.plan(unique, num_unique, self.num_embeddings, rows, self.dirty_guess, check,
+                                   ids_to_host=self.mapped is None)
             if not isinstance(plan, int):
                 return plan
             with self.pool_lock:
@@ -303,9 +316,32 @@ class DeviceTier:
             slots = slots.to(self.device)
             self.index.dirty[torch.where(slots >= 0, slots, self.index.slots_total)] = 1
 
-    def below_written(self) -> None:
-        """Rows reached the layer below from elsewhere: misses must now be read from it."""
+    def below_written(self, ids: torch.Tensor) -> None:
+        """The rows of ids (host int64) reached the layer below from elsewhere: misses must now be
+        read from it (and with zero_copy, those rows read as written)."""
         self.init_misses_here = False
+        if self.written is not None and len(ids):
+            self._after_residencies()
+            self.written[to_device(ids, self.device)] = 1
+            self._before_residencies()
+
+    def _settle(self) -> None:
+        """zero_copy: tells the store below of the rows the device wrote into its host rows (its
+        written bits) and of the rows it read and wrote (its counters) since the last time, so
+        that what the store holds and counts is current. Waits for the device. The caller has
+        ordered the current stream after the residencies (_after_residencies)."""
+        if self.written is None or not any(self._moved):
+            return
+        reads, wrote = self._moved
+        if wrote:
+            ids = torch.nonzero(self.written == moves.WROTE).squeeze(1)
+            self.written[ids] = 1
+            self.lower.wrote_in_place(ids.cpu(), count=False)
+        found = int(self._found.item())
+        self._found.zero_()
+        self.lower.count_moved(reads, found, wrote)
+        self._moved = [0, 0]
+        self._before_residencies()
 
     def unpin(self, slots: torch.Tensor, stream=None) -> None:
         """Unpins a batch's slots, on stream (the one its kernels ran on) if given, else on the
@@ -359,7 +395,10 @@ class DeviceTier:
                     current.wait_stream(computed)
 
     def lookup(self, ids: torch.Tensor) -> np.ndarray:
+        """Each id's slot here, or -1 (TableStore reads the rest from the store below: told first
+        of what zero_copy moved)."""
         self._after_residencies()
+        self._settle()
         with self.index_lock:
             return self.index.lookup(ids.to(self.device)).cpu().numpy()
 
@@ -385,6 +424,7 @@ class DeviceTier:
         another stream is not ordered with this at all). A copy that fails marks its part dirty
         again."""
         self._after_residencies()
+        self._settle()
         with self.index_lock:
             ids, slots = self.index.dirty_rows()
         for start in range(0, ids.numel(), _ROWS_PER_MOVE):
@@ -396,6 +436,8 @@ class DeviceTier:
             except BaseException:
                 self.mark_dirty(part_slots)
                 raise
+            if self.written is not None:  # (zero_copy: the tier's own copy of the written bits)
+                self.written[part_ids] = 1
             self.bytes_out += part_ids.numel() * self.row_bytes
         self._before_residencies()
 
@@ -432,6 +474,7 @@ class DeviceTier:
 
     def stats(self) -> dict:
         self._after_residencies()
+        self._settle()  # (TableStore reads the store's stats next)
         with self.index_lock:
             s = self.index.stats()
             s.update(capacity=self.index.capacity, resident=self.index.size, overflow=self.index.overflow_in_use)
@@ -448,6 +491,7 @@ class DeviceTier:
 
     def reset_stats(self) -> None:
         self._after_residencies()  # (the counts of residencies queued before are before the reset)
+        self._settle()  # (TableStore resets the store's counters next)
         with self.index_lock:
             self.index.reset_stats()
         self._before_residencies()  # (the counters' new zeros are in place before the next residency)

@@ -95,8 +95,8 @@ class CacheTier:
         with self.index_lock:
             self.index.mark_dirty(slots)
 
-    def below_written(self) -> None:
-        """Rows reached the layer below from elsewhere: nothing to do (misses are read from it)."""
+    def below_written(self, ids: torch.Tensor) -> None:
+        """The rows of ids reached the layer below from elsewhere: nothing to do (misses are read from it)."""
 
     def host_ids(self, unique: torch.Tensor, count) -> torch.Tensor:
         """A deduplicated batch's distinct ids as a host tensor (they are already)."""

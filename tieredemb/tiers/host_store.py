@@ -7,8 +7,9 @@ When tier 0 holds the whole table on the CPU it shares this array (no second cop
 reads a row into the very place it already is, which only initializes rows never written.
 
 Zero-copy (a GPU tier 0 with zero_copy): tier 0 pins the array and maps it into the GPU, and its
-kernels read their misses from it and write their dirty victims into it (gpu/moves.py); locate()
-and wrote_in_place() keep the written bits and the counters here, on the host.
+kernels read their misses from it and write their dirty victims into it (gpu/moves.py). The tier
+keeps a copy of the written bits on the device for its kernels, and tells this store of the rows it
+wrote and read (wrote_in_place, count_moved) before anything here is read.
 """
 
 from __future__ import annotations
@@ -66,12 +67,21 @@ class HostStore:
         self.rows_found += int(np.count_nonzero(found >= 0))
         return torch.from_numpy(found)
 
-    def wrote_in_place(self, ids: torch.Tensor) -> None:
+    def wrote_in_place(self, ids: torch.Tensor, *, count: bool = True) -> None:
         """The rows of ids were written into the rows in place (by write_from, or by a GPU tier 0
-        that mapped the rows): they now read as written."""
+        that mapped the rows): they now read as written. count: add them to rows_written (a
+        zero-copy tier 0 counts its writes itself: count_moved)."""
         plan = self.index.plan(ids)
         self.index.commit(ids, plan, False, True)
-        self.rows_written += len(ids)
+        if count:
+            self.rows_written += len(ids)
+
+    def count_moved(self, reads: int, found: int, written: int) -> None:
+        """Rows a zero-copy tier 0 read from the rows (found of them ever written) and wrote into
+        them, counted as locate and write_from count theirs."""
+        self.reads += reads
+        self.rows_found += found
+        self.rows_written += written
 
     def flush(self, state: dict | None = None) -> None:
         if state is not None:

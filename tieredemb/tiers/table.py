@@ -311,7 +311,7 @@ class TableStore:
             t.update(slots, rows[at])
         if len(rest):
             self.bottom.write_from(ids[rest], rows, rest)
-            self.tier0.below_written()
+            self.tier0.below_written(ids[rest])
 
     # -- durability ---------------------------------------------------------------------------
     @_locked
