@@ -103,18 +103,42 @@ def count_kernels(counter_of_thread):
     InterpretedFunction.run = run
 
 
-def host_time(a, steps: int = 300) -> tuple[float, int]:
-    """(median host seconds of a whole-table step with every Triton launch a no-op, launches a
-    step): see the module's docstring."""
-    emb = table(a, None)
+def host_time(a, steps: int = 300) -> tuple[dict, int]:
+    """({step: median host seconds}, launches a step): a whole-table step with every Triton launch
+    a no-op, eager (cuda_graphs off) and through gpu/graphed.py with each graph's replay a no-op
+    (on a GPU a replay is one launch), taken in turn: see the module's docstring."""
+    from tieredemb.gpu import graphed
+
     small = argparse.Namespace(**{**vars(a), "bags": 8, "length": 2})
     data = batches(small, 6)
-    for ids, offsets, grad in data[:5]:  # (real kernels: the rows drawn, the code paths warm)
-        emb(ids, offsets).backward(grad)
+    tables = {"eager": table(a, None), "graphed": table(a, None, graphs=True)}
+    for emb in tables.values():
+        for ids, offsets, grad in data[:5]:  # (real kernels: the rows drawn, the graphs captured, the code warm)
+            emb(ids, offsets).backward(grad)
     ids, offsets, grad = data[5]
-    with no_launches() as off:
-        seconds = timed_steps({"step": lambda: emb(ids, offsets).backward(grad)}, steps)["step"]
-    return seconds, off.launches // steps
+    replay = graphed._Graph.replay
+
+    def no_replay(graph, held):  # (the outputs of its last real run)
+        if not hasattr(graph, "last"):
+            graph.last = replay(graph, held)
+        with held():
+            return graph.last
+
+    for emb in tables.values():  # (each graph's last real run: this batch's)
+        emb(ids, offsets).backward(grad)
+    graphed._Graph.replay = no_replay
+    try:
+        for emb in tables.values():
+            emb(ids, offsets).backward(grad)
+        with no_launches() as off:
+            seconds = timed_steps({name: (lambda e=emb: e(ids, offsets).backward(grad))
+                                   for name, emb in tables.items()}, steps)
+    finally:
+        graphed._Graph.replay = replay
+    replays = tables["graphed"]._store.tier0.graphs.stats()["replays"]
+    if replays < 2 * steps:
+        raise RuntimeError(f"the graphed table replayed {replays} graphs in {steps} steps: its steps were not graphed")
+    return seconds, off.launches // (2 * steps)
 
 
 class no_launches:
@@ -212,10 +236,10 @@ def batches(a, count: int, seed: int = 0):
     return out
 
 
-def table(a, cache_rows, zero_copy=False):
+def table(a, cache_rows, zero_copy=False, graphs=False):
     emb = tieredemb.TieredEmbeddingBag(a.rows, a.dim, "sum", optimizer=tieredemb.RowWiseAdagrad(lr=0.1),
                                        cache_rows=cache_rows)
-    return on_cpu_tensors(emb, cache_rows, zero_copy=zero_copy)
+    return on_cpu_tensors(emb, cache_rows, zero_copy=zero_copy, graphs=graphs)
 
 
 def main(argv=None) -> int:
@@ -295,8 +319,9 @@ def main(argv=None) -> int:
             print("    " + ", ".join(f"{k} {n}" for k, n in c.ops.most_common()))
     if a.host_time:
         seconds, launches = host_time(a)
-        print(f"  whole-table step, 8 bags x 2 ids, Triton launches made no-ops: host {seconds * 1e6:.0f} us a step "
-              f"(median of 300; {launches} launches a step not counted in it)")
+        print(f"  whole-table step, 8 bags x 2 ids, Triton launches made no-ops (median of 300 steps each, in turn): "
+              f"eager {seconds['eager'] * 1e6:.0f} us a step ({launches} launches not counted in it); graphed "
+              f"{seconds['graphed'] * 1e6:.0f} us a step (the replays made no-ops)")
     return 0
 
 
