@@ -34,7 +34,6 @@ without a GPU; the capture itself runs only on one (tests/test_gpu.py).
 
 from __future__ import annotations
 
-import contextlib
 import weakref
 from typing import NamedTuple
 
@@ -75,7 +74,8 @@ class _Graph:
     """fn's device work captured as a CUDA graph (on a stream of its own: captures on two threads
     at once, a forward's and autograd's backward's, do not meet), or on CPU tensors fn itself. replay(held) runs it again
     and returns its outputs (a graph's: the tensors its capture made, rewritten in place); held:
-    the locks a graph's launch takes (fn takes its own, as the ordinary path does)."""
+    a context holding the locks a graph's launch takes (fn takes its own, as the ordinary path
+    does)."""
 
     def __init__(self, fn, device: torch.device):
         self.fn, self.graph = fn, None
@@ -96,7 +96,7 @@ class _Graph:
     def replay(self, held):
         if self.graph is None:
             return self.fn()
-        with held():
+        with held:
             self.graph.replay()
         return self.outputs
 
@@ -131,6 +131,10 @@ class _Shape:
     def __init__(self, inputs: list, rows: int, width: int, samples: int):
         self.inputs = inputs
         self.rows, self.width, self.samples = rows, width, samples
+        tiers = [inp.tier for inp in inputs]  # (the locks a lookup of the shape takes, in this order)
+        self.stores_held = _Held(inp.table._store.lock for inp in inputs)
+        self.indexes_held = _Held(t.index_lock for t in tiers)
+        self.pools_held = _Held(t.pool_lock for t in tiers)
         self.forward: _Graph | None = None
         self.batches = self.out = self.saved = None
         self.grad: torch.Tensor | None = None
@@ -249,7 +253,7 @@ class StepGraphs:
         if shape is None:
             shape = self._add_shape(key, parts)
         tiers = [inp.tier for inp in shape.inputs]
-        with _all(inp.table._store.lock for inp in shape.inputs), kernels._current(self.tier.device):
+        with shape.stores_held, kernels._current(self.tier.device):
             for inp, part in zip(shape.inputs, parts):
                 self._inputs(inp, part)  # (IndexError for a bad host id: nothing changed)
             for tier in tiers:
@@ -258,8 +262,8 @@ class StepGraphs:
                 shape.forward = self._capture(lambda: self._forward_work(shape))
                 if shape.forward is None:
                     return None
-            with _all(tier.index_lock for tier in tiers):
-                shape.batches, shape.out, shape.saved = shape.forward.replay(lambda: _all(t.pool_lock for t in tiers))
+            with shape.indexes_held:
+                shape.batches, shape.out, shape.saved = shape.forward.replay(shape.pools_held)
                 for tier in tiers:
                     tier.index.version += 1
             stream = torch.cuda.current_stream(self.tier.device) if self.tier.stream is not None else None
@@ -394,7 +398,7 @@ class StepGraphs:
                 if graph is None:
                     work()
                 else:
-                    graph.replay(lambda: _all(inp.tier.pool_lock for inp in inputs))
+                    graph.replay(shape.pools_held)
                     self.replays += 1
                 if self.tier.stream is not None:
                     for inp in inputs:
@@ -406,12 +410,28 @@ class StepGraphs:
             flight.land()
 
 
-def _all(locks) -> contextlib.ExitStack:
-    """Every lock of locks held (in their order) until the returned context ends."""
-    stack = contextlib.ExitStack()
-    for lock in locks:
-        stack.enter_context(lock)
-    return stack
+class _Held:
+    """A context holding every lock of locks while inside: taken in their order, released in the
+    reverse. Keeps no state of its own between enter and exit, so one instance serves several
+    threads (a forward's replay and autograd's backward's)."""
+
+    __slots__ = ("locks",)
+
+    def __init__(self, locks):
+        self.locks = tuple(locks)
+
+    def __enter__(self) -> None:
+        for taken, lock in enumerate(self.locks):
+            try:
+                lock.acquire()
+            except BaseException:
+                for held in reversed(self.locks[:taken]):
+                    held.release()
+                raise
+
+    def __exit__(self, *exc) -> None:
+        for lock in reversed(self.locks):
+            lock.release()
 
 
 def _arguments(a) -> tuple:
