@@ -67,16 +67,20 @@ def test_bit_for_bit_from_run_to_run(tiers):
 def test_zero_copy_trains_bit_for_bit_as_the_host_copies(cache_rows, depth):
     """zero_copy: the GPU reads misses from the pinned, mapped host rows and writes dirty victims
     into them (on the tier's stream, a prefetch worker's too); the same outputs and rows, bit for
-    bit, as the copies through host blocks; rows read and written by the host between batches
-    (each read waits for the device's writes to the host rows)."""
+    bit, as the copies through host blocks, and the same counters (the rows' written bits and
+    the store's counters are kept on the device, the store told when it is read); rows read and
+    written by the host between batches, and a flush (each read waits for the device's writes to
+    the host rows)."""
     plain, out_plain = _train("cuda", "sum", cache_rows=cache_rows, depth=depth)
     mapped, out_mapped = _train("cuda", "sum", cache_rows=cache_rows, depth=depth, zero_copy=True)
     assert mapped._store.tier0.mapped is not None and mapped.stats()["store"]["rows_written"] > 0
+    assert mapped.stats()["store"] == plain.stats()["store"]
     assert torch.equal(out_mapped, out_plain) and torch.equal(_table(mapped), _table(plain))
-    for emb in (plain, mapped):  # host writes below tier 0, then more training over them
+    for emb in (plain, mapped):  # a flush, host writes below tier 0, then more training over them
+        emb.flush()
         emb.write_rows(torch.arange(0, NUM, 3), torch.full((len(range(0, NUM, 3)), DIM), 0.5))
         emb(torch.arange(NUM), torch.arange(0, NUM, 10)).sum().backward()
-    assert torch.equal(_table(mapped), _table(plain))
+    assert torch.equal(_table(mapped), _table(plain)) and mapped.stats()["store"] == plain.stats()["store"]
     mapped.close()
 
 
