@@ -333,14 +333,15 @@ class DeviceTier:
         if self.written is None or not any(self._moved):
             return
         reads, wrote = self._moved
-        if wrote:
-            ids = torch.nonzero(self.written == moves.WROTE).squeeze(1)
-            self.written[ids] = 1
-            self.lower.wrote_in_place(ids.cpu(), count=False)
+        ids = torch.nonzero(self.written == moves.WROTE).squeeze(1) if wrote else None
         found = int(self._found.item())
-        self._found.zero_()
+        if ids is not None:  # (the store told first: a failure before this leaves the bits to tell again)
+            self.lower.wrote_in_place(ids.cpu(), count=False)
         self.lower.count_moved(reads, found, wrote)
         self._moved = [0, 0]
+        if ids is not None:
+            self.written[ids] = 1
+        self._found.zero_()
         self._before_residencies()
 
     def unpin(self, slots: torch.Tensor, stream=None) -> None:
@@ -432,12 +433,12 @@ class DeviceTier:
             with self.index_lock:
                 self.index.mark_clean(part_slots)
             try:
+                if self.written is not None:  # (zero_copy: the tier's own copy of the written bits; a
+                    self.written[part_ids] = 1  # failure leaves the rows dirty here, so never read below)
                 self.lower.write_from(part_ids.cpu(), self.pool.to_host(part_slots), torch.arange(part_ids.numel()))
             except BaseException:
                 self.mark_dirty(part_slots)
                 raise
-            if self.written is not None:  # (zero_copy: the tier's own copy of the written bits)
-                self.written[part_ids] = 1
             self.bytes_out += part_ids.numel() * self.row_bytes
         self._before_residencies()
 
