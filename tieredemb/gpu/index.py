@@ -204,8 +204,8 @@ class SetIndex:
                           dirty_ids=host[k + n:k + n + n_dirty] if ids_to_host else None,
                           dirty_ids_device=placed.xfer[k + n:k + n + n_dirty], dirty_slots=placed.dirty_slots[:n_dirty],
                           num_overflow=n_need, num_victims=n_victims, num_unique=n_valid, version=self.version,
-                          num_misses=n_miss, num_dirty=n_dirty, lingering=n_lingering, dirty_rows=guessed[0][:n_dirty] if guess and n_dirty <= guess else None,
-                          placed=placed)
+                          num_misses=n_miss, num_dirty=n_dirty, lingering=n_lingering,
+                          dirty_rows=guessed[0][:n_dirty] if guess and n_dirty <= guess else None, placed=placed)
         return plan, n_need, n_free
 
     def _place_twin(self, ids, num_unique, rows, guess, num_embeddings) -> plan_kernels.Placed:
