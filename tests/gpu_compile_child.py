@@ -76,6 +76,7 @@ def main() -> None:
     for guess in (0, 5):
         placed = plan_kernels.place(ids, torch.tensor([20]), 100, index, found, found, 3, torch.zeros(72, 9), guess)
     plan_kernels.bind(placed, 2)
+    plan_kernels.bind(placed, None)  # (its count read on the device: a queued plan's)
     plan_kernels.release(ids, index.pins)
     for lingering in (False, True):
         for pin in (False, True):
@@ -86,8 +87,9 @@ def main() -> None:
         for mark in (None, 5):
             moves.move_rows(rows, ids, rows, ids, mark=mark)
         written, found = torch.zeros(20, dtype=torch.uint8), torch.zeros(1, dtype=torch.int64)
-        moves.move_rows(rows, ids, rows, ids, mark=5, written=written, src_written=True, found=found)
-        moves.move_rows(rows, ids, rows, ids, written=written)
+        for count in (None, torch.tensor([7])):  # (and with counts read on the device: a queued residency's)
+            moves.move_rows(rows, ids, rows, ids, mark=5, written=written, src_written=True, found=found, count=count)
+            moves.move_rows(rows, ids, rows, ids, written=written, count=count)
 
     for n in (1, 3000):  # a batch's dedup (n = 1: no scan to read), of device ids and of host ids as int32
         for dtype, sentinel in ((torch.int64, checks.SENTINEL64), (torch.int32, checks.SENTINEL32)):
@@ -151,6 +153,9 @@ def main() -> None:
                     rowinit.init_rows(unique, pool, rows, dim, kind, 0.0, 1.0, seed, 1, weights)
             for kind, seed in ((0, 1), (1, 5)):  # (a tier's misses: only the rows marked as never stored)
                 rowinit.init_rows(unique, pool, unique, dim, kind, 0.0, 1.0, seed, 1, weights, marked=0x7FA55A5A)
+                # (a zero-copy residency queued without a wait: the misses' count read on the device)
+                rowinit.init_rows(unique, pool, unique, dim, kind, 0.0, 1.0, seed, 1, weights, marked=0x7FA55A5A,
+                                  count=torch.tensor([4]))
             # a whole-table tier's residency, rows drawn as they are first missed
             direct = DirectIndex(40, torch.device("cpu"))
             for kind, seed in ((0, 1), (1, 5)):

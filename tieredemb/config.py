@@ -141,8 +141,9 @@ class TableConfig:
         cache, cache_rows below num_embeddings), the GPU reads tier 0's misses straight from the
         host rows and writes its dirty victims straight into them (as FBGEMM's UVM table is read):
         the host rows are pinned and mapped into the GPU when the table is made, so they must fit
-        in host memory; the GPU keeps one byte per row saying whether it was ever written. Off by
-        default.
+        in host memory; the GPU keeps one byte per row saying whether it was ever written, and
+        tier 0 as many overflow slots as the batches in flight have ids (so a batch is made
+        resident with no wait). Off by default.
     cuda_graphs: on cuda, with tier 0 holding the whole table (cache_rows None), lookups of a batch
         shape seen before replay CUDA graphs of their forward and backward instead of launching
         each kernel from Python (gpu/graphed.py says which lookups). The same results, bit for

@@ -1,5 +1,5 @@
 """Tier 0's index in device memory, its operations over whole batches (no loop over ids, no Python
-per id, and one device-to-host transfer per plan): a plan's two hot steps (each id's slot; each
+per id, and one device-to-host transfer per plan, or none: plan_queued): a plan's two hot steps (each id's slot; each
 set's misses given its victims) are Triton kernels (plan_kernels.py), the rest torch ops.
 
 SetIndex, a bounded cache: ids -> slots through sets of `ways` slots (FBGEMM's cache layout: a
@@ -93,7 +93,8 @@ class SetIndex:
         self.clock = 0  # batches planned: the LRU stamp of this one
         self.tag = 0  # plans made: the tag the last one gave its batch's slots (tags)
         self.version = 0
-        self.overflow_in_use = 0
+        self.overflow_in_use = 0  # rows in overflow slots (lingering ones too), as far as the host knows:
+        self.overflow_known = True  # False after a queued plan, until stats() counts them on the device
         self.overflow_slots = 0
         self.window: list[tuple[torch.Tensor, torch.Tensor]] = []  # (ids [N], valid [N]) of batches ahead
         self._alloc(overflow)
@@ -148,7 +149,7 @@ class SetIndex:
         way_slots = base[:, None] + torch.arange(self.ways, device=self.device)
         match = self.slot_id[way_slots] == ids[:, None]
         slots = torch.where(match.any(1), base + match.to(torch.int8).argmax(1), -1)
-        if self.overflow_in_use:
+        if self.overflow_in_use or not self.overflow_known:
             pos = torch.searchsorted(self.ovf_ids, ids).clamp_(max=self.ovf_ids.numel() - 1)
             slots = torch.where((slots < 0) & (self.ovf_ids[pos] == ids), self.ovf_slot[pos], slots)
         return slots
@@ -171,6 +172,41 @@ class SetIndex:
     def grow(self, slots: int) -> None:
         """Adds overflow slots (the caller makes sure no queued kernel uses the state tensors)."""
         self._alloc(self.overflow_slots + slots)
+
+    def plan_queued(self, ids: torch.Tensor, num_unique: torch.Tensor, num_embeddings: int) -> DevicePlan:
+        """plan() without its transfer and without a wait: for ids the host checked (host ids in
+        range), into an index with no partitions whose overflow slots are at least the ids of
+        every batch pinned and of this one (then no plan needs more than are free: a batch's
+        misses that find no room in their sets are at most its distinct ids, and the overflow
+        rows other batches pin at most theirs). The counts stay on the device: the plan's
+        totals (placed.xfer[:KINDS]; the lists after them are as long as they may be), added up
+        by commit_queued for stats(). The plan's ints are 0; its lists are whole, their ends
+        those totals (the move kernels read them: gpu/moves.py's count)."""
+        n = ids.numel()
+        self.tag += 1
+        found, sets = self._find(ids, num_unique, None)
+        in_set, order = torch.sort(sets, stable=True)
+        chosen = torch.full((n,), -1, dtype=torch.int64, device=self.device)
+        plan_kernels.assign(in_set, order, self, self.tag, self._window_sorted(), chosen)
+        placed = plan_kernels.place(ids, num_unique, num_embeddings, self, found, chosen, self.tag, None, 0)
+        plan_kernels.bind(placed, None)
+        k = plan_kernels.KINDS
+        return DevicePlan(ids=ids, valid=placed.valid, slots=placed.slots, fresh=placed.fresh,
+                          victim_slots=placed.victims, miss_ids=None, miss_ids_device=placed.xfer[k:k + n],
+                          miss_slots=placed.miss_slots, dirty_ids=None, dirty_ids_device=placed.xfer[k + n:],
+                          dirty_slots=placed.dirty_slots, num_overflow=0, num_victims=0, num_unique=0,
+                          version=self.version, placed=placed)
+
+    def commit_queued(self, plan: DevicePlan, pin: bool) -> None:
+        """Applies a plan_queued() plan (the rows moved already), without a wait: its totals are
+        added to the device's counters, which stats() reads."""
+        self._check(plan)
+        self.version += 1
+        plan_kernels.commit(plan.ids, plan.placed, self, True, pin)  # (any overflow row may leave)
+        self.clock += 1
+        self.overflow_known = False
+        self._directory()
+        self.queued_counts += plan.placed.xfer[:plan_kernels.KINDS]
 
     def _plan(self, ids, num_unique, num_embeddings, rows=None, guess=0, check=None, ids_to_host=True):
         n, dev = ids.numel(), self.device
@@ -300,7 +336,7 @@ class SetIndex:
             self.uses.index_add_(0, at, torch.ones_like(at))
         self.clock += 1
         self.overflow_in_use += plan.num_overflow - plan.lingering
-        if plan.num_overflow or plan.lingering:  # (else the overflow rows are as they were)
+        if plan.num_overflow or plan.lingering or not self.overflow_known:  # (else the overflow rows are as they were)
             self._directory()
         s = self.counts
         s["hits"] += plan.num_unique - plan.num_misses
@@ -395,11 +431,26 @@ class SetIndex:
 
     # -- counters -----------------------------------------------------------------------------
     def stats(self) -> dict:
-        return dict(self.counts)
+        """The counters, with the queued plans' (added up on the device: read here, with a wait)."""
+        if not self.overflow_known:  # (what queued plans left in the overflow slots, counted)
+            self.overflow_in_use = int((self.slot_id[self.capacity:self.slots_total] >= 0).sum())
+            self.overflow_known = True
+        t = self.queued_counts.tolist()
+        self.queued_counts.zero_()
+        kinds = plan_kernels
+        s = self.counts
+        s["hits"] += t[kinds.VALID] - t[kinds.FRESH]
+        s["misses"] += t[kinds.FRESH]
+        s["evictions"] += t[kinds.VICTIM]
+        s["dirty_writebacks"] += t[kinds.DIRTY]
+        s["clean_drops"] += t[kinds.VICTIM] - t[kinds.DIRTY]
+        s["overflow_rows"] += t[kinds.NEED]
+        return dict(s)
 
     def reset_stats(self) -> None:
         self.counts = dict.fromkeys(("hits", "misses", "writes", "evictions", "dirty_writebacks", "clean_drops",
                                      "overflow_rows"), 0)
+        self.queued_counts = torch.zeros(plan_kernels.KINDS, dtype=torch.int64, device=self.device)
         if self.partitions is not None:
             self.part_counts = torch.zeros(len(self.partitions), 5, dtype=torch.int64, device=self.device)
 

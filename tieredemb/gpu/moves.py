@@ -30,15 +30,17 @@ WROTE = 2  # written[id] of a row the device wrote down and the host has not yet
 
 
 @triton.jit(do_not_specialize=["n", "mark"])
-def _move_kernel(src_ptr, src_rows_ptr, dst_ptr, dst_rows_ptr, n, width, mark, written_ptr, found_ptr,
-                 MARK: tl.constexpr, SRC_WRITTEN: tl.constexpr, DST_WRITTEN: tl.constexpr, ROWS: tl.constexpr,
-                 COLS: tl.constexpr):
-    """Entries ROWS * program onwards: dst[dst_rows[i]] = src[src_rows[i]] (int32 words); with
-    MARK, dst[dst_rows[i], 0] = mark where src_rows[i] < 0. SRC_WRITTEN: a source row counts only
-    where written[src_rows[i]] != 0, and those found are added to found[0]; DST_WRITTEN:
-    written[dst_rows[i]] = WROTE."""
+def _move_kernel(src_ptr, src_rows_ptr, dst_ptr, dst_rows_ptr, n, count_ptr, width, mark, written_ptr, found_ptr,
+                 MARK: tl.constexpr, SRC_WRITTEN: tl.constexpr, DST_WRITTEN: tl.constexpr, COUNTED: tl.constexpr,
+                 ROWS: tl.constexpr, COLS: tl.constexpr):
+    """Entries ROWS * program onwards, below n (COUNTED: below count[0] too): dst[dst_rows[i]] =
+    src[src_rows[i]] (int32 words); with MARK, dst[dst_rows[i], 0] = mark where src_rows[i] < 0.
+    SRC_WRITTEN: a source row counts only where written[src_rows[i]] != 0, and those found are
+    added to found[0]; DST_WRITTEN: written[dst_rows[i]] = WROTE."""
     i = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     live = i < n
+    if COUNTED:
+        live = live & (i < tl.load(count_ptr))
     src_row = tl.load(src_rows_ptr + i, mask=live, other=-1)
     dst_row = tl.load(dst_rows_ptr + i, mask=live, other=0)
     if SRC_WRITTEN:
@@ -60,13 +62,15 @@ def _move_kernel(src_ptr, src_rows_ptr, dst_ptr, dst_rows_ptr, n, width, mark, w
 
 def move_rows(src: torch.Tensor, src_rows: torch.Tensor, dst: torch.Tensor, dst_rows: torch.Tensor, *,
               mark: int | None = None, written: torch.Tensor | None = None, src_written: bool = False,
-              found: torch.Tensor | None = None) -> None:
+              found: torch.Tensor | None = None, count: torch.Tensor | None = None) -> None:
     """dst[dst_rows[i]] = src[src_rows[i]] (float32 [*, width] words, the same width; rows int64
     [n], on the device); with mark (an int32), dst[dst_rows[i]]'s first word = mark where
     src_rows[i] < 0. Either side may be host rows mapped into the device (gpu/hostmap.py).
     written (uint8 [rows of the host side], on the device): with src_written, a source row
     written[src_rows[i]] == 0 counts as none (marked), and found (int64 [1]) gains the rows that
-    were there; else written[dst_rows[i]] = WROTE. Queued on the current stream."""
+    were there; else written[dst_rows[i]] = WROTE. count (an int64 on the device): only the
+    first count[0] entries move, the lists' length being the most there may be (no wait for the
+    count). Queued on the current stream."""
     n = dst_rows.numel()
     if n == 0:
         return
@@ -77,9 +81,10 @@ def move_rows(src: torch.Tensor, src_rows: torch.Tensor, dst: torch.Tensor, dst_
         raise ValueError("move_rows: src_written counts the rows found into `found`, which is missing")
     with launch_turn():
         _move_kernel[(triton.cdiv(n, _ROWS),)](src.view(torch.int32), src_rows, dst.view(torch.int32), dst_rows, n,
-                                              width, 0 if mark is None else mark,
+                                              dst_rows if count is None else count, width, 0 if mark is None else mark,
                                               dst_rows if written is None else written,
                                               dst_rows if found is None else found, MARK=mark is not None,
                                               SRC_WRITTEN=written is not None and src_written,
-                                              DST_WRITTEN=written is not None and not src_written, ROWS=_ROWS,
+                                              DST_WRITTEN=written is not None and not src_written,
+                                              COUNTED=count is not None, ROWS=_ROWS,
                                               COLS=min(64, triton.next_power_of_2(width)))

@@ -189,7 +189,7 @@ def find(ids, num_unique, index, slots, set_out, tag) -> None:
     if n == 0:
         return
     parts = index.partitions is not None
-    ovf = index.overflow_in_use > 0
+    ovf = index.overflow_in_use > 0 or not index.overflow_known  # (unknown: any may be in use)
     n_ovf = index.ovf_ids.numel()
     block = 64
     dummy = slots
@@ -351,11 +351,12 @@ def _place_kernel(ids_ptr, num_unique_ptr, n, num_rows, found_ptr, chosen_ptr, s
 
 
 @triton.jit(do_not_specialize=["count"])
-def _bind_kernel(need_at_ptr, need_miss_ptr, free_ptr, count, slots_ptr, miss_slots_ptr, BLOCK: tl.constexpr):
+def _bind_kernel(need_at_ptr, need_miss_ptr, free_ptr, count, count_ptr, slots_ptr, miss_slots_ptr,
+                 COUNTED: tl.constexpr, BLOCK: tl.constexpr):
     """Need k < count (the k-th miss, in batch order, that found no slot in its set) takes the k-th
-    free overflow slot."""
+    free overflow slot. COUNTED: count is read from count_ptr (the plan's totals on the device)."""
     k = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    live = k < count
+    live = k < (tl.load(count_ptr) if COUNTED else count)
     slot = tl.load(free_ptr + k, mask=live)
     tl.store(slots_ptr + tl.load(need_at_ptr + k, mask=live, other=0), slot, mask=live)
     tl.store(miss_slots_ptr + tl.load(need_miss_ptr + k, mask=live, other=0), slot, mask=live)
@@ -442,12 +443,19 @@ def place(ids, num_unique, num_rows, index, found, chosen, tag, rows, guess) -> 
     return out
 
 
-def bind(placed: Placed, count: int) -> None:
-    """The first `count` needs take the first `count` free overflow slots (count <= both)."""
-    if count:
+def bind(placed: Placed, count: int | None) -> None:
+    """The first `count` needs take the first `count` free overflow slots (count <= both); None:
+    the count the plan's totals hold on the device (no wait: the caller made sure it fits)."""
+    if count is None:
+        most = placed.needs[0].numel()
+        if most:
+            with launch_turn():
+                _bind_kernel[(triton.cdiv(most, _BLOCK),)](*placed.needs, 0, placed.xfer[NEED:], placed.slots,
+                                                             placed.miss_slots, COUNTED=True, BLOCK=_BLOCK)
+    elif count:
         with launch_turn():
-            _bind_kernel[(triton.cdiv(count, _BLOCK),)](*placed.needs, count, placed.slots, placed.miss_slots,
-                                                          BLOCK=_BLOCK)
+            _bind_kernel[(triton.cdiv(count, _BLOCK),)](*placed.needs, count, placed.slots, placed.slots,
+                                                          placed.miss_slots, COUNTED=False, BLOCK=_BLOCK)
 
 
 def commit(ids, placed: Placed, index, lingering: bool, pin: bool) -> None:

@@ -142,14 +142,17 @@ def init_row(out_ptr, dst, row_id, dim, width, weight_words, seed, kind, a, b, b
 # seed is a 64-bit key, never a constant: Triton would compile a seed of 1 in as a Python int,
 # which has no .to().
 @triton.jit(do_not_specialize=["seed"])
-def _init_rows_kernel(ids_ptr, out_ptr, rows_ptr, n, dim, width, weight_words, seed, kind, a, b, below_high,
-                      zero_id, mark, HAS_ROWS: tl.constexpr, MARKED: tl.constexpr, WEIGHTS: tl.constexpr,
-                      BLOCK: tl.constexpr):
+def _init_rows_kernel(ids_ptr, out_ptr, rows_ptr, n, count_ptr, dim, width, weight_words, seed, kind, a, b,
+                      below_high, zero_id, mark, HAS_ROWS: tl.constexpr, MARKED: tl.constexpr, COUNTED: tl.constexpr,
+                      WEIGHTS: tl.constexpr, BLOCK: tl.constexpr):
     """Row i of the batch: the initial row of ids[i] into out[rows[i]] (out[i] without rows;
-    rows[i] < 0: none; MARKED: only if that row's first word, as an int32, is mark)."""
+    rows[i] < 0: none; MARKED: only if that row's first word, as an int32, is mark; COUNTED: only
+    for i < count[0])."""
     i = tl.program_id(0)
     row_id = tl.load(ids_ptr + i)
     dst = tl.load(rows_ptr + i) if HAS_ROWS else i.to(tl.int64)
+    if COUNTED:
+        dst = tl.where(i < tl.load(count_ptr), dst, -1)
     if MARKED:
         dst = tl.where(tl.load(out_ptr + tl.maximum(dst, 0) * width).to(tl.int32, bitcast=True) == mark, dst, -1)
         # Every thread has read the mark before any overwrites it (word 0 is a weight's): else a
@@ -172,17 +175,20 @@ def kernel_args(dim: int, width: int, kind: int, a: float, b: float, weights: in
 
 
 def init_rows(ids: torch.Tensor, out: torch.Tensor, rows: torch.Tensor | None, dim: int, kind: int, a: float,
-              b: float, seed: int, zero_id: int, weights: int = 0, *, marked: int | None = None) -> None:
+              b: float, seed: int, zero_id: int, weights: int = 0, *, marked: int | None = None,
+              count: torch.Tensor | None = None) -> None:
     """The initial rows of ids (int64 [n], on out's device) into out (float32 [*, width] words) at
     rows (int64 [n]; entries < 0 are skipped; None: rows 0..n-1); with marked (an int32), only
     those rows whose first word is marked. Arguments as RowInit's (weights: the weights' type
-    code): bit for bit the native init_rows'."""
+    code): bit for bit the native init_rows'. count (an int64 on the device): only the first
+    count[0] of the n (no wait for the count)."""
     n = ids.numel()
     if n == 0:
         return
     width = out.shape[1]
     with launch_turn():
-        _init_rows_kernel[(n,)](ids, out, rows if rows is not None else ids, n, dim, width, seed=seed, kind=kind,
-                                zero_id=zero_id, mark=0 if marked is None else marked, HAS_ROWS=rows is not None,
-                                MARKED=marked is not None, WEIGHTS=weights, enable_fp_fusion=False,
+        _init_rows_kernel[(n,)](ids, out, rows if rows is not None else ids, n, ids if count is None else count, dim,
+                                width, seed=seed, kind=kind, zero_id=zero_id, mark=0 if marked is None else marked,
+                                HAS_ROWS=rows is not None, MARKED=marked is not None, COUNTED=count is not None,
+                                WEIGHTS=weights, enable_fp_fusion=False,
                                 **kernel_args(dim, width, kind, a, b, weights))

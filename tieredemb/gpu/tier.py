@@ -9,7 +9,8 @@ overlaps the compute of the batch before); its rows are ready for the compute st
 stream waits for the batch's event (ResidentBatch.await_rows). Releases run on the stream that
 computed with the batch, so a row is unpinned only after every kernel that reads it. A plan waits
 for the device once (its one device-to-host transfer); a table held whole in tier 0 whose misses
-are initialized on the device waits for nothing.
+are initialized on the device waits for nothing, and neither does a zero-copy residency of host
+ids (its counts stay on the device: _queued_residency).
 
 The same code runs on CPU tensors (device "cpu", no streams): that is how the tests check it.
 """
@@ -24,7 +25,7 @@ import torch
 from .. import _C, locks
 from ..tiers.cache import Deduped
 from ..tiers.rowstore import DEFERRED_MARK
-from . import hostmap, moves, rowinit, to_device
+from . import hostmap, moves, plan_kernels, rowinit, to_device
 from .checks import check_on_device, checked_ids
 from .dedup import dedup as device_dedup
 from .graphed import StepGraphs
@@ -125,6 +126,8 @@ class DeviceTier:
         # written, since the store was last told (settle)
         self.written = self._found = None
         self._moved = [0, 0]
+        self._moved_queued = None  # zero_copy: rows read and written by queued residencies (on the device)
+        self._pinned_ids = 0  # ids of the batches pinned here and not yet released (see _queued_residency)
         if zero_copy:
             if not (lower_is_store and hasattr(lower, "locate")):
                 below = getattr(lower, "name", lower)
@@ -138,6 +141,7 @@ class DeviceTier:
             if len(stored):
                 self.written[to_device(stored, device)] = 1
             self._found = torch.zeros(1, dtype=torch.int64, device=device)
+            self._moved_queued = torch.zeros(2, dtype=torch.int64, device=device)
         # (torch hands streams out of a pool of 32 a device, round robin: past 32 tables, or beside
         # a user's own torch.cuda.Stream, one may be shared; that orders more, never less)
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -237,6 +241,8 @@ class DeviceTier:
                     slots = self.draw(unique, num_unique)
                 # (it counts its misses on the device: see stats())
                 return slots, 0, self._record()
+            if self._queues(check, allow_overflow):
+                return self._queued_residency(unique, num_unique, pin)
             with self.index_lock:
                 plan = self._plan(unique, num_unique, check)
             if plan.num_overflow and not allow_overflow:
@@ -271,6 +277,41 @@ class DeviceTier:
                 self.index.commit(plan, pin)
             return plan.slots, misses, self._record()
 
+    def _queues(self, check, allow_overflow: bool) -> bool:
+        """Whether a residency is queued without a wait (_queued_residency): zero_copy, host ids
+        (no verdict to read), overflow allowed, a set-associative index of one part (Triton's)."""
+        return (self.mapped is not None and check is None and allow_overflow and isinstance(self.index, SetIndex)
+                and self.index.partitions is None and self.index.kernels == "triton")
+
+    def _queued_residency(self, unique: torch.Tensor, num_unique: torch.Tensor, pin: bool):
+        """resident() for zero_copy, queued without a wait for the device: the plan's counts stay
+        there (SetIndex.plan_queued), every move reads its count there, and the counters are
+        added up there (read by stats()). The host's one decision, more overflow slots, is made
+        before the plan from what it knows: the overflow slots are kept at least the ids of the
+        batches pinned here and of this one, so no plan needs more than are free (the price: up
+        to that many rows of tier 0's pool more). The misses are counted on the device only (the
+        returned count is 0)."""
+        n = unique.numel()
+        with self.index_lock:
+            short = self._pinned_ids + n - self.index.overflow_slots
+            if short > 0:  # (rare: a batch larger than before, or more of them in flight)
+                self._grow(max(short, self.index.overflow_slots))
+            plan = self.index.plan_queued(unique, num_unique, self.num_embeddings)
+        xfer = plan.placed.xfer
+        counts = {k: xfer[k:k + 1] for k in (plan_kernels.FRESH, plan_kernels.DIRTY)}
+        # (first: a lingering overflow row may leave and come back)
+        moves.move_rows(self.pool.rows, plan.dirty_slots, self.mapped, plan.dirty_ids_device, written=self.written,
+                        count=counts[plan_kernels.DIRTY])
+        moves.move_rows(self.mapped, plan.miss_ids_device, self.pool.rows, plan.miss_slots, mark=DEFERRED_MARK,
+                        written=self.written, src_written=True, found=self._found, count=counts[plan_kernels.FRESH])
+        if self.draws_misses:
+            rowinit.init_rows(plan.miss_ids_device, self.pool.rows, plan.miss_slots, *self.init.args,
+                              weights=self.init.weights, marked=DEFERRED_MARK, count=counts[plan_kernels.FRESH])
+        self._moved_queued += xfer[plan_kernels.FRESH:plan_kernels.DIRTY + 1:plan_kernels.DIRTY - plan_kernels.FRESH]
+        with self.index_lock:
+            self.index.commit_queued(plan, pin)
+        return plan.slots, 0, self._record()
+
     def draw(self, unique: torch.Tensor, num_unique: torch.Tensor) -> torch.Tensor:
         """A whole-table tier's residency, when every miss is drawn here (init_misses_here): one
         launch on the current stream, which waits for nothing (DirectIndex.draw). Returns slots."""
@@ -296,19 +337,27 @@ class DeviceTier:
                                    ids_to_host=self.mapped is None)
             if not isinstance(plan, int):
                 return plan
-            with self.pool_lock:
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize(self.device)
-                self.index.grow(plan)
-                grown = torch.zeros(self.index.slots_total, self.width, device=self.device)
-                grown[:self.pool.rows.shape[0]] = self.pool.rows
-                self.pool.rows = grown
-                if self.device.type == "cuda":  # (the copies are in place before a kernel on another stream reads them)
-                    torch.cuda.synchronize(self.device)
+            self._grow(plan)
+
+    def _grow(self, slots: int) -> None:
+        """Adds overflow slots to the index and the pool: under pool_lock, after the device is idle."""
+        with self.pool_lock:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.index.grow(slots)
+            grown = torch.zeros(self.index.slots_total, self.width, device=self.device)
+            grown[:self.pool.rows.shape[0]] = self.pool.rows
+            self.pool.rows = grown
+            if self.device.type == "cuda":  # (the copies are in place before a kernel on another stream reads them)
+                torch.cuda.synchronize(self.device)
 
     def admit(self, unique: torch.Tensor, count: torch.Tensor, *, allow_overflow: bool = True, check=None):
         """A batch's distinct ids made resident and pinned: see resident()."""
-        return self.resident(unique, count, pin=True, allow_overflow=allow_overflow, check=check)
+        got = self.resident(unique, count, pin=True, allow_overflow=allow_overflow, check=check)
+        if got is not None:
+            with self.pool_lock:  # (as unpin's, on the thread that releases)
+                self._pinned_ids += unique.numel()
+        return got
 
     def mark_dirty(self, slots: torch.Tensor) -> None:
         """Slots whose rows were updated in place (the Triton backward marks them itself)."""
@@ -330,7 +379,16 @@ class DeviceTier:
         written bits) and of the rows it read and wrote (its counters) since the last time, so
         that what the store holds and counts is current. Waits for the device. The caller has
         ordered the current stream after the residencies (_after_residencies)."""
-        if self.written is None or not any(self._moved):
+        if self.written is None:
+            return
+        if self._moved_queued is not None:  # (what queued residencies moved, counted on the device)
+            queued = self._moved_queued.tolist()
+            if any(queued):
+                self._moved_queued.zero_()
+                self._moved = [a + b for a, b in zip(self._moved, queued)]
+                self.bytes_in += queued[0] * self.row_bytes
+                self.bytes_out += queued[1] * self.row_bytes
+        if not any(self._moved):
             return
         reads, wrote = self._moved
         ids = torch.nonzero(self.written == moves.WROTE).squeeze(1) if wrote else None
@@ -354,6 +412,7 @@ class DeviceTier:
         # each and take a release landing between them, as they must on a GPU anyway.)
         with ctx, self.pool_lock:
             self.index.unpin(slots)
+            self._pinned_ids -= slots.numel()
             if self.stream is not None:  # (queued on that stream: a plan retried for room waits for it)
                 event = torch.cuda.Event()
                 event.record(torch.cuda.current_stream(self.device))
@@ -480,6 +539,7 @@ class DeviceTier:
             s = self.index.stats()
             s.update(capacity=self.index.capacity, resident=self.index.size, overflow=self.index.overflow_in_use)
             parts = self.index.part_stats() if self.index.partitions else None
+        self._before_residencies()  # (queued residencies' counters, read and zeroed here, before the next adds)
         lookups = s["hits"] + s["misses"]
         s.update(hit_rate=s["hits"] / lookups if lookups else 0.0, bytes_in=self.bytes_in,
                  bytes_out=self.bytes_out, bytes_moved=self.bytes_in + self.bytes_out)
