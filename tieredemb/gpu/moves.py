@@ -39,10 +39,12 @@ def _move_kernel(src_ptr, src_rows_ptr, dst_ptr, dst_rows_ptr, n, count_ptr, wid
     added to found[0]; DST_WRITTEN: written[dst_rows[i]] = WROTE."""
     i = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     live = i < n
-    if COUNTED:
+    if COUNTED:  # (a row with no slot, dst_rows[i] < 0, moves nowhere: see plan_kernels.bind)
         live = live & (i < tl.load(count_ptr))
-    src_row = tl.load(src_rows_ptr + i, mask=live, other=-1)
     dst_row = tl.load(dst_rows_ptr + i, mask=live, other=0)
+    if COUNTED:
+        live = live & (dst_row >= 0)
+    src_row = tl.load(src_rows_ptr + i, mask=live, other=-1)
     if SRC_WRITTEN:
         stored = tl.load(written_ptr + tl.maximum(src_row, 0), mask=live & (src_row >= 0), other=0)
         src_row = tl.where(stored != 0, src_row, -1)

@@ -354,9 +354,11 @@ def _place_kernel(ids_ptr, num_unique_ptr, n, num_rows, found_ptr, chosen_ptr, s
 def _bind_kernel(need_at_ptr, need_miss_ptr, free_ptr, count, count_ptr, slots_ptr, miss_slots_ptr,
                  COUNTED: tl.constexpr, BLOCK: tl.constexpr):
     """Need k < count (the k-th miss, in batch order, that found no slot in its set) takes the k-th
-    free overflow slot. COUNTED: count is read from count_ptr (the plan's totals on the device)."""
+    free overflow slot. COUNTED: count is the least of the plan's needs and free slots (its
+    totals on the device, at count_ptr: NEED, then FREE); a need past the free slots would keep
+    no slot (-1: the caller makes sure there are enough)."""
     k = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    live = k < (tl.load(count_ptr) if COUNTED else count)
+    live = k < (tl.minimum(tl.load(count_ptr), tl.load(count_ptr + 1)) if COUNTED else count)
     slot = tl.load(free_ptr + k, mask=live)
     tl.store(slots_ptr + tl.load(need_at_ptr + k, mask=live, other=0), slot, mask=live)
     tl.store(miss_slots_ptr + tl.load(need_miss_ptr + k, mask=live, other=0), slot, mask=live)
@@ -383,6 +385,8 @@ def _commit_kernel(ids_ptr, n, valid_ptr, fresh_ptr, slots_ptr, leaves_ptr, n_ov
     valid = is_id & (tl.load(valid_ptr + v, mask=is_id, other=0) != 0)
     fresh = valid & (tl.load(fresh_ptr + v, mask=is_id, other=0) != 0)
     slot = tl.load(slots_ptr + v, mask=valid, other=0)
+    valid &= slot >= 0  # (never so but for a queued plan short of overflow slots: nothing written outside)
+    fresh &= valid
     tl.store(slot_id_ptr + slot, tl.load(ids_ptr + v, mask=fresh, other=0), mask=fresh)
     tl.store(dirty_ptr + slot, tl.zeros_like(slot).to(tl.uint8), mask=fresh)
     uses = tl.load(uses_ptr + slot, mask=valid & ~fresh, other=0)
@@ -450,7 +454,7 @@ def bind(placed: Placed, count: int | None) -> None:
         most = placed.needs[0].numel()
         if most:
             with launch_turn():
-                _bind_kernel[(triton.cdiv(most, _BLOCK),)](*placed.needs, 0, placed.xfer[NEED:], placed.slots,
+                _bind_kernel[(triton.cdiv(most, _BLOCK),)](*placed.needs, 0, placed.xfer[NEED:FREE + 1], placed.slots,
                                                              placed.miss_slots, COUNTED=True, BLOCK=_BLOCK)
     elif count:
         with launch_turn():

@@ -128,6 +128,7 @@ class DeviceTier:
         self._moved = [0, 0]
         self._moved_queued = None  # zero_copy: rows read and written by queued residencies (on the device)
         self._pinned_ids = 0  # ids of the batches pinned here and not yet released (see _queued_residency)
+        self._releases_since: list = []  # events after the releases queued since the last queued residency
         if zero_copy:
             if not (lower_is_store and hasattr(lower, "locate")):
                 below = getattr(lower, "name", lower)
@@ -289,9 +290,18 @@ class DeviceTier:
         added up there (read by stats()). The host's one decision, more overflow slots, is made
         before the plan from what it knows: the overflow slots are kept at least the ids of the
         batches pinned here and of this one, so no plan needs more than are free (the price: up
-        to that many rows of tier 0's pool more). The misses are counted on the device only (the
-        returned count is 0)."""
+        to that many rows of tier 0's pool more). That count drops when a release is queued, so
+        the plan first waits, on the device, for every release queued since the last one (each on
+        the stream that computed with its batch, maybe still behind its backward). The misses
+        are counted on the device only (the returned count is 0: the prefetcher's row counters
+        leave them out, as they do a whole-table tier's draws)."""
         n = unique.numel()
+        # The releases the host no longer counts come before the plan on the device too: a release
+        # is queued on the stream that computed with its batch, maybe still behind its backward.
+        with self.pool_lock:
+            released, self._releases_since = self._releases_since, []
+        for event in released:
+            self.stream.wait_event(event)
         with self.index_lock:
             short = self._pinned_ids + n - self.index.overflow_slots
             if short > 0:  # (rare: a batch larger than before, or more of them in flight)
@@ -381,6 +391,12 @@ class DeviceTier:
         ordered the current stream after the residencies (_after_residencies)."""
         if self.written is None:
             return
+        try:
+            self._tell_store()
+        finally:  # (what was read and zeroed here, before the next residency adds to it)
+            self._before_residencies()
+
+    def _tell_store(self) -> None:
         if self._moved_queued is not None:  # (what queued residencies moved, counted on the device)
             queued = self._moved_queued.tolist()
             if any(queued):
@@ -400,7 +416,6 @@ class DeviceTier:
         if ids is not None:
             self.written[ids] = 1
         self._found.zero_()
-        self._before_residencies()
 
     def unpin(self, slots: torch.Tensor, stream=None) -> None:
         """Unpins a batch's slots, on stream (the one its kernels ran on) if given, else on the
@@ -417,6 +432,8 @@ class DeviceTier:
                 event = torch.cuda.Event()
                 event.record(torch.cuda.current_stream(self.device))
                 self._released = event
+                if self.mapped is not None:  # (a queued residency's plan waits for each: see there)
+                    self._releases_since.append(event)
                 if stream is not None:
                     self.computed_on(stream)
 
