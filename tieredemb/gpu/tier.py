@@ -298,12 +298,14 @@ class DeviceTier:
         n = unique.numel()
         # The releases the host no longer counts come before the plan on the device too: a release
         # is queued on the stream that computed with its batch, maybe still behind its backward.
+        # (the count read with them: a release queued after is still counted)
         with self.pool_lock:
             released, self._releases_since = self._releases_since, []
+            pinned = self._pinned_ids
         for event in released:
             self.stream.wait_event(event)
         with self.index_lock:
-            short = self._pinned_ids + n - self.index.overflow_slots
+            short = pinned + n - self.index.overflow_slots
             if short > 0:  # (rare: a batch larger than before, or more of them in flight)
                 self._grow(max(short, self.index.overflow_slots))
             plan = self.index.plan_queued(unique, num_unique, self.num_embeddings)
