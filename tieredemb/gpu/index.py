@@ -1,6 +1,7 @@
 """Tier 0's index in device memory, its operations over whole batches (no loop over ids, no Python
-per id, and one device-to-host transfer per plan, or none: plan_queued): a plan's two hot steps (each id's slot; each
-set's misses given its victims) are Triton kernels (plan_kernels.py), the rest torch ops.
+per id, and one device-to-host transfer per plan, or none: plan_queued): a plan's two hot steps
+(each id's slot; each set's misses given its victims) are Triton kernels (plan_kernels.py), the
+rest torch ops.
 
 SetIndex, a bounded cache: ids -> slots through sets of `ways` slots (FBGEMM's cache layout: a
 row's set is a hash of its id; a batch's misses in one set take that set's victims), per-slot pins,
@@ -93,7 +94,7 @@ class SetIndex:
         self.clock = 0  # batches planned: the LRU stamp of this one
         self.tag = 0  # plans made: the tag the last one gave its batch's slots (tags)
         self.version = 0
-        self.overflow_in_use = 0  # rows in overflow slots (lingering ones too), as far as the host knows:
+        self.overflow_in_use = 0  # rows in overflow slots (lingering ones too), as far as the host knows;
         self.overflow_known = True  # False after a queued plan, until stats() counts them on the device
         self.overflow_slots = 0
         self.window: list[tuple[torch.Tensor, torch.Tensor]] = []  # (ids [N], valid [N]) of batches ahead
