@@ -250,9 +250,8 @@ class DeviceTier:
                 return None
             dirty, misses = plan.num_dirty, plan.num_misses
             if dirty:  # (first: a lingering overflow row may leave and come back)
-                if self.mapped is not None:  # written into the host rows by the device, which notes them written
-                    moves.move_rows(self.pool.rows, plan.dirty_slots, self.mapped, plan.dirty_ids_device,
-                                    written=self.written)
+                if self.mapped is not None:
+                    self._write_down_mapped(plan)
                     self._moved[1] += dirty
                 else:
                     rows = plan.dirty_rows if plan.dirty_rows is not None else self.pool.to_host(plan.dirty_slots)
@@ -261,18 +260,16 @@ class DeviceTier:
             # the next plan's transfer carries this many dirty rows: a quarter more than these
             self.dirty_guess = dirty + dirty // 4 + _DIRTY_SLACK
             if misses:
-                if self.mapped is not None:  # read from the host rows by the device; those never written marked
-                    moves.move_rows(self.mapped, plan.miss_ids_device, self.pool.rows, plan.miss_slots,
-                                    mark=DEFERRED_MARK, written=self.written, src_written=True, found=self._found)
+                if self.mapped is not None:
+                    self._read_mapped(plan)
                     self._moved[0] += misses
                 else:
                     block = self.pool.staging(misses)
                     with self.init.deferred() if self.draws_misses else contextlib.nullcontext():
                         self.lower.read_to(plan.miss_ids, block, torch.arange(misses))
                     self.pool.from_host(plan.miss_slots, block)
-                if self.draws_misses:  # rows never stored (marked so): drawn here, bit for bit as the host would
-                    rowinit.init_rows(plan.miss_ids_device, self.pool.rows, plan.miss_slots, *self.init.args,
-                                      weights=self.init.weights, marked=DEFERRED_MARK)
+                if self.draws_misses:
+                    self._draw_marked(plan)
                 self.bytes_in += misses * self.row_bytes
             with self.index_lock:
                 self.index.commit(plan, pin)
@@ -310,19 +307,32 @@ class DeviceTier:
                 self._grow(max(short, self.index.overflow_slots))
             plan = self.index.plan_queued(unique, num_unique, self.num_embeddings)
         xfer = plan.placed.xfer
-        counts = {k: xfer[k:k + 1] for k in (plan_kernels.FRESH, plan_kernels.DIRTY)}
-        # (first: a lingering overflow row may leave and come back)
-        moves.move_rows(self.pool.rows, plan.dirty_slots, self.mapped, plan.dirty_ids_device, written=self.written,
-                        count=counts[plan_kernels.DIRTY])
-        moves.move_rows(self.mapped, plan.miss_ids_device, self.pool.rows, plan.miss_slots, mark=DEFERRED_MARK,
-                        written=self.written, src_written=True, found=self._found, count=counts[plan_kernels.FRESH])
+        dirty, misses = xfer[plan_kernels.DIRTY:plan_kernels.DIRTY + 1], xfer[plan_kernels.FRESH:plan_kernels.FRESH + 1]
+        self._write_down_mapped(plan, dirty)  # (first: a lingering overflow row may leave and come back)
+        self._read_mapped(plan, misses)
         if self.draws_misses:
-            rowinit.init_rows(plan.miss_ids_device, self.pool.rows, plan.miss_slots, *self.init.args,
-                              weights=self.init.weights, marked=DEFERRED_MARK, count=counts[plan_kernels.FRESH])
+            self._draw_marked(plan, misses)
         self._moved_queued += xfer[plan_kernels.FRESH:plan_kernels.DIRTY + 1:plan_kernels.DIRTY - plan_kernels.FRESH]
         with self.index_lock:
             self.index.commit_queued(plan, pin)
         return plan.slots, 0, self._record()
+
+    # A plan's rows moved by the device (count: their number on the device, for a queued plan's
+    # lists, whole; None: the lists are cut to it). zero_copy: between the pool and the mapped host rows.
+    def _write_down_mapped(self, plan, count: torch.Tensor | None = None) -> None:
+        """The dirty victims written into the host rows, noted written there (moves.WROTE)."""
+        moves.move_rows(self.pool.rows, plan.dirty_slots, self.mapped, plan.dirty_ids_device, written=self.written,
+                        count=count)
+
+    def _read_mapped(self, plan, count: torch.Tensor | None = None) -> None:
+        """The misses read from the host rows; those never written there marked for _draw_marked."""
+        moves.move_rows(self.mapped, plan.miss_ids_device, self.pool.rows, plan.miss_slots, mark=DEFERRED_MARK,
+                        written=self.written, src_written=True, found=self._found, count=count)
+
+    def _draw_marked(self, plan, count: torch.Tensor | None = None) -> None:
+        """The misses marked never stored, drawn here, bit for bit as the host would."""
+        rowinit.init_rows(plan.miss_ids_device, self.pool.rows, plan.miss_slots, *self.init.args,
+                          weights=self.init.weights, marked=DEFERRED_MARK, count=count)
 
     def draw(self, unique: torch.Tensor, num_unique: torch.Tensor) -> torch.Tensor:
         """A whole-table tier's residency, when every miss is drawn here (init_misses_here): one
