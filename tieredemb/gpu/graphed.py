@@ -28,8 +28,9 @@ ordinary path's, bit for bit: the same kernels, in the same order over the same 
 is no distinct id and in no bag).
 
 On CPU tensors (a DeviceTier on CPU tensors: gpu/tier.on_cpu_tensors, the tests) a "graph" is its
-function run again over the same buffers at each replay, so the tests exercise the buffers' flow
-without a GPU; the capture itself runs only on one (tests/test_gpu.py).
+function's work recorded as it ran once and replayed as recorded (gpu/recorded.py): a host value
+baked into a launch or a tensor replaced between replays goes wrong there as in a CUDA graph, so
+the tests show it without a GPU; the CUDA capture itself runs only on one (tests/test_gpu.py).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from . import copy_to, pooling
 from .checks import SENTINEL32, SENTINEL64, checked_dtype, checked_ids
 from .dedup import dedup as device_dedup
 from .index import DirectIndex
+from .recorded import Recorded
 
 _MOST_SHAPES = 4  # shapes whose graphs a table keeps
 _MOST_BACKWARDS = 2  # backward graphs a shape keeps (one per optimizer arguments)
@@ -72,14 +74,18 @@ class _Batch(NamedTuple):
 
 class _Graph:
     """fn's device work captured as a CUDA graph (on a stream of its own: captures on two threads
-    at once, a forward's and autograd's backward's, do not meet), or on CPU tensors fn itself. replay(held) runs it again
-    and returns its outputs (a graph's: the tensors its capture made, rewritten in place); held:
-    a context holding the locks a graph's launch takes (fn takes its own, as the ordinary path
-    does)."""
+    at once, a forward's and autograd's backward's, do not meet), or on CPU tensors recorded as
+    it runs once (gpu/recorded.py: replayed op by op, as recorded, as a graph would be).
+    replay(held) runs it again and returns its outputs (the tensors the capture made, rewritten
+    in place); held: a context holding the locks a replay takes (fn takes its own, as the
+    ordinary path does). On CPU tensors the capture does the work once (on a GPU it queues
+    nothing): the first replay after it returns what it computed."""
 
     def __init__(self, fn, device: torch.device):
-        self.fn, self.graph = fn, None
-        if device.type == "cuda":
+        self.graph = self.recorded = None
+        if device.type != "cuda":
+            self.recorded = Recorded(fn)
+        else:
             # (not torch.cuda.graph, which first waits for the device and empties its caches: a
             # capture queues no work, so it needs no wait; "relaxed": other threads' CUDA calls, a
             # prefetch worker's or autograd's, may go on meanwhile, and a kernel Triton compiles for
@@ -94,9 +100,9 @@ class _Graph:
             self.graph = graph
 
     def replay(self, held):
-        if self.graph is None:
-            return self.fn()
         with held:
+            if self.recorded is not None:
+                return self.recorded.replay()
             self.graph.replay()
         return self.outputs
 
@@ -258,11 +264,11 @@ class StepGraphs:
                 self._inputs(inp, part)  # (IndexError for a bad host id: nothing changed)
             for tier in tiers:
                 tier.after_queued()  # (rows a residency on a tier's stream drew or read)
-            if shape.forward is None:
-                shape.forward = self._capture(lambda: self._forward_work(shape))
-                if shape.forward is None:
-                    return None
             with shape.indexes_held:
+                if shape.forward is None:
+                    shape.forward = self._capture(lambda: self._forward_work(shape))
+                    if shape.forward is None:
+                        return None
                 shape.batches, shape.out, shape.saved = shape.forward.replay(shape.pools_held)
                 for tier in tiers:
                     tier.index.version += 1

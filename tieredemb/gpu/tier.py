@@ -603,7 +603,7 @@ def on_cpu_tensors(table, cache_rows: int | None, policy: str = "lru", partition
     """A CPU table (TieredEmbeddingBag / TieredEmbedding) with its tier 0 replaced by a DeviceTier
     on CPU tensors over the same layers below: the GPU path run on a CPU, its Triton kernels under
     TRITON_INTERPRET=1 (tests/test_gpu_tier.py, bench/gpu_ops.py). graphs: its lookups go through
-    gpu/graphed.py (whose graphs are then their functions run again). Returns the table."""
+    gpu/graphed.py (whose graphs are then recorded and replayed: gpu/recorded.py). Returns the table."""
     st = table._store
     lower = st.tier0.lower
     tier = DeviceTier(table.num_embeddings, table.width, cache_rows, policy, lower, st.init, torch.device("cpu"),

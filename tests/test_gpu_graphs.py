@@ -1,0 +1,175 @@
+"""gpu/graphed.py on CPU tensors: lookups captured as CUDA graphs and replayed, their "graphs"
+recorded and replayed as recorded (gpu/recorded.py: a host value baked into a launch, or a tensor
+replaced between replays, goes wrong here as in a CUDA graph). Training through them equals the
+ordinary path bit for bit. The CUDA capture itself runs on a GPU only (tests/test_gpu.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tieredemb
+from training import rows_and_state, train
+
+pytestmark = pytest.mark.interpreted
+pytest.importorskip("triton")
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from tieredemb.gpu.recorded import Recorded  # noqa: E402
+from tieredemb.gpu.tier import collection_on_cpu_tensors, on_cpu_tensors  # noqa: E402
+
+NUM, D = 300, 8
+device_tier = on_cpu_tensors  # emb with its tier 0 replaced by a DeviceTier on CPU tensors
+
+
+@triton.jit
+def _add_kernel(x_ptr, value, n, BLOCK: tl.constexpr):
+    at = tl.arange(0, BLOCK)
+    tl.store(x_ptr + at, tl.load(x_ptr + at, mask=at < n) + value, mask=at < n)
+
+
+def test_a_recorded_graph_replays_its_ops_and_launches_as_recorded():
+    """What a CUDA graph does, on CPU tensors: the capture runs the work once (the first replay is
+    that run); a replay redoes every op and launch with the arguments they were given then (a
+    host number read at capture stays as it was), into the tensors the capture returned; a
+    tensor the host replaced after the capture is not the one the replay reads or writes."""
+    x, bump = torch.zeros(4), [1.0]
+    state = {"y": torch.ones(4)}
+
+    def work():
+        _add_kernel[(1,)](x, bump[0], 4, BLOCK=4)
+        return x * 2 + state["y"]
+
+    graph = Recorded(work)
+    out = graph.outputs
+    assert x.tolist() == [1.0] * 4 and out.tolist() == [3.0] * 4
+    assert graph.replay() is out and x.tolist() == [1.0] * 4  # (the capture's run)
+    bump[0] = 10.0  # (baked: the replay adds 1 again)
+    state["y"] = torch.full((4,), 100.0)  # (replaced: the replay still reads the old one)
+    assert graph.replay() is out
+    assert x.tolist() == [2.0] * 4 and out.tolist() == [5.0] * 4
+
+
+@pytest.mark.parametrize("op", ["item", "nonzero"])
+def test_a_recorded_graph_refuses_what_a_capture_refuses(op):
+    x = torch.arange(4)
+    work = {"item": lambda: x.sum().item(), "nonzero": lambda: torch.nonzero(x)}[op]
+    with pytest.raises(RuntimeError, match="in a captured graph: it reads a device value on the host or its output's "
+                                           "size depends on the data"):
+        Recorded(work)
+
+
+def test_replayed_lookups_train_bit_for_bit_as_kernels_launched_one_by_one():
+    """gpu/graphed.py on CPU tensors (a "graph" is its function's work recorded and replayed as
+    recorded: gpu/recorded.py): a whole-table tier 0's lookups of a shape seen twice in a row replay their forward
+    and backward, and train to the very rows and outputs of the ordinary path, through a change
+    of shape, an optimizer whose step size changes every step (Adam: read from the device),
+    two forwards before one backward (the second takes the ordinary path: the shape's buffers are
+    in use), a forward without a graph, a bad id (refused, nothing changed), and a trained
+    forward whose output is dropped without its backward (the shape is free again). The capture
+    itself runs on a GPU only (tests/test_gpu.py). Batches of one number of bags whose ids vary in
+    number share a shape (padded)."""
+    def shaped(seed, bags, length, short=0):  # (the first bag `short` ids shorter)
+        g = torch.Generator().manual_seed(seed)
+        n = bags * length - short
+        return ((torch.rand(n, generator=g) ** 2 * NUM).long(),
+                torch.cat([torch.tensor([0]), torch.arange(length - short, n, length)]), torch.randn(bags, D, generator=g))
+
+    # 10 bags of 57-60 ids in all share one shape (60 ids: padded), 4 bags of 12 ids another
+    data = [shaped(k, 10, 6, short=k) for k in range(3)] + [shaped(10 + k, 4, 3) for k in range(2)] + [shaped(20, 10, 6)]
+    for opt in (lambda: tieredemb.RowWiseAdagrad(lr=0.1), lambda: tieredemb.Adam(lr=0.05)):
+        kw = dict(optimizer=opt(), seed=5, padding_idx=3)
+        tables = [device_tier(tieredemb.TieredEmbeddingBag(NUM, D, "sum", **kw), None, graphs=graphs)
+                  for graphs in (True, False)]
+        runs = []
+        for emb in tables:
+            outs = train(emb, data)
+            (ids, offsets, grad), (ids2, offsets2, grad2) = data[0], data[1]
+            first = emb(ids, offsets)
+            second = emb(ids2, offsets2)  # (before the first's backward)
+            (first * grad).sum().add((second * grad2).sum()).backward()
+            with torch.no_grad():
+                outs += [first.detach(), second.detach(), emb(ids, offsets)]
+            before = rows_and_state(emb)
+            with pytest.raises(IndexError, match=rf"id {NUM} out of range \[0, {NUM}\)"):
+                emb(torch.cat([ids[:-1], torch.tensor([NUM])]), offsets)
+            assert torch.equal(rows_and_state(emb), before)
+            graphs = emb._store.tier0.graphs
+            replays = graphs.stats()["replays"] if graphs is not None else 0
+            dropped = emb(ids, offsets)  # (a trained forward's output dropped without its backward)
+            del dropped
+            outs += train(emb, data[:1])  # (its shape replayed again: nothing waits for that backward)
+            if graphs is not None:
+                assert graphs.stats()["replays"] >= replays + 2
+            runs.append((torch.cat(outs), rows_and_state(emb), emb.stats()))
+        (got, got_rows, got_stats), (want, want_rows, want_stats) = runs
+        assert torch.equal(got, want) and torch.equal(got_rows, want_rows)
+        counts = lambda stats: {k: v for k, v in stats["prefetch"].items() if k != "wait_seconds"}  # noqa: E731
+        assert got_stats["tier0"] == want_stats["tier0"] and counts(got_stats) == counts(want_stats)
+        graphs = tables[0]._store.tier0.graphs.stats()
+        # (a shape's forward is captured at its second lookup and replayed at the later ones)
+        assert graphs["failed"] is None and graphs["shapes"] == 2
+        assert graphs["captures"] == 3  # (the second shape's backward: seen once, not captured)
+        assert tables[1]._store.tier0.graphs is None
+
+
+def test_a_collections_lookups_replay_one_graph_for_all_its_tables_bit_for_bit():
+    """A collection of whole tables on the device path (three groups: two dims, two poolings)
+    replays one graph each way for all its groups (gpu/graphed.py, on CPU tensors its functions'
+    work recorded and replayed), and trains to the very outputs, rows and counters of the ordinary path, through
+    features whose ids vary in number within a shape, and a batch with per-sample weights (the
+    ordinary path's)."""
+    tables = [tieredemb.EmbeddingBagConfig("u", 120, D, ["a", "b"]),
+              tieredemb.EmbeddingBagConfig("v", 80, D, ["c"], pooling="mean"),
+              tieredemb.EmbeddingBagConfig("w", 40, 4, ["d"])]
+    runs, made = [], []
+    for graphs in (True, False):
+        col = collection_on_cpu_tensors(tieredemb.TieredEmbeddingBagCollection(
+            tables, optimizer=tieredemb.RowWiseAdagrad(lr=0.1), seed=3), graphs=graphs)
+        assert all(e.config.partitions is None for e in col.engines)  # (whole tables)
+        g = torch.Generator().manual_seed(2)
+        outs = []
+        for step in range(4):
+            feats = {}
+            for t in tables:
+                for f in t.feature_names:
+                    n = 40 - (step + ord(f)) % 4  # (37 to 40 ids a feature: one shape, padded)
+                    ids = torch.randint(0, t.num_embeddings, (n,), generator=g)
+                    starts = torch.tensor([0, 2, 2, 5, 9, n - 1])
+                    feats[f] = (ids, starts, torch.rand(n, generator=g)) if f == "a" and step == 2 else (ids, starts)
+            out = col(feats)
+            out.values().backward(torch.randn(out.values().shape, generator=g))
+            outs.append(out.values().detach())
+        rows = torch.cat([torch.cat([col.read_rows(t.name, torch.arange(t.num_embeddings)),
+                                     col.read_optimizer_state(t.name, torch.arange(t.num_embeddings))], 1).reshape(-1)
+                          for t in tables])
+        runs.append((torch.cat(outs), rows, [e.stats()["tier0"] for e in col.engines]))
+        made.append(col)
+    (got, got_rows, got_stats), (want, want_rows, want_stats) = runs
+    assert torch.equal(got, want) and torch.equal(got_rows, want_rows) and got_stats == want_stats
+    lead = made[0].engines[0]._store.tier0.graphs.stats()
+    assert lead["failed"] is None and lead["shapes"] == 1 and lead["captures"] == 2 and lead["replays"] >= 2
+
+
+def test_a_table_keeps_its_last_used_shapes_and_captures_a_dropped_one_again():
+    """More shapes than a table keeps (gpu/graphed.py's _MOST_SHAPES): the least recently used is
+    dropped, and captured again when it comes back twice; training stays bit for bit the
+    ordinary path's throughout."""
+    from tieredemb.gpu import graphed
+
+    def batch(bags, seed):
+        g = torch.Generator().manual_seed(seed)
+        return torch.randint(0, NUM, (2 * bags,), generator=g), torch.arange(0, 2 * bags, 2), torch.randn(bags, D,
+                                                                                                         generator=g)
+
+    kinds = list(range(1, graphed._MOST_SHAPES + 2))  # (bags per batch: one shape each)
+    data = [batch(b, 10 * b + k) for b in kinds for k in range(2)] + [batch(kinds[0], 99 + k) for k in range(2)]
+    kw = dict(optimizer=tieredemb.SGD(lr=0.1), seed=1)
+    tables = [device_tier(tieredemb.TieredEmbeddingBag(NUM, D, "sum", **kw), None, graphs=graphs)
+              for graphs in (True, False)]
+    runs = [(torch.cat([o.reshape(-1) for o in train(emb, data)]), rows_and_state(emb)) for emb in tables]
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
+    stats = tables[0]._store.tier0.graphs.stats()
+    # each shape's forward captured at its second batch, the first shape's twice (dropped between)
+    assert stats["shapes"] == graphed._MOST_SHAPES and stats["captures"] == len(kinds) + 1
