@@ -20,7 +20,9 @@ Systems:
   ours-hbm-eager the same with cuda_graphs=False: every kernel launched from Python, as before
   ours-host10    tier 0 = 10% of the rows, over host memory
   ours-host10-zc the same with zero_copy=True: the GPU reads misses from, and writes dirty victims to,
-                 the pinned host rows itself (no host copy)
+                 the pinned host rows itself (no host copy); its steps replay CUDA graphs too
+  ours-host10-zc-eager
+                 the same with cuda_graphs=False
   ours-ssd10     tier 0 = 10%, over the SSD log store (--ssd-path), PrefetchLoader depth 2
   ours-host10-pf2, ours-host10-zc-pf2
                  ours-host10 and ours-host10-zc fed through a PrefetchLoader of depth 2: the next
@@ -69,11 +71,12 @@ import trace_steps  # noqa: E402
 from workload import BatchSource, Workload  # noqa: E402
 
 SYSTEMS = ("fbgemm-hbm", "fbgemm-uvm10", "torch-ops", "torch-sparse", "ours-hbm", "ours-hbm-eager", "ours-host10",
-           "ours-host10-zc",
+           "ours-host10-zc", "ours-host10-zc-eager",
            "ours-host10-pf2", "ours-host10-zc-pf2", "ours-ssd10")
 # The targets: ours / peer, at least.
 TARGETS = {"ours-hbm": ("fbgemm-hbm", 1.0), "ours-hbm-eager": ("fbgemm-hbm", 1.0), "ours-host10": ("fbgemm-uvm10", 1.0),
-           "ours-host10-zc": ("fbgemm-uvm10", 1.0), "ours-host10-pf2": ("fbgemm-uvm10", 1.0),
+           "ours-host10-zc": ("fbgemm-uvm10", 1.0), "ours-host10-zc-eager": ("fbgemm-uvm10", 1.0),
+           "ours-host10-pf2": ("fbgemm-uvm10", 1.0),
            "ours-host10-zc-pf2": ("fbgemm-uvm10", 1.0), "ours-ssd10": ("fbgemm-uvm10", 0.5)}
 PROFILED_STEPS = 5
 SAMPLED_STEPS = 30
@@ -191,13 +194,13 @@ def build(name: str, w: Workload, a, dev: torch.device):
     zero_copy = name.startswith("ours-host10-zc")
     emb = tieredemb.TieredEmbeddingBag(rows, dim, "sum", cache_rows=cache, device=dev, dtype=getattr(torch, a.dtype),
                                        optimizer=tieredemb.RowWiseAdagrad(lr=lr, eps=eps), zero_copy=zero_copy,
-                                       cuda_graphs=name != "ours-hbm-eager", **kw)
+                                       cuda_graphs=not name.endswith("-eager"), **kw)
 
     def step(ids, offsets, grad):
         emb(ids, offsets).backward(grad)
     step.module = emb
     return step, (f"TieredEmbeddingBag cache_rows={cache}" + (", log store" if kw else "")
-                  + (", cuda_graphs=False" if name == "ours-hbm-eager" else "")
+                  + (", cuda_graphs=False" if name.endswith("-eager") else "")
                   + (", zero_copy" if zero_copy else "") + (", prefetch depth 2" if prefetched(name) else ""))
 
 

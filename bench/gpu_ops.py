@@ -15,11 +15,12 @@ are (the module's device-input path, forced on CPU tensors: gpu/checks.py); that
 zero_copy) through a PrefetchLoader of depth 2 (the training thread's step, and separately the
 prefetch worker's residency of that step's batch).
 
-With --host-time, also the host's time for the whole-table step with every Triton launch made a
-no-op (the kernels' outputs are then whatever memory held: only the whole-table step, whose host
-code reads none of them, runs through): the Python and torch dispatch a step costs the host on
-this machine, without the interpreter's own time and its effect on the caches. Small bags, so the
-torch ops' own work is small. Not a GPU figure: on a GPU each launch costs its own host time too.
+With --host-time, also the host's time for the whole-table step and the zero-copy step (tier 0 =
+10 %), eager and graphed, with every Triton launch and graph replay made a no-op (the kernels'
+outputs are then whatever memory held: only steps whose host code reads none of them run
+through): the Python and torch dispatch a step costs the host on this machine, without the
+interpreter's own time and its effect on the caches. Small bags, so the torch ops' own work is
+small. Not a GPU figure: on a GPU each launch costs its own host time too.
 
 With --tables, the same two counts and that host time for bench_collection.py's 8 tables (dims
 64 and 128, 2 to 16 ids a bag; rows at --tables-scale, whole in tier 0), trained as a loop of 8
@@ -103,15 +104,19 @@ def count_kernels(counter_of_thread):
     InterpretedFunction.run = run
 
 
-def host_time(a, steps: int = 300) -> tuple[dict, int]:
-    """({step: median host seconds}, launches a step): a whole-table step with every Triton launch
-    a no-op, eager (cuda_graphs off) and through gpu/graphed.py with each graph's replay a no-op
-    (on a GPU a replay is one launch), taken in turn: see the module's docstring."""
+def host_time(a, steps: int = 300) -> tuple[dict, dict]:
+    """({step: median host seconds}, {step: launches a step}): the whole-table step and the
+    zero-copy step (tier 0 = 10 %), each eager (cuda_graphs off) and through gpu/graphed.py with
+    each graph's replay a no-op (on a GPU a replay is one launch), every Triton launch a no-op,
+    all taken in turn: see the module's docstring."""
     from tieredemb.gpu import graphed
 
     small = argparse.Namespace(**{**vars(a), "bags": 8, "length": 2})
     data = batches(small, 6)
-    tables = {"eager": table(a, None), "graphed": table(a, None, graphs=True)}
+    cache = a.rows // 10
+    tables = {"eager": table(a, None), "graphed": table(a, None, graphs=True),
+              "zero-copy eager": table(a, cache, zero_copy=True), "zero-copy graphed": table(a, cache, zero_copy=True,
+                                                                                           graphs=True)}
     for emb in tables.values():
         for ids, offsets, grad in data[:5]:  # (real kernels: the rows drawn, the graphs captured, the code warm)
             emb(ids, offsets).backward(grad)
@@ -127,18 +132,22 @@ def host_time(a, steps: int = 300) -> tuple[dict, int]:
     for emb in tables.values():  # (each graph's last real run: this batch's)
         emb(ids, offsets).backward(grad)
     graphed._Graph.replay = no_replay
+    launches = {}
     try:
-        for emb in tables.values():
-            emb(ids, offsets).backward(grad)
-        with no_launches() as off:
+        for name, emb in tables.items():
+            with no_launches() as off:
+                emb(ids, offsets).backward(grad)
+            launches[name] = off.launches
+        with no_launches():
             seconds = timed_steps({name: (lambda e=emb: e(ids, offsets).backward(grad))
                                    for name, emb in tables.items()}, steps)
     finally:
         graphed._Graph.replay = replay
-    replays = tables["graphed"]._store.tier0.graphs.stats()["replays"]
-    if replays < 2 * steps:
-        raise RuntimeError(f"the graphed table replayed {replays} graphs in {steps} steps: its steps were not graphed")
-    return seconds, off.launches // (2 * steps)
+    for name, emb in tables.items():
+        replays = emb._store.tier0.graphs.stats()["replays"] if "graphed" in name else 0
+        if "graphed" in name and replays < 2 * steps:
+            raise RuntimeError(f"{name}: {replays} graphs replayed in {steps} steps: its steps were not graphed")
+    return seconds, launches
 
 
 class no_launches:
@@ -319,9 +328,10 @@ def main(argv=None) -> int:
             print("    " + ", ".join(f"{k} {n}" for k, n in c.ops.most_common()))
     if a.host_time:
         seconds, launches = host_time(a)
-        print(f"  whole-table step, 8 bags x 2 ids, Triton launches made no-ops (median of 300 steps each, in turn): "
-              f"eager {seconds['eager'] * 1e6:.0f} us a step ({launches} launches not counted in it); graphed "
-              f"{seconds['graphed'] * 1e6:.0f} us a step (the replays made no-ops)")
+        print("  host time of a step, 8 bags x 2 ids, Triton launches and graph replays made no-ops (median of 300 "
+              "steps each, in turn; the launches not counted in it):")
+        for name in seconds:
+            print(f"    {name:20s} {seconds[name] * 1e6:6.0f} us a step ({launches[name]} launches)")
     return 0
 
 

@@ -11,8 +11,9 @@
 #                                          the GPU tests; the table whole in HBM (FBGEMM, ours with CUDA graphs
 #                                          and without, torch ops); the same with ragged bags, and with ids on
 #                                          the device; tier 0 = 10% over host memory and over the log store
-#                                          (FBGEMM's UVM cache, ours with copies, zero-copy, over SSD with
-#                                          prefetch); the collection bench; as time allows
+#                                          (FBGEMM's UVM cache, ours zero-copy with CUDA graphs and without,
+#                                          with copies, over SSD with prefetch); the collection bench; as
+#                                          time allows
 #
 # and, where time is left, one of the parts alone:
 #
@@ -118,7 +119,7 @@ case "$step" in
     part 90 bench hbm --only fbgemm-hbm,ours-hbm,ours-hbm-eager,torch-ops --runs 5
     part 70 bench ragged --only fbgemm-hbm,ours-hbm,ours-hbm-eager --runs 5 --ragged
     part 70 bench device_ids --only fbgemm-hbm,ours-hbm,ours-hbm-eager --runs 5 --ids-on-device
-    part 150 bench cached --only fbgemm-uvm10,ours-host10,ours-host10-zc,ours-ssd10 --ssd-path /tmp
+    part 180 bench cached --only fbgemm-uvm10,ours-host10-zc,ours-host10-zc-eager,ours-host10,ours-ssd10 --ssd-path /tmp
     part 600 collection ;;
   tests) tests test_gpu tests/test_gpu.py --deselect tests/test_gpu.py::test_the_cpu_tensor_tests_pass_in_a_child ;;
   interpreted)
@@ -127,7 +128,7 @@ case "$step" in
   suite) tests suite --ignore tests/test_gpu.py -m "not interpreted" tests ;;
   hbm) bench hbm --only fbgemm-hbm,ours-hbm,ours-hbm-eager,torch-ops,torch-sparse --profile /tmp/prof
     { [ -d /tmp/prof ] && tar czf "$OUT/prof.tgz" -C /tmp prof; } || true ;;
-  host) bench host --only fbgemm-uvm10,ours-host10,ours-host10-zc,ours-host10-pf2,ours-host10-zc-pf2 ;;
+  host) bench host --only fbgemm-uvm10,ours-host10,ours-host10-zc,ours-host10-zc-eager,ours-host10-pf2,ours-host10-zc-pf2 ;;
   ssd) bench ssd --only fbgemm-uvm10,ours-ssd10 --ssd-path /tmp ;;
   device-ids) bench device_ids --only fbgemm-hbm,ours-hbm,fbgemm-uvm10,ours-host10,ours-host10-pf2 --ids-on-device ;;
   profile)  # (the profiles packed into one archive: few files come back)

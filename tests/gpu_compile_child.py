@@ -67,14 +67,14 @@ def main() -> None:
                 out = [torch.empty(20, dtype=torch.int64), torch.empty(20, dtype=torch.int32)]
                 for in_use in (0, 1):
                     index.overflow_in_use = in_use
-                    plan_kernels.find(ids, torch.tensor([20]), index, *out, 3)
+                    plan_kernels.find(ids, torch.tensor([20]), index, *out)
                 for window in (None, (ids, ids)):
-                    plan_kernels.assign(out[1], ids, index, 3, window, out[0])
+                    plan_kernels.assign(out[1], ids, index, window, out[0])
     # the rest of a plan, and its commit: the dirty victims' rows carried or not
     index = SetIndex(64, "lru", torch.device("cpu"), ways=4, overflow=8)
     ids, found = torch.arange(20), torch.full((20,), -1)
     for guess in (0, 5):
-        placed = plan_kernels.place(ids, torch.tensor([20]), 100, index, found, found, 3, torch.zeros(72, 9), guess)
+        placed = plan_kernels.place(ids, torch.tensor([20]), 100, index, found, found, torch.zeros(72, 9), guess)
     plan_kernels.bind(placed, 2)
     plan_kernels.bind(placed, None)  # (its count read on the device: a queued plan's)
     plan_kernels.release(ids, index.pins)

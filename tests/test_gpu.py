@@ -576,6 +576,52 @@ def test_cuda_graphs_train_bit_for_bit_as_kernels_launched_one_by_one(mode, opt)
     assert tables[1]._store.tier0.graphs is None
 
 
+def test_cuda_graphs_of_a_zero_copy_table_train_bit_for_bit_as_kernels_launched_one_by_one():
+    """A zero-copy tier 0 (10 % of the rows) replays CUDA graphs of its lookups: the queued
+    residency (plan, rows moved through the mapped host rows, commit, pins), the pooling, the
+    update and the release. Outputs, rows and counters are cuda_graphs=False's, bit for bit,
+    through a change of shape, two batches of the same ids in flight (the second replayed), a
+    forward under no_grad, and a batch wider than the overflow slots while a replayed batch
+    awaits its backward (the tier grows; the shape is captured again); every pin released."""
+    small = [_shaped(k, 16, 5) for k in range(4)]
+    other = [_shaped(10 + k, 7, 3) for k in range(3)]
+    wide = _shaped(20, 60, 20)  # (1200 ids: more than the 1024 overflow slots a tier starts with)
+    runs, made = [], []
+    for graphs in (True, False):
+        emb = tieredemb.TieredEmbeddingBag(NUM, DIM, "sum", optimizer=tieredemb.Adam(lr=0.05), cache_rows=30, seed=3,
+                                           device="cuda", zero_copy=True, cuda_graphs=graphs)
+        outs = []
+        for ids, offsets, grad in small + other + small:
+            out = emb(ids, offsets)
+            out.backward(grad.cuda())
+            outs.append(out.detach())
+        (ids, offsets, grad) = small[0]
+        first, second = emb(ids, torch.arange(0, 80, 16)), emb(ids, offsets)
+        (first * grad[:5].cuda()).sum().add((second * grad.cuda()).sum()).backward()
+        with torch.no_grad():
+            outs += [first.detach(), second.detach(), emb(*small[1][:2])]
+        first, second = emb(*small[2][:2]), emb(*wide[:2])  # (the second grows the tier)
+        (first * small[2][2].cuda()).sum().add((second * wide[2].cuda()).sum()).backward()
+        outs += [first.detach(), second.detach()]
+        for ids, offsets, grad in small:
+            out = emb(ids, offsets)
+            out.backward(grad.cuda())
+            outs.append(out.detach())
+        stats = emb.stats()
+        stats["prefetch"].pop("wait_seconds")
+        tier = emb._store.tier0
+        assert tier.index.pinned == 0 and tier._pinned_ids == 0 and tier.generation == 1
+        runs.append((torch.cat([o.reshape(-1) for o in outs]).cpu(), _table(emb), stats))
+        made.append(emb)
+    (got, got_rows, got_stats), (want, want_rows, want_stats) = runs
+    assert torch.equal(got, want) and torch.equal(got_rows, want_rows) and got_stats == want_stats
+    graphs = made[0]._store.tier0.graphs.stats()
+    assert graphs["failed"] is None and graphs["captures"] >= 4 and graphs["replays"] >= 12
+    assert made[1]._store.tier0.graphs is None
+    for emb in made:
+        emb.close()
+
+
 def test_cuda_graphs_replay_on_the_callers_stream_and_a_flush_sees_their_updates():
     """Training on a side stream: the replayed graphs run there, the pooled rows read on that
     stream are right, and a flush from the default stream writes down every update (it waits

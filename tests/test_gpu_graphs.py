@@ -173,3 +173,69 @@ def test_a_table_keeps_its_last_used_shapes_and_captures_a_dropped_one_again():
     stats = tables[0]._store.tier0.graphs.stats()
     # each shape's forward captured at its second batch, the first shape's twice (dropped between)
     assert stats["shapes"] == graphed._MOST_SHAPES and stats["captures"] == len(kinds) + 1
+
+
+def test_a_zero_copy_tables_lookups_replay_graphs_bit_for_bit(monkeypatch):
+    """A zero-copy tier 0 (10 % of the rows here: every batch evicts, dirty rows go down into the
+    mapped host rows) replays its lookups as graphs too: the queued residency (plan, moves,
+    commit, pins), the pooling, and the update with the release. Outputs, rows, optimizer state,
+    the tier's and the store's counters equal the ordinary path's, bit for bit, through: a shape
+    captured while no overflow row is in use (its replays still find the rows another batch in
+    flight pins there), a change of shape, a forward under no_grad and a trained forward dropped without its backward (their
+    pins released), rows written from outside and a flush, and a batch wider than the overflow
+    slots whose forward comes while a replayed batch awaits its backward (the tier grows: that
+    backward runs its kernels one by one over the new tensors; the shape is captured again). No
+    host store call and no waiting plan while training. Every pin is released at the end."""
+    from tieredemb.gpu.index import SetIndex
+    from tieredemb.tiers.host_store import HostStore
+
+    def batch(seed, bags=10, length=6, rows=NUM):
+        g = torch.Generator().manual_seed(seed)
+        return ((torch.rand(bags * length, generator=g) ** 2 * rows).long(), torch.arange(0, bags * length, length),
+                torch.randn(bags, D, generator=g))
+
+    few = [batch(30 + k, rows=25) for k in range(2)]  # (at most 25 ids: no overflow row)
+    small = [batch(k) for k in range(4)]
+    other = [batch(10 + k, bags=4, length=3) for k in range(2)]
+    wide = batch(20, bags=40, length=30)  # (1200 ids: more than the 1024 overflow slots a tier starts with)
+    runs = []
+    for graphs in (True, False):
+        emb = tieredemb.TieredEmbeddingBag(NUM, D, "sum", optimizer=tieredemb.Adam(lr=0.05), cache_rows=30, seed=2)
+        emb.write_rows(torch.arange(0, NUM, 7), torch.randn(len(range(0, NUM, 7)), D,
+                                                            generator=torch.Generator().manual_seed(1)))
+        emb = device_tier(emb, 30, zero_copy=True, graphs=graphs)
+        tier = emb._store.tier0
+        outs = []
+        with monkeypatch.context() as m:
+            for name in ("read_to", "write_from", "locate", "wrote_in_place"):
+                m.setattr(HostStore, name, lambda *a, _n=name, **k: pytest.fail(f"HostStore.{_n} called"))
+            m.setattr(SetIndex, "_plan", lambda *a, **k: pytest.fail("a zero_copy residency waited for its plan"))
+            outs += train(emb, few[:1])
+            assert emb.stats()["tier0"]["overflow"] == 0  # (the host knows no overflow row is in use)
+            outs += train(emb, few[1:] + small + other + small[:2])
+            # two batches of the same ids in flight (the first in 5 bags: not replayed), the second
+            # replayed: it finds the rows the first pinned in overflow slots
+            first, second = emb(small[0][0], torch.arange(0, 60, 12)), emb(*small[0][:2])
+            (first * small[0][2][:5]).sum().add((second * small[0][2]).sum()).backward()
+            outs += [first.detach(), second.detach()]
+            with torch.no_grad():
+                outs.append(emb(*small[2][:2]))
+            dropped = emb(*small[3][:2])  # (a trained forward dropped without its backward)
+            del dropped
+        emb.write_rows(torch.arange(3, NUM, 11), torch.ones(len(range(3, NUM, 11)), D))
+        emb.flush()
+        with monkeypatch.context() as m:
+            m.setattr(SetIndex, "_plan", lambda *a, **k: pytest.fail("a zero_copy residency waited for its plan"))
+            first, second = emb(*small[1][:2]), emb(*wide[:2])  # (the second grows the tier: the first in flight)
+            (first * small[1][2]).sum().add((second * wide[2]).sum()).backward()
+            outs += [first.detach(), second.detach()] + train(emb, small[:3])
+        assert tier.index.pinned == 0 and tier._pinned_ids == 0
+        runs.append((torch.cat([o.reshape(-1) for o in outs]), rows_and_state(emb), emb.stats(), tier))
+    (got, got_rows, got_stats, tier), (want, want_rows, want_stats, plain) = runs
+    assert torch.equal(got, want) and torch.equal(got_rows.view(torch.int32), want_rows.view(torch.int32))
+    assert got_stats["tier0"] == want_stats["tier0"] and got_stats["store"] == want_stats["store"]
+    assert got_stats["tier0"]["dirty_writebacks"] > 0 and got_stats["store"]["rows_written"] > 0
+    assert tier.generation == plain.generation == 1  # (the wide batch grew the overflow slots)
+    graphs = tier.graphs.stats()
+    assert graphs["failed"] is None and graphs["replays"] >= 16
+    print(graphs)

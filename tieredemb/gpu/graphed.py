@@ -1,6 +1,7 @@
-"""CUDA graphs of the lookups of tables held whole in tier 0 on a GPU.
+"""CUDA graphs of the lookups of tables held whole in tier 0 on a GPU, and of zero-copy ones.
 
-Such a table (a DeviceTier with a DirectIndex whose misses are drawn on the device) makes a batch
+Such a table (a DeviceTier with a DirectIndex whose misses are drawn on the device; or a zero-copy
+DeviceTier, whose residency is queued with no wait: DeviceTier.queued_work) makes a batch
 resident without waiting for the device, and the device work of its lookup depends only on the
 batch's shape: ids [N], boundaries [B + 1], the bag mode, the padding row. The ordinary path
 (lookup.py) is bound by the host there: on an H200, 2.3 ms of host time a step for 0.35 ms of
@@ -22,10 +23,18 @@ rounding draws from) the update kernel reads from device tensors, filled before 
 and offsets given on the device, which the module checked there, are taken too, after the
 ordinary path's one wait to read the verdict. Everything else takes the ordinary
 path: per-sample weights, inverse-keyed features, batches registered for prefetch, a cached tier
-0, a caller capturing a graph of its own, and a forward of a shape whose last batch still waits
+0 that copies rows through the host, a caller capturing a graph of its own, and a forward of a shape whose last batch still waits
 for its backward (gradient accumulation: the shape's buffers are in use). The results are the
 ordinary path's, bit for bit: the same kernels, in the same order over the same ids (the padding
 is no distinct id and in no bag).
+
+A zero-copy table's forward graph also pins its batch's rows (its commit), and its backward's
+releases them, the host counting both after the replay (DeviceTier.graphed_admitted,
+graphed_released); a forward under no_grad, a frozen table's, or one whose backward never comes
+releases them by the ordinary kernel. Before each replay the tier makes room for the batch
+(DeviceTier.room_for_graph: the overflow slots at least the pinned ids and the batch's); a tier
+that must grow replaces the tensors its graphs read, so its shapes are dropped (a shape in flight
+then runs its backward's kernels one by one: _Shape.stale) and captured again.
 
 On CPU tensors (a DeviceTier on CPU tensors: gpu/tier.on_cpu_tensors, the tests) a "graph" is its
 function's work recorded as it ran once and replayed as recorded (gpu/recorded.py): a host value
@@ -41,12 +50,11 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from .. import kernels
+from .. import kernels, locks
 from ..kernels import Bags
 from . import copy_to, pooling
 from .checks import SENTINEL32, SENTINEL64, checked_dtype, checked_ids
 from .dedup import dedup as device_dedup
-from .index import DirectIndex
 from .recorded import Recorded
 
 _MOST_SHAPES = 4  # shapes whose graphs a table keeps
@@ -119,6 +127,7 @@ class _Input:
                  mode: int, exclude_padding: bool, scratch: int):
         pad = -1 if table.padding_idx is None else table.padding_idx
         self.table, self.tier = table, table._store.tier0
+        self.queued = self.tier.graph_kind() == "queued"  # (else "draw": see DeviceTier.graph_kind)
         self.ids, self.offsets, self.out_at, self.drop = ids, offsets, out_at, drop
         self.scratch = scratch  # where the added bag's row goes in the block, in floats: its last row
         self.bags = Bags(offsets, None, mode, pad if exclude_padding else -1, pad, out_at)
@@ -138,6 +147,7 @@ class _Shape:
         self.inputs = inputs
         self.rows, self.width, self.samples = rows, width, samples
         tiers = [inp.tier for inp in inputs]  # (the locks a lookup of the shape takes, in this order)
+        self.generations = tuple(t.generation for t in tiers)  # (the tensors its graphs read: see stale)
         self.stores_held = _Held(inp.table._store.lock for inp in inputs)
         self.indexes_held = _Held(t.index_lock for t in tiers)
         self.pools_held = _Held(t.pool_lock for t in tiers)
@@ -154,24 +164,55 @@ class _Shape:
         flight = self.flight() if self.flight is not None else None
         return flight is not None and not flight.done
 
+    @property
+    def stale(self) -> bool:
+        """Whether a tier's pool or index state was replaced since the shape was made (a grow:
+        DeviceTier.generation): its graphs read and write the old tensors, so replay none."""
+        return self.generations != tuple(inp.tier.generation for inp in self.inputs)
+
+    def release(self, keep, stream, collected: bool = False) -> None:
+        """The queued residencies' pins of the shape's last forward released, for the inputs keep
+        (input -> bool) says, queued on stream (None: each tier's own) now: a forward that takes no
+        update, or whose backward never ran (collected: its autograd graph was collected, maybe
+        inside one of the package's locks: see locks.py)."""
+        for inp, batch in zip(self.inputs, self.batches):
+            if inp.queued and keep(inp):
+                store = inp.table._store
+                if collected and locks.any_held():  # (released by the store's next residency or release)
+                    store.orphans.append((batch.slots, stream))
+                else:
+                    store.unpin(batch.slots, stream)
+
 
 class _Flight:
     """A trained forward replayed from a shape's graph, until its backward runs or its autograd
-    graph is freed without one (then the shape's buffers are free again). updates: whether each
-    table takes an update."""
+    graph is freed without one (then the shape's buffers are free again, and the pins of its
+    queued residencies released). updates: whether each table takes an update (the others' pins
+    were released after the forward); released: whether the backward released the pins."""
 
-    __slots__ = ("shape", "updates", "done", "__weakref__")
+    __slots__ = ("shape", "updates", "done", "released", "__weakref__")
 
     def __init__(self, shape: _Shape, updates: tuple):
-        self.shape, self.updates, self.done = shape, updates, False
+        self.shape, self.updates, self.done, self.released = shape, updates, False, False
 
     def land(self) -> None:
+        if self.done:
+            return
         self.done = True
-        if self.shape.flight is not None and self.shape.flight() is self:
-            self.shape.flight = None
+        try:
+            if not self.released:
+                self.released = True
+                updated = {id(inp) for inp, u in zip(self.shape.inputs, self.updates) if u}
+                self.shape.release(lambda inp: id(inp) in updated, None, collected=True)
+        finally:
+            if self.shape.flight is not None and self.shape.flight() is self:
+                self.shape.flight = None
 
     def __del__(self):
-        self.land()
+        try:
+            self.land()
+        except Exception:
+            pass
 
 
 class StepGraphs:
@@ -227,12 +268,14 @@ class StepGraphs:
             part.check is not None and part.ids.device == tier.device
             and part.offsets.device in (tier.device, torch.device("cpu"))) else None
         if (given is None or tier.graphs is None or tier.device != self.tier.device or part.psw is not None
-                or part.ids.numel() == 0 or not isinstance(tier.index, DirectIndex) or not tier.init_misses_here
-                or not part.table._prefetch.idle()):
+                or part.ids.numel() == 0 or not part.table._prefetch.idle()):
+            return None
+        kind = tier.graph_kind()
+        if kind is None:
             return None
         dtype = part.ids.dtype if given == "device" else checked_dtype(tier.num_embeddings)
-        return (tier.pool.rows.data_ptr(), given, dtype, padded(part.ids.numel()), len(part.offsets), part.mode,
-                part.exclude_padding, part.out_at is None)
+        return (tier.pool.rows.data_ptr(), kind, tier.generation, given, dtype, padded(part.ids.numel()),
+                len(part.offsets), part.mode, part.exclude_padding, part.out_at is None)
 
     # -- forward ------------------------------------------------------------------------------
     def forward(self, parts: list, key: tuple, updates: tuple | None) -> torch.Tensor | None:
@@ -259,29 +302,53 @@ class StepGraphs:
         if shape is None:
             shape = self._add_shape(key, parts)
         tiers = [inp.tier for inp in shape.inputs]
+        stream = torch.cuda.current_stream(self.tier.device) if self.tier.stream is not None else None
         with shape.stores_held, kernels._current(self.tier.device):
+            # (a queued residency's room: under the stores' locks, which every other residency takes)
+            for inp in shape.inputs:  # (batches collected inside a lock: see TableStore.orphans)
+                if inp.queued:
+                    inp.table._store.release_orphans()
+            waits = [inp.tier.room_for_graph(inp.ids.numel()) if inp.queued else () for inp in shape.inputs]
+            if shape.stale:  # (a tier grew to make room: the next lookup captures the shape again)
+                return None
             for inp, part in zip(shape.inputs, parts):
                 self._inputs(inp, part)  # (IndexError for a bad host id: nothing changed)
             for tier in tiers:
                 tier.after_queued()  # (rows a residency on a tier's stream drew or read)
+            for event in (e for w in waits for e in w):  # (releases queued on other streams)
+                stream.wait_event(event)
             with shape.indexes_held:
                 if shape.forward is None:
                     shape.forward = self._capture(lambda: self._forward_work(shape))
                     if shape.forward is None:
                         return None
                 shape.batches, shape.out, shape.saved = shape.forward.replay(shape.pools_held)
-                for tier in tiers:
-                    tier.index.version += 1
-            stream = torch.cuda.current_stream(self.tier.device) if self.tier.stream is not None else None
+                for inp, waited in zip(shape.inputs, waits):
+                    if inp.queued:
+                        inp.tier.graphed_admitted(inp.ids.numel(), waited)
+                        inp.table._store.count_held()
+                    else:
+                        inp.tier.index.version += 1
             for inp in shape.inputs:
                 inp.tier.before_next(stream)
                 inp.table._prefetch.count_forward()
             self.replays += 1
-            if updates is None:
+            if updates is None:  # (no backward: the pins go at once)
+                shape.release(lambda inp: True, stream)
                 return shape.out[:shape.samples].clone()
+            frozen = {id(inp) for inp, u in zip(shape.inputs, updates) if not u}
+            if frozen:
+                shape.release(lambda inp: id(inp) in frozen, stream)
             flight = _Flight(shape, updates)  # (held by the autograd graph alone: see _Shape.busy)
             shape.flight = weakref.ref(flight)
             return _Replayed.apply(self, shape, flight, *[inp.table._grad_anchor for inp in shape.inputs])
+
+    def drop_shapes(self) -> None:
+        """Drops every shape not in flight (a tier's tensors are being replaced: DeviceTier._grow,
+        which waits for the device first); a shape in flight is stale (its backward runs its
+        kernels one by one) and dropped in its turn."""
+        for key in [k for k, shape in self.shapes.items() if not shape.busy]:
+            del self.shapes[key]
 
     def _inputs(self, inp: _Input, part) -> None:
         """A part's ids (host ones checked), offsets and out_at copied into its buffers, on the
@@ -359,7 +426,10 @@ class StepGraphs:
         batches, saved = [], []
         for inp in shape.inputs:
             deduped = device_dedup(inp.ids, inp.drop)
-            slots = inp.tier.draw(deduped.unique, deduped.count)
+            if inp.queued:  # (pinned until the backward's release)
+                slots = inp.tier.queued_work(deduped.unique, deduped.count, True, captured=True)
+            else:
+                slots = inp.tier.draw(deduped.unique, deduped.count)
             batch = _Batch(deduped.unique, deduped.inverse, deduped.count, deduped.groups, slots)
             saved.append(kernels.forward(inp.tier, inp.table.config, batch, inp.bags, block)[1])
             batches.append(batch)
@@ -389,26 +459,42 @@ class StepGraphs:
                     pooling.fill_step_scalars(inp.scalars, a.adam_step_size, step)
 
             def work():
-                for inp, batch, saved, step, update in zip(inputs, shape.batches, shape.saved, steps, flight.updates):
-                    if update:
-                        kernels.backward_update(inp.tier, inp.table.config, batch, inp.bags, saved, shape.grad, step,
-                                                False, inp.scalars)
+                try:
+                    for inp, batch, saved, step, update in zip(inputs, shape.batches, shape.saved, steps,
+                                                               flight.updates):
+                        if update:
+                            kernels.backward_update(inp.tier, inp.table.config, batch, inp.bags, saved, shape.grad,
+                                                    step, False, inp.scalars)
+                finally:  # (the queued residencies' pins, whatever happened: the host's part after, graphed_released)
+                    for inp, batch, update in zip(inputs, shape.batches, flight.updates):
+                        if inp.queued and update:
+                            with inp.tier.pool_lock:
+                                inp.tier.index.unpin(batch.slots)
 
             with kernels._current(self.tier.device):
-                graph = shape.backwards.get(args)
-                if graph is None and args == shape.last_args and len(shape.backwards) < _MOST_BACKWARDS:
+                stale = shape.stale  # (a tier grew since the forward: its kernels one by one, on the new tensors)
+                graph = None if stale else shape.backwards.get(args)
+                if graph is None and not stale and args == shape.last_args and len(shape.backwards) < _MOST_BACKWARDS:
                     graph = self._capture(work)
                     if graph is not None:
                         shape.backwards[args] = graph
                 shape.last_args = args
-                if graph is None:
-                    work()
-                else:
-                    graph.replay(shape.pools_held)
-                    self.replays += 1
-                if self.tier.stream is not None:
+                stream = torch.cuda.current_stream(self.tier.device) if self.tier.stream is not None else None
+                try:
+                    if graph is None:
+                        work()
+                    else:
+                        graph.replay(shape.pools_held)
+                        self.replays += 1
+                finally:
+                    flight.released = True
+                    for inp, update in zip(inputs, flight.updates):
+                        if inp.queued and update:
+                            inp.tier.graphed_released(inp.ids.numel(), stream)
+                            inp.table._store.count_release()
+                if stream is not None:
                     for inp in inputs:
-                        inp.tier.computed_on(torch.cuda.current_stream(self.tier.device))
+                        inp.tier.computed_on(stream)
             for inp, step, update in zip(inputs, steps, flight.updates):
                 if update:
                     inp.table.step = step

@@ -91,8 +91,10 @@ class SetIndex:
             self.part_capacity = [n * self.ways for n in part_sets]
         self.policy = policy
         self.device = device
-        self.clock = 0  # batches planned: the LRU stamp of this one
-        self.tag = 0  # plans made: the tag the last one gave its batch's slots (tags)
+        # The plans made (int64 [1] on the device, counted there: a replayed graph's plans
+        # count too): the last one's step is the tag it gave its batch's slots (tags) and the LRU
+        # stamp it gives them
+        self.step = torch.zeros(1, dtype=torch.int64, device=device)
         self.version = 0
         self.overflow_in_use = 0  # rows in overflow slots (lingering ones too), as far as the host knows;
         self.overflow_known = True  # False after a queued plan, until stats() counts them on the device
@@ -128,11 +130,16 @@ class SetIndex:
         return self.capacity + self.overflow_slots
 
     def _directory(self) -> None:
-        """The overflow rows in use, sorted by id, to find them by binary search."""
+        """The overflow rows in use, sorted by id, to find them by binary search: ovf_ids and
+        ovf_slot, rewritten in place (a captured graph's plans read and write the same tensors;
+        grow() makes new ones)."""
         ids = self.slot_id[self.capacity:self.slots_total]
         ids = torch.where(ids >= 0, ids, torch.iinfo(torch.int64).max)
-        self.ovf_ids, order = torch.sort(ids)
-        self.ovf_slot = order + self.capacity
+        if getattr(self, "ovf_ids", None) is None or self.ovf_ids.numel() != ids.numel():
+            self.ovf_ids, self._ovf_order, self.ovf_slot = torch.empty_like(ids), torch.empty_like(ids), \
+                torch.empty_like(ids)
+        torch.sort(ids, out=(self.ovf_ids, self._ovf_order))
+        torch.add(self._ovf_order, self.capacity, out=self.ovf_slot)
 
     def _set_of(self, ids: torch.Tensor) -> torch.Tensor:
         if self.partitions is None:
@@ -184,12 +191,12 @@ class SetIndex:
         by commit_queued for stats(). The plan's ints are 0; its lists are whole, their ends
         those totals (the move kernels read them: gpu/moves.py's count)."""
         n = ids.numel()
-        self.tag += 1
+        self.step += 1
         found, sets = self._find(ids, num_unique, None)
         in_set, order = torch.sort(sets, stable=True)
         chosen = torch.full((n,), -1, dtype=torch.int64, device=self.device)
-        plan_kernels.assign(in_set, order, self, self.tag, self._window_sorted(), chosen)
-        placed = plan_kernels.place(ids, num_unique, num_embeddings, self, found, chosen, self.tag, None, 0)
+        plan_kernels.assign(in_set, order, self, self._window_sorted(), chosen)
+        placed = plan_kernels.place(ids, num_unique, num_embeddings, self, found, chosen, None, 0)
         plan_kernels.bind(placed, None)
         k = plan_kernels.KINDS
         return DevicePlan(ids=ids, valid=placed.valid, slots=placed.slots, fresh=placed.fresh,
@@ -204,21 +211,25 @@ class SetIndex:
         self._check(plan)
         self.version += 1
         plan_kernels.commit(plan.ids, plan.placed, self, True, pin)  # (any overflow row may leave)
-        self.clock += 1
         self.overflow_known = False
         self._directory()
         self.queued_counts += plan.placed.xfer[:plan_kernels.KINDS]
 
+    def queued_replayed(self) -> None:
+        """After a replayed queued plan and commit (gpu/graphed.py): what commit_queued does on the host."""
+        self.version += 1
+        self.overflow_known = False
+
     def _plan(self, ids, num_unique, num_embeddings, rows=None, guess=0, check=None, ids_to_host=True):
         n, dev = ids.numel(), self.device
         guess = min(guess, n + self.overflow_slots) if rows is not None else 0
+        self.step += 1  # (find tags the batch's slots with it: assign and place pass them over)
         if self.kernels == "triton":
-            self.tag += 1  # (find marks the batch's slots with it: assign and place pass them over)
             found, sets = self._find(ids, num_unique, None)
             in_set, order = torch.sort(sets, stable=True)
             chosen = torch.full((n,), -1, dtype=torch.int64, device=dev)
-            plan_kernels.assign(in_set, order, self, self.tag, self._window_sorted(), chosen)
-            placed = plan_kernels.place(ids, num_unique, num_embeddings, self, found, chosen, self.tag, rows, guess)
+            plan_kernels.assign(in_set, order, self, self._window_sorted(), chosen)
+            placed = plan_kernels.place(ids, num_unique, num_embeddings, self, found, chosen, rows, guess)
         else:
             placed = self._place_twin(ids, num_unique, rows, guess, num_embeddings)
         k = plan_kernels.KINDS
@@ -290,7 +301,7 @@ class SetIndex:
         back (written down first if dirty): overflow rows stay rows in flight."""
         if self.kernels == "triton":  # (sets int32; the slots found get the plan's tag)
             slots, sets = torch.empty_like(ids), torch.empty(ids.numel(), dtype=torch.int32, device=self.device)
-            plan_kernels.find(ids, num_unique, self, slots, sets, self.tag)
+            plan_kernels.find(ids, num_unique, self, slots, sets)
             return slots, sets
         slots = torch.where(valid, self.lookup(ids.clamp(min=0)), -1)
         pinned = self.pins[slots.clamp(min=0)] > 0
@@ -333,9 +344,8 @@ class SetIndex:
             if pin:
                 with launch_turn():  # (as the kernels' pins: a release may add to them at once)
                     self.pins.index_add_(0, at, torch.ones_like(at, dtype=torch.int32))
-            self.stamp[at] = self.clock
+            self.stamp[at] = self.step
             self.uses.index_add_(0, at, torch.ones_like(at))
-        self.clock += 1
         self.overflow_in_use += plan.num_overflow - plan.lingering
         if plan.num_overflow or plan.lingering or not self.overflow_known:  # (else the overflow rows are as they were)
             self._directory()
@@ -451,7 +461,9 @@ class SetIndex:
     def reset_stats(self) -> None:
         self.counts = dict.fromkeys(("hits", "misses", "writes", "evictions", "dirty_writebacks", "clean_drops",
                                      "overflow_rows"), 0)
-        self.queued_counts = torch.zeros(plan_kernels.KINDS, dtype=torch.int64, device=self.device)
+        if getattr(self, "queued_counts", None) is None:  # (zeroed in place after: a captured graph adds to it)
+            self.queued_counts = torch.zeros(plan_kernels.KINDS, dtype=torch.int64, device=self.device)
+        self.queued_counts.zero_()
         if self.partitions is not None:
             self.part_counts = torch.zeros(len(self.partitions), 5, dtype=torch.int64, device=self.device)
 

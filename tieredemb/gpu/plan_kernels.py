@@ -75,13 +75,14 @@ def _lower_bound(sorted_ptr, n, x, steps):
     return tl.minimum(lo, n - 1)
 
 
-@triton.jit(do_not_specialize=["tag"])
+@triton.jit
 def _find_kernel(ids_ptr, num_unique_ptr, n, slot_id_ptr, pins_ptr, ovf_ids_ptr, ovf_slot_ptr, n_ovf, ovf_steps,
                  part_ends_ptr, part_sets_ptr, part_base_ptr, n_parts, sets, ways, cap, slots_ptr, set_ptr, tag_ptr,
-                 tag, PARTS: tl.constexpr, OVERFLOW: tl.constexpr, WAYS: tl.constexpr, BLOCK: tl.constexpr):
+                 step_ptr, PARTS: tl.constexpr, OVERFLOW: tl.constexpr, WAYS: tl.constexpr, BLOCK: tl.constexpr):
     """Ids BLOCK * program 0 onwards: slots[i], the slot of ids[i] (-1: a miss, or i >= U), and
     set[i] (int32), its set if a miss, else `sets` (after every set when sorted); the slots found
-    get the plan's tag (they are the batch's: no victims, no free overflow slots)."""
+    get the plan's tag, its step (they are the batch's: no victims, no free overflow slots)."""
+    tag = tl.load(step_ptr)
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     live = i < n
     valid = live & (i < tl.load(num_unique_ptr))
@@ -105,8 +106,8 @@ def _find_kernel(ids_ptr, num_unique_ptr, n, slot_id_ptr, pins_ptr, ovf_ids_ptr,
     tl.store(tag_ptr + slot, tl.zeros_like(slot) + tag, mask=slot >= 0)
 
 
-@triton.jit(do_not_specialize=["tag"])
-def _assign_kernel(in_set_ptr, order_ptr, n, sets, ways, slot_id_ptr, pins_ptr, tag_ptr, tag, stamp_ptr, uses_ptr,
+@triton.jit
+def _assign_kernel(in_set_ptr, order_ptr, n, sets, ways, slot_id_ptr, pins_ptr, tag_ptr, step_ptr, stamp_ptr, uses_ptr,
                    wid_ptr, wbatch_ptr, n_w, w_steps, chosen_ptr, LFU: tl.constexpr, WINDOW: tl.constexpr,
                    WAYS: tl.constexpr):
     """Sorted position p = program 0 (the batch's misses sorted by set, in batch order within one:
@@ -132,7 +133,7 @@ def _assign_kernel(in_set_ptr, order_ptr, n, sets, ways, slot_id_ptr, pins_ptr, 
             key = tl.where(ahead_use, _WINDOW_KEY_K - tl.load(wbatch_ptr + pos), key)
         key = tl.where(sid < 0, -1, key)
         taken = (tl.load(pins_ptr + slot, mask=in_set, other=0) > 0) | (tl.load(tag_ptr + slot, mask=in_set,
-                                                                              other=0) == tag)
+                                                                              other=0) == tl.load(step_ptr))
         key = tl.where(taken, _NEVER_K, key)
         key = tl.where(in_set, key, _LAST_K)
         # each way's rank among the candidates: the ways with a smaller key, or an equal one before it
@@ -182,9 +183,9 @@ def draw(ids, num_unique, index, rows, init, slots) -> None:
                            enable_fp_fusion=False, num_warps=1, **kernel_args(dim, width, kind, a, b, init.weights))
 
 
-def find(ids, num_unique, index, slots, set_out, tag) -> None:
+def find(ids, num_unique, index, slots, set_out) -> None:
     """_find_kernel over ids [n] into slots (int64 [n]) / set_out (int32 [n]) for SetIndex
-    `index`, the slots found tagged with the plan's tag in index.tags."""
+    `index`, the slots found tagged with the plan's step (index.step, on the device) in index.tags."""
     n = ids.numel()
     if n == 0:
         return
@@ -199,11 +200,11 @@ def find(ids, num_unique, index, slots, set_out, tag) -> None:
             index.ovf_slot if ovf else dummy, max(n_ovf, 1), max(n_ovf, 1).bit_length(),
             index.part_ends if parts else dummy, index.part_sets if parts else dummy,
             index.part_base if parts else dummy, len(index.partitions) if parts else 1, index.sets, index.ways,
-            index.capacity, slots, set_out, index.tags, tag, PARTS=parts, OVERFLOW=ovf,
+            index.capacity, slots, set_out, index.tags, index.step, PARTS=parts, OVERFLOW=ovf,
             WAYS=triton.next_power_of_2(index.ways), BLOCK=block)
 
 
-def assign(in_set, order, index, tag, window, chosen) -> None:
+def assign(in_set, order, index, window, chosen) -> None:
     """_assign_kernel: the misses sorted by set (in_set, order) take their sets' ways into chosen
     (int64 [n], -1 where a miss finds none), never a slot holding the plan's tag (the batch's
     rows). window: (ids sorted, their first batch) or None."""
@@ -213,8 +214,8 @@ def assign(in_set, order, index, tag, window, chosen) -> None:
     wid, wbatch = window if window is not None else (in_set, in_set)
     n_w = max(wid.numel(), 1)
     with launch_turn():
-        _assign_kernel[(n,)](in_set, order, n, index.sets, index.ways, index.slot_id, index.pins, index.tags, tag,
-                             index.stamp, index.uses, wid, wbatch, n_w, n_w.bit_length(), chosen,
+        _assign_kernel[(n,)](in_set, order, n, index.sets, index.ways, index.slot_id, index.pins, index.tags,
+                             index.step, index.stamp, index.uses, wid, wbatch, n_w, n_w.bit_length(), chosen,
                              LFU=index.policy == "lfu", WINDOW=window is not None,
                              WAYS=triton.next_power_of_2(index.ways))
 
@@ -272,16 +273,16 @@ def _entries(v, ids_ptr, num_unique, n, num_rows, found_ptr, chosen_ptr, slot_id
     return row_id, found, chosen, slot, gone_id, need, free, valid, fresh, victim, dirty, bad, lingering
 
 
-@triton.jit(do_not_specialize=["n", "tag"])
+@triton.jit(do_not_specialize=["n"])
 def _tally_kernel(ids_ptr, num_unique_ptr, n, num_rows, found_ptr, chosen_ptr, slot_id_ptr, pins_ptr, dirty_ptr,
-                  tag_ptr, tag, cap, n_ovf, decided_ptr, counts_ptr, BLOCK: tl.constexpr):
+                  tag_ptr, step_ptr, cap, n_ovf, decided_ptr, counts_ptr, BLOCK: tl.constexpr):
     """Entries BLOCK * program b onwards: counts[b, kind] = how many of each kind; decided[v]: 2 if
     the entry is a lingering overflow row, | 1 if a dirty victim."""
     b = tl.program_id(0)
     v = b * BLOCK + tl.arange(0, BLOCK)
     _, _, _, _, _, need, free, valid, fresh, victim, dirty, bad, lingering = _entries(
         v, ids_ptr, tl.load(num_unique_ptr), n, num_rows, found_ptr, chosen_ptr, slot_id_ptr, pins_ptr, dirty_ptr,
-        tag_ptr, tag, cap, n_ovf, decided_ptr, True)
+        tag_ptr, tl.load(step_ptr), cap, n_ovf, decided_ptr, True)
     out = counts_ptr + b * _KINDS_K
     tl.store(out + 0, tl.sum(need.to(tl.int64), axis=0))
     tl.store(out + 1, tl.sum(free.to(tl.int64), axis=0))
@@ -302,10 +303,10 @@ def _rank(flag, ends_ptr, b, kind):
     return before + (tl.cumsum(f, axis=0) - f).to(tl.int64)
 
 
-@triton.jit(do_not_specialize=["n", "tag", "blocks", "guess"])
+@triton.jit(do_not_specialize=["n", "blocks", "guess"])
 def _place_kernel(ids_ptr, num_unique_ptr, n, num_rows, found_ptr, chosen_ptr, slot_id_ptr, pins_ptr, dirty_ptr,
-                  tag_ptr, tag, cap, n_ovf, decided_ptr, ends_ptr, blocks, slots_ptr, valid_ptr, fresh_ptr, xfer_ptr,
-                  miss_slots_ptr, need_at_ptr, need_miss_ptr, victims_ptr, dirty_slots_ptr, free_ptr, leaves_ptr,
+                  tag_ptr, step_ptr, cap, n_ovf, decided_ptr, ends_ptr, blocks, slots_ptr, valid_ptr, fresh_ptr,
+                  xfer_ptr, miss_slots_ptr, need_at_ptr, need_miss_ptr, victims_ptr, dirty_slots_ptr, free_ptr, leaves_ptr,
                   rows_ptr, width, guess, guessed_ptr, GUESS: tl.constexpr, COLS: tl.constexpr,
                   BLOCK: tl.constexpr):
     """Entries BLOCK * program b onwards, each where it goes: the batch's slots (a miss: the slot
@@ -318,7 +319,7 @@ def _place_kernel(ids_ptr, num_unique_ptr, n, num_rows, found_ptr, chosen_ptr, s
     v = b * BLOCK + tl.arange(0, BLOCK)
     row_id, found, chosen, slot, gone_id, need, free, valid, fresh, victim, dirty, bad, lingering = _entries(
         v, ids_ptr, tl.load(num_unique_ptr), n, num_rows, found_ptr, chosen_ptr, slot_id_ptr, pins_ptr, dirty_ptr,
-        tag_ptr, tag, cap, n_ovf, decided_ptr, False)
+        tag_ptr, tl.load(step_ptr), cap, n_ovf, decided_ptr, False)
     kind = tl.arange(0, _KINDS_K)
     first = kind + b * _KINDS_K < _KINDS_K  # (program 0 writes the totals)
     tl.store(xfer_ptr + kind, tl.load(ends_ptr + (blocks - 1) * _KINDS_K + kind), mask=first)
@@ -373,11 +374,11 @@ def _release_kernel(slots_ptr, n, pins_ptr, BLOCK: tl.constexpr):
     tl.atomic_add(pins_ptr + tl.maximum(slot, 0), tl.full(slot.shape, -1, tl.int32), mask=slot >= 0)
 
 
-@triton.jit(do_not_specialize=["n", "clock"])
+@triton.jit(do_not_specialize=["n"])
 def _commit_kernel(ids_ptr, n, valid_ptr, fresh_ptr, slots_ptr, leaves_ptr, n_ovf, cap, slot_id_ptr, pins_ptr,
-                   dirty_ptr, stamp_ptr, uses_ptr, clock, PIN: tl.constexpr, BLOCK: tl.constexpr):
+                   dirty_ptr, stamp_ptr, uses_ptr, step_ptr, PIN: tl.constexpr, BLOCK: tl.constexpr):
     """A plan applied, entries BLOCK * program 0 onwards: each miss's id into its slot (clean, used
-    once), each row of the batch stamped, used once more and (PIN) pinned; each overflow slot
+    once), each row of the batch stamped (with the plan's step), used once more and (PIN) pinned; each overflow slot
     whose row leaves (leaves[j]) emptied. (No two entries touch one slot: a victim's slot is the miss's
     that takes it, or emptied.)"""
     v = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -391,7 +392,7 @@ def _commit_kernel(ids_ptr, n, valid_ptr, fresh_ptr, slots_ptr, leaves_ptr, n_ov
     tl.store(dirty_ptr + slot, tl.zeros_like(slot).to(tl.uint8), mask=fresh)
     uses = tl.load(uses_ptr + slot, mask=valid & ~fresh, other=0)
     tl.store(uses_ptr + slot, uses + 1, mask=valid)
-    tl.store(stamp_ptr + slot, tl.zeros_like(slot) + clock, mask=valid)
+    tl.store(stamp_ptr + slot, tl.zeros_like(slot) + tl.load(step_ptr), mask=valid)
     if PIN:  # (atomic: a release on another stream may unpin rows at the same time)
         tl.atomic_add(pins_ptr + slot, tl.full(slot.shape, 1, tl.int32), mask=valid)
     is_ovf = (v >= n) & (v < n + n_ovf)
@@ -418,7 +419,7 @@ class Placed(NamedTuple):
     guessed: torch.Tensor | None  # float32 [guess, width]: the first dirty victims' rows
 
 
-def place(ids, num_unique, num_rows, index, found, chosen, tag, rows, guess) -> Placed:
+def place(ids, num_unique, num_rows, index, found, chosen, rows, guess) -> Placed:
     """The plan's lists from find's slots (found) and assign's (chosen), in three launches (tally,
     a cumsum, place); guess > 0: the rows (rows: the pool) of the first `guess` dirty victims
     too. Reads the index; changes nothing in it."""
@@ -433,7 +434,7 @@ def place(ids, num_unique, num_rows, index, found, chosen, tag, rows, guess) -> 
                  empty(n + n_ovf), empty(n + n_ovf), (empty(n), empty(n), empty(n_ovf)), empty(n_ovf, torch.uint8),
                  empty((guess, rows.shape[1]), torch.float32) if guess else None)
     decided = empty(n + n_ovf, torch.uint8)  # (tally's reading of what may change under it: see _entries)
-    state = (index.slot_id, index.pins, index.dirty, index.tags, tag, index.capacity, n_ovf, decided)
+    state = (index.slot_id, index.pins, index.dirty, index.tags, index.step, index.capacity, n_ovf, decided)
     with launch_turn():
         _tally_kernel[(blocks,)](ids, num_unique, n, num_rows, found, chosen, *state, counts, BLOCK=_BLOCK)
     ends = torch.cumsum(counts, 0)
@@ -471,7 +472,7 @@ def commit(ids, placed: Placed, index, lingering: bool, pin: bool) -> None:
     with launch_turn():
         _commit_kernel[(triton.cdiv(n + n_ovf, _BLOCK),)](
             ids, n, placed.valid.view(torch.uint8), placed.fresh.view(torch.uint8), placed.slots, placed.leaves, n_ovf,
-            index.capacity, index.slot_id, index.pins, index.dirty, index.stamp, index.uses, index.clock, PIN=pin,
+            index.capacity, index.slot_id, index.pins, index.dirty, index.stamp, index.uses, index.step, PIN=pin,
             BLOCK=_BLOCK)
 
 

@@ -151,8 +151,11 @@ class DeviceTier:
         # Held around each kernel launch on the pool, the index's dirty bits or its pins, and while
         # they are replaced by larger ones (_plan), so no kernel is queued on a tensor being replaced.
         self.pool_lock = locks.Counted()
-        # Lookups of a table held whole here, captured as CUDA graphs and replayed (gpu/graphed.py)
-        self.graphs = StepGraphs(self) if graphs and isinstance(self.index, DirectIndex) else None
+        # Lookups captured as CUDA graphs and replayed (gpu/graphed.py): a table held whole here, or
+        # a zero-copy one (see graph_kind); generation: how many times the pool and the index's
+        # state tensors were replaced by larger ones (a graph captured before reads the old ones)
+        self.generation = 0
+        self.graphs = StepGraphs(self) if graphs and (isinstance(self.index, DirectIndex) or zero_copy) else None
 
     @property
     def state(self) -> dict:
@@ -275,6 +278,40 @@ class DeviceTier:
                 self.index.commit(plan, pin)
             return plan.slots, misses, self._record()
 
+    # -- lookups replayed from captured graphs (gpu/graphed.py) ------------------------------
+    def graph_kind(self) -> str | None:
+        """How a lookup's residency here is captured: "draw" (a whole table whose misses are drawn
+        here: DirectIndex.draw), "queued" (a zero-copy residency queued without a wait, no
+        lookahead window: queued_work), or None (the ordinary path only)."""
+        if isinstance(self.index, DirectIndex):
+            return "draw" if self.init_misses_here else None
+        return "queued" if self._queues(None, True) and not self.index.window else None
+
+    def room_for_graph(self, n: int) -> list:
+        """Before a replayed queued residency of n ids (under its store's lock, which every other
+        residency takes): make_room's grow (then the shape's graphs are stale), and the releases
+        the replay's stream is to wait for, returned (forgotten by graphed_admitted, once the
+        replay is queued after them)."""
+        return self._room(n, forget=False)
+
+    def graphed_admitted(self, n: int, waited: list) -> None:
+        """After a replayed queued residency of n ids (pinned), queued after the releases waited
+        (room_for_graph's): what its capture did on the host."""
+        with self.pool_lock:
+            self._pinned_ids += n
+            if waited:
+                gone = {id(e) for e in waited}
+                self._releases_since = [e for e in self._releases_since if id(e) not in gone]
+        self.index.queued_replayed()
+
+    def graphed_released(self, n: int, stream) -> None:
+        """After a replayed backward's graph released its batch of n ids, on stream (None on the
+        CPU): the host's part of unpin()."""
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext(), self.pool_lock:
+            self._count_release(n)
+        if stream is not None:
+            self.computed_on(stream)
+
     def _queues(self, check, allow_overflow: bool) -> bool:
         """Whether a residency is queued without a wait (_queued_residency): zero_copy, host ids
         (no verdict to read), overflow allowed, a set-associative index of one part (Triton's)."""
@@ -292,20 +329,44 @@ class DeviceTier:
         the stream that computed with its batch, maybe still behind its backward). The misses
         are counted on the device only (the returned count is 0: the prefetcher's row counters
         leave them out, as they do a whole-table tier's draws)."""
-        n = unique.numel()
-        # The releases the host no longer counts come before the plan on the device too: a release
-        # is queued on the stream that computed with its batch, maybe still behind its backward.
-        # (the count read with them: a release queued after is still counted)
+        self.make_room(unique.numel(), self.stream)
+        with self.index_lock:
+            slots = self.queued_work(unique, num_unique, pin)
+        return slots, 0, self._record()
+
+    def make_room(self, n: int, stream) -> None:
+        """Before a queued residency of n ids on stream (None on the CPU): the overflow slots made
+        at least the ids of the batches pinned here and of this one (rare: a batch larger than
+        before, or more of them in flight; a grow waits for the device), after the releases the
+        host no longer counts: stream waits for them (each queued on the stream that computed
+        with its batch, maybe still behind its backward). The count is read with them, under one
+        lock: a release queued after is still counted."""
+        for event in self._room(n, forget=True):
+            stream.wait_event(event)
+
+    def _room(self, n: int, forget: bool) -> list:
+        """make_room's grow; returns the releases to wait for (forget: no later residency needs to
+        wait for them again)."""
         with self.pool_lock:
-            released, self._releases_since = self._releases_since, []
-            pinned = self._pinned_ids
-        for event in released:
-            self.stream.wait_event(event)
+            released, pinned = self._releases_since, self._pinned_ids
+            if forget:
+                self._releases_since = []
         with self.index_lock:
             short = pinned + n - self.index.overflow_slots
-            if short > 0:  # (rare: a batch larger than before, or more of them in flight)
+            if short > 0:
                 self._grow(max(short, self.index.overflow_slots))
-            plan = self.index.plan_queued(unique, num_unique, self.num_embeddings)
+        return list(released)
+
+    def queued_work(self, unique: torch.Tensor, num_unique: torch.Tensor, pin: bool,
+                    captured: bool = False) -> torch.Tensor:
+        """A queued residency's device work on the current stream (the plan, the rows moved, the
+        commit; made room for: make_room), under index_lock: its slots. Every count stays on the
+        device. Also what a captured graph replays (gpu/graphed.py; captured: then every replay's
+        find searches the overflow rows, whatever the host knows of them now): nothing here reads
+        a host value that changes from batch to batch."""
+        if captured:
+            self.index.overflow_known = False
+        plan = self.index.plan_queued(unique, num_unique, self.num_embeddings)
         xfer = plan.placed.xfer
         dirty, misses = xfer[plan_kernels.DIRTY:plan_kernels.DIRTY + 1], xfer[plan_kernels.FRESH:plan_kernels.FRESH + 1]
         self._write_down_mapped(plan, dirty)  # (first: a lingering overflow row may leave and come back)
@@ -313,9 +374,8 @@ class DeviceTier:
         if self.draws_misses:
             self._draw_marked(plan, misses)
         self._moved_queued += xfer[plan_kernels.FRESH:plan_kernels.DIRTY + 1:plan_kernels.DIRTY - plan_kernels.FRESH]
-        with self.index_lock:
-            self.index.commit_queued(plan, pin)
-        return plan.slots, 0, self._record()
+        self.index.commit_queued(plan, pin)
+        return plan.slots
 
     # A plan's rows moved by the device (count: their number on the device, for a queued plan's
     # lists, whole; None: the lists are cut to it). zero_copy: between the pool and the mapped host rows.
@@ -362,7 +422,12 @@ class DeviceTier:
             self._grow(plan)
 
     def _grow(self, slots: int) -> None:
-        """Adds overflow slots to the index and the pool: under pool_lock, after the device is idle."""
+        """Adds overflow slots to the index and the pool: under pool_lock, after the device is idle.
+        The graphs captured over the old tensors are dropped (a batch in flight from one runs its
+        backward's kernels one by one: see generation)."""
+        self.generation += 1
+        if self.graphs is not None:
+            self.graphs.drop_shapes()
         with self.pool_lock:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
@@ -439,15 +504,20 @@ class DeviceTier:
         # each and take a release landing between them, as they must on a GPU anyway.)
         with ctx, self.pool_lock:
             self.index.unpin(slots)
-            self._pinned_ids -= slots.numel()
-            if self.stream is not None:  # (queued on that stream: a plan retried for room waits for it)
-                event = torch.cuda.Event()
-                event.record(torch.cuda.current_stream(self.device))
-                self._released = event
-                if self.mapped is not None:  # (a queued residency's plan waits for each: see there)
-                    self._releases_since.append(event)
-                if stream is not None:
-                    self.computed_on(stream)
+            self._count_release(slots.numel())
+        if stream is not None:
+            self.computed_on(stream)
+
+    def _count_release(self, n: int) -> None:
+        """A release of n ids queued on the current stream (under pool_lock): no longer counted as
+        pinned, and an event after it (a GPU's) for the plans that must see it."""
+        self._pinned_ids -= n
+        if self.stream is not None:  # (queued on that stream: a plan retried for room waits for it)
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
+            self._released = event
+            if self.mapped is not None:  # (a queued residency waits for each: see make_room)
+                self._releases_since.append(event)
 
     def computed_on(self, stream) -> None:
         """Notes that batches were computed on stream (a flush or a read then waits for it)."""

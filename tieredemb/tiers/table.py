@@ -215,18 +215,29 @@ class TableStore:
 
     def release(self, batch: ResidentBatch) -> None:
         try:
-            self._unpin(batch.slots, batch.stream)
+            self.unpin(batch.slots, batch.stream)
         finally:
             self.release_orphans()
 
-    def _unpin(self, slots: torch.Tensor, stream) -> None:
+    def unpin(self, slots: torch.Tensor, stream) -> None:
+        """A batch's slots unpinned in tier 0 (on stream, if given: tier0.unpin), then counted released."""
         try:
             self.tier0.unpin(slots, stream)
         finally:
-            with self.room:
-                self.releases += 1
-                self.held -= 1
-                self.room.notify_all()
+            self.count_release()
+
+    def count_held(self) -> None:
+        """A batch made resident and pinned without make_resident (a replayed graph's: gpu/graphed.py)."""
+        with self.room:
+            self.held += 1
+
+    def count_release(self) -> None:
+        """A batch's rows released (unpinned on the device, or queued to be): residencies waiting
+        for room try again."""
+        with self.room:
+            self.releases += 1
+            self.held -= 1
+            self.room.notify_all()
 
     def release_orphans(self) -> None:
         """Releases the batches collected while their thread held one of the package's locks."""
@@ -235,7 +246,7 @@ class TableStore:
                 slots, stream = self.orphans.popleft()
             except IndexError:  # (another thread took the last)
                 return
-            self._unpin(slots, stream)
+            self.unpin(slots, stream)
 
     def after_releases(self) -> None:
         """Orders tier 0's next residency after every release so far (on a GPU a release is a
