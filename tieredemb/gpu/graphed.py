@@ -44,6 +44,8 @@ the tests show it without a GPU; the CUDA capture itself runs only on one (tests
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import weakref
 from typing import NamedTuple
 
@@ -108,11 +110,16 @@ class _Graph:
             self.graph = graph
 
     def replay(self, held):
-        with held:
+        with held if held is not None else contextlib.nullcontext():  # (None: the caller holds them)
             if self.recorded is not None:
                 return self.recorded.replay()
             self.graph.replay()
         return self.outputs
+
+    @property
+    def ran(self) -> bool:
+        """Whether the capture itself did the work its first replay is to do (on CPU tensors)."""
+        return self.recorded is not None and self.recorded.fresh
 
 
 class _Input:
@@ -225,6 +232,8 @@ class StepGraphs:
         self.tier = tier
         self.shapes: dict = {}  # key -> _Shape, the least recently used first
         self.seen: dict = {}  # key -> lookups of a shape not captured yet
+        # (held while the two dicts change: a grow on another thread, a prefetch worker's, drops shapes)
+        self.shapes_lock = threading.Lock()
         self.captures = self.replays = 0
         self.failed: str | None = None
 
@@ -237,7 +246,7 @@ class StepGraphs:
             return None
         try:
             graph = _Graph(fn, self.tier.device)
-        except Exception as e:  # (nothing ran: a capture queues no work)
+        except Exception as e:  # (nothing ran on a GPU: a capture queues no work; on CPU tensors, a test of a bug)
             self.failed = f"{type(e).__name__}: {e}"
             return None
         self.captures += 1
@@ -283,19 +292,20 @@ class StepGraphs:
         has come): the block's first rows, the lookup's samples; or None: the ordinary path is to
         run it. updates: whether each table takes an update in backward (None: no autograd graph
         is made)."""
-        shape = self.shapes.pop(key, None)
-        if shape is None:
-            seen = self.seen.get(key, 0) + 1
-            if seen < _CAPTURE_AT:
-                if len(self.seen) >= _MOST_SEEN:
-                    self.seen.clear()
-                self.seen[key] = seen
-                return None
-            self.seen.pop(key, None)
-        else:
-            self.shapes[key] = shape  # (the last used, last: the oldest is dropped first)
-            if shape.busy:
-                return None
+        with self.shapes_lock:
+            shape = self.shapes.pop(key, None)
+            if shape is None:
+                seen = self.seen.get(key, 0) + 1
+                if seen < _CAPTURE_AT:
+                    if len(self.seen) >= _MOST_SEEN:
+                        self.seen.clear()
+                    self.seen[key] = seen
+                    return None
+                self.seen.pop(key, None)
+            else:
+                self.shapes[key] = shape  # (the last used, last: the oldest is dropped first)
+                if shape.busy:
+                    return None
         for part in parts:  # (the verdict read: one wait, as the ordinary path's; its error if any)
             if part.check is not None:
                 part.check.resolve()
@@ -346,9 +356,11 @@ class StepGraphs:
     def drop_shapes(self) -> None:
         """Drops every shape not in flight (a tier's tensors are being replaced: DeviceTier._grow,
         which waits for the device first); a shape in flight is stale (its backward runs its
-        kernels one by one) and dropped in its turn."""
-        for key in [k for k, shape in self.shapes.items() if not shape.busy]:
-            del self.shapes[key]
+        kernels one by one; it is never looked up again, its key naming the old generation) and
+        dropped as the least recently used, later."""
+        with self.shapes_lock:
+            for key in [k for k, shape in self.shapes.items() if not shape.busy]:
+                del self.shapes[key]
 
     def _inputs(self, inp: _Input, part) -> None:
         """A part's ids (host ones checked), offsets and out_at copied into its buffers, on the
@@ -393,13 +405,14 @@ class StepGraphs:
             copied.record()
 
     def _add_shape(self, key: tuple, parts: list) -> _Shape:
-        while len(self.shapes) >= _MOST_SHAPES:
-            oldest = next((k for k, s in self.shapes.items() if not s.busy), None)
-            if oldest is None:
-                break
-            if self.tier.device.type == "cuda":  # (its buffers and graphs' memory freed only once no replay reads them)
-                torch.cuda.synchronize(self.tier.device)
-            del self.shapes[oldest]
+        with self.shapes_lock:
+            while len(self.shapes) >= _MOST_SHAPES:
+                oldest = next((k for k, s in self.shapes.items() if not s.busy), None)
+                if oldest is None:
+                    break
+                if self.tier.device.type == "cuda":  # (its buffers and graphs' memory freed once no replay reads them)
+                    torch.cuda.synchronize(self.tier.device)
+                del self.shapes[oldest]
         dev = self.tier.device
         (rows, width), samples = key[1], key[2]
         if parts[0].out_at is None:  # (one table, its own [B, dim] block: the added bag's row after)
@@ -415,7 +428,8 @@ class StepGraphs:
                                  SENTINEL32 if dtype == torch.int32 else SENTINEL64, part.mode, part.exclude_padding,
                                  (rows - 1) * width))
         shape = _Shape(inputs, rows, width, samples)
-        self.shapes[key] = shape
+        with self.shapes_lock:
+            self.shapes[key] = shape
         return shape
 
     def _forward_work(self, shape: _Shape) -> tuple:
@@ -481,11 +495,18 @@ class StepGraphs:
                 shape.last_args = args
                 stream = torch.cuda.current_stream(self.tier.device) if self.tier.stream is not None else None
                 try:
-                    if graph is None:
-                        work()
-                    else:
-                        graph.replay(shape.pools_held)
+                    replayed = False
+                    if graph is not None:
+                        # (stale checked again under the locks a grow takes: one on another thread,
+                        # a prefetch worker's, may have replaced the tensors since the check above)
+                        with shape.pools_held:
+                            if not shape.stale or graph.ran:
+                                graph.replay(None)
+                                replayed = True
+                    if replayed:
                         self.replays += 1
+                    else:
+                        work()
                 finally:
                     flight.released = True
                     for inp, update in zip(inputs, flight.updates):

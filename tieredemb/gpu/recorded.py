@@ -39,11 +39,11 @@ class Recorded:
         self.steps: list = []
         with _Recording(self.steps):
             self.outputs = fn()
-        self._fresh = True  # (the capture's own run is the first replay's work)
+        self.fresh = True  # (the capture's own run is the first replay's work)
 
     def replay(self):
-        if self._fresh:
-            self._fresh = False
+        if self.fresh:
+            self.fresh = False
         else:
             for step in self.steps:
                 step()

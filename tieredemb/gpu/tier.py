@@ -119,6 +119,7 @@ class DeviceTier:
         self._computed_on: dict = {}  # the streams batches were computed on (a GPU's; see _after_residencies)
         self._queued = False  # work was queued on the tier's stream since after_queued() last looked
         self._graphed_on = None  # the stream of replayed lookups the tier's stream is yet to wait for
+        self._replayed_on = None  # the stream of the last replayed lookup (the next replay's waits for it)
         self.mapped = None  # zero_copy: the host rows below, which the kernels read and write
         self._unmap = None  # (and on a GPU, their release from it)
         # zero_copy: which host rows were ever written (uint8 per id; moves.WROTE: by this tier,
@@ -172,16 +173,23 @@ class DeviceTier:
 
     def after_queued(self) -> None:
         """Orders the current stream after the work queued on the tier's stream since the last
-        call (a residency's draws), if any (gpu/graphed.py's replays, which do not use it)."""
+        call (a residency's draws), if any, and after the last replayed lookup's stream if it was
+        another (gpu/graphed.py's replays, which do not use the tier's stream: two of them on two
+        streams must not plan at once on one index)."""
+        if self.stream is None:
+            return
+        current = torch.cuda.current_stream(self.device)
         if self._queued:
             self._queued = False
-            torch.cuda.current_stream(self.device).wait_stream(self.stream)
+            current.wait_stream(self.stream)
+        if self._replayed_on is not None and self._replayed_on != current:
+            current.wait_stream(self._replayed_on)
 
     def before_next(self, stream) -> None:
         """Work queued on stream (replayed lookups: gpu/graphed.py) comes before the next work
         queued on the tier's stream (a residency must see the rows they drew and updated); the
         wait is queued then, not now. A flush or a read waits for stream too."""
-        self._graphed_on = stream
+        self._graphed_on = self._replayed_on = stream
         if stream is not None:
             self.computed_on(stream)
 
@@ -425,12 +433,12 @@ class DeviceTier:
         """Adds overflow slots to the index and the pool: under pool_lock, after the device is idle.
         The graphs captured over the old tensors are dropped (a batch in flight from one runs its
         backward's kernels one by one: see generation)."""
-        self.generation += 1
-        if self.graphs is not None:
-            self.graphs.drop_shapes()
-        with self.pool_lock:
+        with self.pool_lock:  # (a replay checks generation under it: see graphed.py's backward)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
+            self.generation += 1
+            if self.graphs is not None:
+                self.graphs.drop_shapes()
             self.index.grow(slots)
             grown = torch.zeros(self.index.slots_total, self.width, device=self.device)
             grown[:self.pool.rows.shape[0]] = self.pool.rows
