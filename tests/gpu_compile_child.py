@@ -68,6 +68,7 @@ def main() -> None:
                 for in_use in (0, 1):
                     index.overflow_in_use = in_use
                     plan_kernels.find(ids, torch.tensor([20]), index, *out)
+                    plan_kernels.lookup(ids, index, out[0])
                 for window in (None, (ids, ids)):
                     plan_kernels.assign(out[1], ids, index, window, out[0])
     # the rest of a plan, and its commit: the dirty victims' rows carried or not

@@ -89,6 +89,12 @@ def test_the_triton_plan_equals_the_torch_twin(policy, shape):
             for index in (tri, twin):
                 index.unpin(done)
         _same_state(tri, twin)
+        # every id's slot, by the lookup kernel and by its twin (overflow rows pinned and not, ids
+        # never seen); an id < 0 is in no slot
+        probe = torch.cat([torch.randint(0, rows, (64,), generator=torch.Generator().manual_seed(step)), ids[:count]])
+        looked = tri.lookup(probe)
+        assert torch.equal(looked, twin.lookup(probe)), step
+        assert (looked >= 0).any() and tri.lookup(torch.tensor([-1, -7])).tolist() == [-1, -1]
     assert tri.counts["misses"] > 0 and tri.counts["evictions"] > 0 and guessed > 0
     if shape != "parts":
         assert tri.counts["overflow_rows"] > 0  # the overflow path ran too

@@ -152,7 +152,12 @@ class SetIndex:
 
     # -- lookups ------------------------------------------------------------------------------
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
-        """Slot of each id (int64 [n], device), -1 where not resident. Changes nothing."""
+        """Slot of each id (int64 [n], device), -1 where not resident. Changes nothing. One kernel
+        (plan_kernels.lookup), or with kernels = "torch" its torch-ops twin."""
+        if self.kernels == "triton":
+            slots = torch.empty(ids.numel(), dtype=torch.int64, device=self.device)
+            plan_kernels.lookup(ids, self, slots)
+            return slots
         base = self._set_of(ids) * self.ways
         way_slots = base[:, None] + torch.arange(self.ways, device=self.device)
         match = self.slot_id[way_slots] == ids[:, None]

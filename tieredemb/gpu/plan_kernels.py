@@ -78,15 +78,21 @@ def _lower_bound(sorted_ptr, n, x, steps):
 @triton.jit
 def _find_kernel(ids_ptr, num_unique_ptr, n, slot_id_ptr, pins_ptr, ovf_ids_ptr, ovf_slot_ptr, n_ovf, ovf_steps,
                  part_ends_ptr, part_sets_ptr, part_base_ptr, n_parts, sets, ways, cap, slots_ptr, set_ptr, tag_ptr,
-                 step_ptr, PARTS: tl.constexpr, OVERFLOW: tl.constexpr, WAYS: tl.constexpr, BLOCK: tl.constexpr):
+                 step_ptr, PARTS: tl.constexpr, OVERFLOW: tl.constexpr, LOOKUP: tl.constexpr, WAYS: tl.constexpr,
+                 BLOCK: tl.constexpr):
     """Ids BLOCK * program 0 onwards: slots[i], the slot of ids[i] (-1: a miss, or i >= U), and
     set[i] (int32), its set if a miss, else `sets` (after every set when sorted); the slots found
-    get the plan's tag, its step (they are the batch's: no victims, no free overflow slots)."""
-    tag = tl.load(step_ptr)
+    get the plan's tag, its step (they are the batch's: no victims, no free overflow slots).
+    LOOKUP: slots[i] only, the slot that holds ids[i] (every i < n; -1 for none, and for an id < 0),
+    an overflow row whether pinned or not; nothing else written."""
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     live = i < n
-    valid = live & (i < tl.load(num_unique_ptr))
-    ids = tl.maximum(tl.load(ids_ptr + i, mask=live, other=0), 0)
+    raw = tl.load(ids_ptr + i, mask=live, other=0)
+    if LOOKUP:
+        valid = live & (raw >= 0)
+    else:
+        valid = live & (i < tl.load(num_unique_ptr))
+    ids = tl.maximum(raw, 0)
     home = _set_of(ids, sets, part_ends_ptr, part_sets_ptr, part_base_ptr, n_parts, PARTS)
     way = tl.arange(0, WAYS)
     at = home[:, None] * ways + way[None, :]
@@ -97,13 +103,14 @@ def _find_kernel(ids_ptr, num_unique_ptr, n, slot_id_ptr, pins_ptr, ovf_ids_ptr,
         pos = _lower_bound(ovf_ids_ptr, n_ovf, ids, ovf_steps)
         found = (slot < 0) & (tl.load(ovf_ids_ptr + pos, mask=live, other=-1) == ids)
         slot = tl.where(found, tl.load(ovf_slot_ptr + pos, mask=live & found, other=-1), slot)
-        # an overflow row nobody pins any more leaves and comes back: a miss
-        unpinned = tl.load(pins_ptr + tl.maximum(slot, 0), mask=live, other=0) <= 0
-        slot = tl.where((slot >= cap) & unpinned, -1, slot)
+        if not LOOKUP:  # an overflow row nobody pins any more leaves and comes back: a miss
+            unpinned = tl.load(pins_ptr + tl.maximum(slot, 0), mask=live, other=0) <= 0
+            slot = tl.where((slot >= cap) & unpinned, -1, slot)
     slot = tl.where(valid, slot, -1)
     tl.store(slots_ptr + i, slot, mask=live)
-    tl.store(set_ptr + i, tl.where(valid & (slot < 0), home, sets).to(tl.int32), mask=live)
-    tl.store(tag_ptr + slot, tl.zeros_like(slot) + tag, mask=slot >= 0)
+    if not LOOKUP:
+        tl.store(set_ptr + i, tl.where(valid & (slot < 0), home, sets).to(tl.int32), mask=live)
+        tl.store(tag_ptr + slot, tl.zeros_like(slot) + tl.load(step_ptr), mask=slot >= 0)
 
 
 @triton.jit
@@ -186,6 +193,16 @@ def draw(ids, num_unique, index, rows, init, slots) -> None:
 def find(ids, num_unique, index, slots, set_out) -> None:
     """_find_kernel over ids [n] into slots (int64 [n]) / set_out (int32 [n]) for SetIndex
     `index`, the slots found tagged with the plan's step (index.step, on the device) in index.tags."""
+    _find(ids, num_unique, index, slots, set_out, False)
+
+
+def lookup(ids, index, slots) -> None:
+    """_find_kernel as a lookup: slots (int64 [n]) the slot of each of ids [n] in SetIndex `index`,
+    -1 where none holds it (and for an id < 0). Changes nothing."""
+    _find(ids, ids, index, slots, slots, True)
+
+
+def _find(ids, num_unique, index, slots, set_out, lookup: bool) -> None:
     n = ids.numel()
     if n == 0:
         return
@@ -200,7 +217,7 @@ def find(ids, num_unique, index, slots, set_out) -> None:
             index.ovf_slot if ovf else dummy, max(n_ovf, 1), max(n_ovf, 1).bit_length(),
             index.part_ends if parts else dummy, index.part_sets if parts else dummy,
             index.part_base if parts else dummy, len(index.partitions) if parts else 1, index.sets, index.ways,
-            index.capacity, slots, set_out, index.tags, index.step, PARTS=parts, OVERFLOW=ovf,
+            index.capacity, slots, set_out, index.tags, index.step, PARTS=parts, OVERFLOW=ovf, LOOKUP=lookup,
             WAYS=triton.next_power_of_2(index.ways), BLOCK=block)
 
 
@@ -273,32 +290,33 @@ def _entries(v, ids_ptr, num_unique, n, num_rows, found_ptr, chosen_ptr, slot_id
     return row_id, found, chosen, slot, gone_id, need, free, valid, fresh, victim, dirty, bad, lingering
 
 
-@triton.jit(do_not_specialize=["n"])
+@triton.jit(do_not_specialize=["n", "blocks"])
 def _tally_kernel(ids_ptr, num_unique_ptr, n, num_rows, found_ptr, chosen_ptr, slot_id_ptr, pins_ptr, dirty_ptr,
-                  tag_ptr, step_ptr, cap, n_ovf, decided_ptr, counts_ptr, BLOCK: tl.constexpr):
-    """Entries BLOCK * program b onwards: counts[b, kind] = how many of each kind; decided[v]: 2 if
-    the entry is a lingering overflow row, | 1 if a dirty victim."""
+                  tag_ptr, step_ptr, cap, n_ovf, decided_ptr, counts_ptr, blocks, BLOCK: tl.constexpr):
+    """Entries BLOCK * program b onwards: counts[kind, b] = how many of each kind (kind-major: the
+    scan over the blocks is then along the inner dimension); decided[v]: 2 if the entry is a
+    lingering overflow row, | 1 if a dirty victim."""
     b = tl.program_id(0)
     v = b * BLOCK + tl.arange(0, BLOCK)
     _, _, _, _, _, need, free, valid, fresh, victim, dirty, bad, lingering = _entries(
         v, ids_ptr, tl.load(num_unique_ptr), n, num_rows, found_ptr, chosen_ptr, slot_id_ptr, pins_ptr, dirty_ptr,
         tag_ptr, tl.load(step_ptr), cap, n_ovf, decided_ptr, True)
-    out = counts_ptr + b * _KINDS_K
-    tl.store(out + 0, tl.sum(need.to(tl.int64), axis=0))
-    tl.store(out + 1, tl.sum(free.to(tl.int64), axis=0))
-    tl.store(out + 2, tl.sum(valid.to(tl.int64), axis=0))
-    tl.store(out + 3, tl.sum(fresh.to(tl.int64), axis=0))
-    tl.store(out + 4, tl.sum(victim.to(tl.int64), axis=0))
-    tl.store(out + 5, tl.sum(dirty.to(tl.int64), axis=0))
-    tl.store(out + 6, tl.sum(bad.to(tl.int64), axis=0))
-    tl.store(out + 7, tl.sum(lingering.to(tl.int64), axis=0))
+    out = counts_ptr + b
+    tl.store(out + 0 * blocks, tl.sum(need.to(tl.int64), axis=0))
+    tl.store(out + 1 * blocks, tl.sum(free.to(tl.int64), axis=0))
+    tl.store(out + 2 * blocks, tl.sum(valid.to(tl.int64), axis=0))
+    tl.store(out + 3 * blocks, tl.sum(fresh.to(tl.int64), axis=0))
+    tl.store(out + 4 * blocks, tl.sum(victim.to(tl.int64), axis=0))
+    tl.store(out + 5 * blocks, tl.sum(dirty.to(tl.int64), axis=0))
+    tl.store(out + 6 * blocks, tl.sum(bad.to(tl.int64), axis=0))
+    tl.store(out + 7 * blocks, tl.sum(lingering.to(tl.int64), axis=0))
 
 
 @triton.jit
-def _rank(flag, ends_ptr, b, kind):
+def _rank(flag, ends_ptr, blocks, b, kind):
     """Each flagged entry's rank among the entries of its kind: those in blocks before b (ends:
-    the cumsum of the blocks' counts), then those before it in block b."""
-    before = tl.load(ends_ptr + (b - 1) * _KINDS_K + kind, mask=b > 0, other=0)
+    the cumsum of the blocks' counts, [KINDS, blocks]), then those before it in block b."""
+    before = tl.load(ends_ptr + kind * blocks + b - 1, mask=b > 0, other=0)
     f = flag.to(tl.int32)
     return before + (tl.cumsum(f, axis=0) - f).to(tl.int64)
 
@@ -322,25 +340,25 @@ def _place_kernel(ids_ptr, num_unique_ptr, n, num_rows, found_ptr, chosen_ptr, s
         tag_ptr, tl.load(step_ptr), cap, n_ovf, decided_ptr, False)
     kind = tl.arange(0, _KINDS_K)
     first = kind + b * _KINDS_K < _KINDS_K  # (program 0 writes the totals)
-    tl.store(xfer_ptr + kind, tl.load(ends_ptr + (blocks - 1) * _KINDS_K + kind), mask=first)
+    tl.store(xfer_ptr + kind, tl.load(ends_ptr + kind * blocks + blocks - 1), mask=first)
     is_id = v < n
     tl.store(slots_ptr + v, tl.where(fresh, chosen, found), mask=is_id)
     tl.store(valid_ptr + v, valid.to(tl.uint8), mask=is_id)
     tl.store(fresh_ptr + v, fresh.to(tl.uint8), mask=is_id)
-    miss = _rank(fresh, ends_ptr, b, 3)
+    miss = _rank(fresh, ends_ptr, blocks, b, 3)
     tl.store(xfer_ptr + _KINDS_K + miss, row_id, mask=fresh)
     tl.store(miss_slots_ptr + miss, chosen, mask=fresh)
-    k = _rank(need, ends_ptr, b, 0)
+    k = _rank(need, ends_ptr, blocks, b, 0)
     tl.store(need_at_ptr + k, v.to(tl.int64), mask=need)
     tl.store(need_miss_ptr + k, miss, mask=need)
-    tl.store(victims_ptr + _rank(victim, ends_ptr, b, 4), slot, mask=victim)
-    d = _rank(dirty, ends_ptr, b, 5)
+    tl.store(victims_ptr + _rank(victim, ends_ptr, blocks, b, 4), slot, mask=victim)
+    d = _rank(dirty, ends_ptr, blocks, b, 5)
     tl.store(xfer_ptr + _KINDS_K + n + d, gone_id, mask=dirty)
     tl.store(dirty_slots_ptr + d, slot, mask=dirty)
-    f = _rank(free, ends_ptr, b, 1)
+    f = _rank(free, ends_ptr, blocks, b, 1)
     tl.store(free_ptr + f, slot, mask=free)
     is_ovf = (v >= n) & (v < n + n_ovf)
-    leaves = lingering & (f >= tl.load(ends_ptr + (blocks - 1) * _KINDS_K))  # (no need takes its slot)
+    leaves = lingering & (f >= tl.load(ends_ptr + blocks - 1))  # (no need takes its slot: past the needs' total)
     tl.store(leaves_ptr + v - n, leaves.to(tl.uint8), mask=is_ovf)
     if GUESS:
         copy = dirty & (d < guess)
@@ -425,7 +443,7 @@ def place(ids, num_unique, num_rows, index, found, chosen, rows, guess) -> Place
     too. Reads the index; changes nothing in it."""
     n, dev, n_ovf = ids.numel(), ids.device, index.overflow_slots
     blocks = max(1, triton.cdiv(n + n_ovf, _BLOCK))
-    counts = torch.empty(blocks, KINDS, dtype=torch.int64, device=dev)
+    counts = torch.empty(KINDS, blocks, dtype=torch.int64, device=dev)  # (kind-major: see _tally_kernel)
 
     def empty(size, dtype=torch.int64):
         return torch.empty(size, dtype=dtype, device=dev)
@@ -436,8 +454,10 @@ def place(ids, num_unique, num_rows, index, found, chosen, rows, guess) -> Place
     decided = empty(n + n_ovf, torch.uint8)  # (tally's reading of what may change under it: see _entries)
     state = (index.slot_id, index.pins, index.dirty, index.tags, index.step, index.capacity, n_ovf, decided)
     with launch_turn():
-        _tally_kernel[(blocks,)](ids, num_unique, n, num_rows, found, chosen, *state, counts, BLOCK=_BLOCK)
-    ends = torch.cumsum(counts, 0)
+        _tally_kernel[(blocks,)](ids, num_unique, n, num_rows, found, chosen, *state, counts, blocks, BLOCK=_BLOCK)
+    # (along the inner dimension: on a GPU torch scans an outer one with a thread per column, 117 us
+    # for the issue's 164K ids on an H200, against a few for an inner one)
+    ends = torch.cumsum(counts, 1)
     width = rows.shape[1] if guess else 1
     with launch_turn():
         _place_kernel[(blocks,)](ids, num_unique, n, num_rows, found, chosen, *state, ends, blocks, out.slots,
