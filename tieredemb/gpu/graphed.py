@@ -21,12 +21,12 @@ padded with an id the dedup leaves out, after the bags. A backward is captured f
 arguments the same way; what changes every step (Adam's step size, and the step that stochastic
 rounding draws from) the update kernel reads from device tensors, filled before each replay. Ids
 and offsets given on the device, which the module checked there, are taken too, after the
-ordinary path's one wait to read the verdict. Everything else takes the ordinary
-path: per-sample weights, inverse-keyed features, batches registered for prefetch, a cached tier
-0 that copies rows through the host, a caller capturing a graph of its own, and a forward of a shape whose last batch still waits
-for its backward (gradient accumulation: the shape's buffers are in use). The results are the
-ordinary path's, bit for bit: the same kernels, in the same order over the same ids (the padding
-is no distinct id and in no bag).
+ordinary path's one wait to read the verdict. Everything else takes the ordinary path:
+per-sample weights, inverse-keyed features, batches registered for prefetch, a cached tier 0
+that copies rows through the host, a caller capturing a graph of its own, and a forward of a
+shape whose last batch still waits for its backward (gradient accumulation: the shape's buffers
+are in use). The results are the ordinary path's, bit for bit: the same kernels, in the same
+order over the same ids (the padding is no distinct id and in no bag).
 
 A zero-copy table's forward graph also pins its batch's rows (its commit), and its backward's
 releases them, the host counting both after the replay (DeviceTier.graphed_admitted,
