@@ -89,6 +89,8 @@ def test_the_triton_plan_equals_the_torch_twin(policy, shape):
             for index in (tri, twin):
                 index.unpin(done)
         _same_state(tri, twin)
+        if step % 6 != 5 and step != steps - 1:  # (the lookups every sixth step: the interpreter's time)
+            continue
         # every id's slot, by the lookup kernel and by its twin (overflow rows pinned and not, ids
         # never seen); an id < 0 is in no slot
         probe = torch.cat([torch.randint(0, rows, (64,), generator=torch.Generator().manual_seed(step)), ids[:count]])

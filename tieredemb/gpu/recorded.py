@@ -50,45 +50,56 @@ class Recorded:
         return self.outputs
 
 
+_ACTIVE = threading.local()  # .recording: the recording this thread is making, if any
+
+
+def _recorded_launches() -> None:
+    """Makes the interpreter's launches pass through _launch (once; again if something replaced
+    it since): each thread's launches are recorded by its own recording, whatever another
+    thread's capture does meanwhile (a forward's on one, autograd's backward's on another)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if getattr(InterpretedFunction.run, "records", False):
+        return
+    launch = InterpretedFunction.run
+
+    def run(kernel, *args, **kwargs):
+        recording = getattr(_ACTIVE, "recording", None)
+        if recording is None or recording.inside_launch:
+            return launch(kernel, *args, **kwargs)
+        recording.steps.append(_Launch(kernel, args, kwargs))
+        recording.inside_launch += 1
+        try:
+            return launch(kernel, *args, **kwargs)
+        finally:
+            recording.inside_launch -= 1
+
+    run.records = True
+    InterpretedFunction.run = run
+
+
 class _Recording(TorchDispatchMode):
     """Records the torch ops dispatched on this thread and the Triton launches it makes."""
 
     def __init__(self, steps: list):
         super().__init__()
         self.steps = steps
-        self.thread = threading.get_ident()
         self.inside_launch = 0
 
     def __enter__(self):
-        from triton.runtime.interpreter import InterpretedFunction
-
-        self._run = InterpretedFunction.run
-        recording, launch = self, self._run
-
-        def run(kernel, *args, **kwargs):
-            if threading.get_ident() != recording.thread or recording.inside_launch:
-                return launch(kernel, *args, **kwargs)
-            recording.steps.append(_Launch(kernel, args, kwargs))
-            recording.inside_launch += 1
-            try:
-                return launch(kernel, *args, **kwargs)
-            finally:
-                recording.inside_launch -= 1
-
-        InterpretedFunction.run = run
+        _recorded_launches()
+        _ACTIVE.recording = self
         try:
             return super().__enter__()
         except BaseException:
-            InterpretedFunction.run = self._run
+            _ACTIVE.recording = None
             raise
 
     def __exit__(self, *exc):
-        from triton.runtime.interpreter import InterpretedFunction
-
         try:
             return super().__exit__(*exc)
         finally:
-            InterpretedFunction.run = self._run
+            _ACTIVE.recording = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
