@@ -54,9 +54,10 @@ _ACTIVE = threading.local()  # .recording: the recording this thread is making, 
 
 
 def _recorded_launches() -> None:
-    """Makes the interpreter's launches pass through _launch (once; again if something replaced
-    it since): each thread's launches are recorded by its own recording, whatever another
-    thread's capture does meanwhile (a forward's on one, autograd's backward's on another)."""
+    """Makes the interpreter's launches pass through one wrapper (`run` below; installed once,
+    and again if something replaced it since): each thread's launches are recorded by its own
+    recording, whatever another thread's capture does meanwhile (a forward's on one, autograd's
+    backward's on another)."""
     from triton.runtime.interpreter import InterpretedFunction
 
     if getattr(InterpretedFunction.run, "records", False):
