@@ -214,14 +214,13 @@ class SetIndex:
         """Applies a plan_queued() plan (the rows moved already), without a wait: its totals are
         added to the device's counters, which stats() reads."""
         self._check(plan)
-        self.version += 1
         plan_kernels.commit(plan.ids, plan.placed, self, True, pin)  # (any overflow row may leave)
-        self.overflow_known = False
+        self.queued_replayed()  # (its host part: a replay of it does that alone)
         self._directory()
         self.queued_counts += plan.placed.xfer[:plan_kernels.KINDS]
 
     def queued_replayed(self) -> None:
-        """After a replayed queued plan and commit (gpu/graphed.py): what commit_queued does on the host."""
+        """What commit_queued does on the host (alone after a replay of it: gpu/graphed.py)."""
         self.version += 1
         self.overflow_known = False
 

@@ -203,8 +203,7 @@ class TableStore:
         if got is None:
             return None
         slots, misses, event = got
-        with self.room:
-            self.held += 1
+        self.count_held()
         return ResidentBatch(self, deduped, slots, misses, event)
 
     def prepare(self, ids: torch.Tensor, segments=None, check=None) -> ResidentBatch:
@@ -227,7 +226,7 @@ class TableStore:
             self.count_release()
 
     def count_held(self) -> None:
-        """A batch made resident and pinned without make_resident (a replayed graph's: gpu/graphed.py)."""
+        """A batch made resident and pinned (by make_resident, or by a replayed graph: gpu/graphed.py)."""
         with self.room:
             self.held += 1
 
