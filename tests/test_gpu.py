@@ -73,7 +73,7 @@ def test_zero_copy_trains_bit_for_bit_as_the_host_copies(cache_rows, depth):
     the host rows)."""
     plain, out_plain = _train("cuda", "sum", cache_rows=cache_rows, depth=depth)
     mapped, out_mapped = _train("cuda", "sum", cache_rows=cache_rows, depth=depth, zero_copy=True)
-    assert mapped._store.tier0.mapped is not None and mapped.stats()["store"]["rows_written"] > 0
+    assert mapped._store.tier0.zero_copy is not None and mapped.stats()["store"]["rows_written"] > 0
     assert mapped.stats()["store"] == plain.stats()["store"]
     assert torch.equal(out_mapped, out_plain) and torch.equal(_table(mapped), _table(plain))
     for emb in (plain, mapped):  # a flush, host writes below tier 0, then more training over them
@@ -610,7 +610,7 @@ def test_cuda_graphs_of_a_zero_copy_table_train_bit_for_bit_as_kernels_launched_
         stats = emb.stats()
         stats["prefetch"].pop("wait_seconds")
         tier = emb._store.tier0
-        assert tier.index.pinned == 0 and tier._pinned_ids == 0 and tier.generation == 1
+        assert tier.index.pinned == 0 and tier.pinned_ids == 0 and tier.generation == 1
         runs.append((torch.cat([o.reshape(-1) for o in outs]).cpu(), _table(emb), stats))
         made.append(emb)
     (got, got_rows, got_stats), (want, want_rows, want_stats) = runs

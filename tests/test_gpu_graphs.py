@@ -229,7 +229,7 @@ def test_a_zero_copy_tables_lookups_replay_graphs_bit_for_bit(monkeypatch):
             first, second = emb(*small[1][:2]), emb(*wide[:2])  # (the second grows the tier: the first in flight)
             (first * small[1][2]).sum().add((second * wide[2]).sum()).backward()
             outs += [first.detach(), second.detach()] + train(emb, small[:3])
-        assert tier.index.pinned == 0 and tier._pinned_ids == 0
+        assert tier.index.pinned == 0 and tier.pinned_ids == 0
         runs.append((torch.cat([o.reshape(-1) for o in outs]), rows_and_state(emb), emb.stats(), tier))
     (got, got_rows, got_stats, tier), (want, want_rows, want_stats, plain) = runs
     assert torch.equal(got, want) and torch.equal(got_rows.view(torch.int32), want_rows.view(torch.int32))

@@ -608,7 +608,7 @@ def test_zero_copy_trains_bit_for_bit_as_the_host_copies(cache_rows, depth, dtyp
     while training); the same outputs, rows, optimizer state and counters as the copies through
     host blocks, also across rows written from outside and a flush between the batches.
     (cache 8: overflow slots and lingering rows leaving and coming back.) Without prefetch every
-    residency is queued with no wait (DeviceTier._queued_residency: its counts on the device)."""
+    residency is queued with no wait (ZeroCopy.residency: its counts on the device)."""
     from tieredemb.tiers.host_store import HostStore
 
     def make(zero_copy):
@@ -627,7 +627,7 @@ def test_zero_copy_trains_bit_for_bit_as_the_host_copies(cache_rows, depth, dtyp
     between(plain)
     plain_outs += train(plain, data[3:], depth=depth)
     copied = make(True)
-    assert copied._store.tier0.mapped is copied._store.host_store.rows
+    assert copied._store.tier0.zero_copy.rows is copied._store.host_store.rows
     outs = []
     for first, part in ((True, data[:3]), (False, data[3:])):
         with monkeypatch.context() as m:

@@ -1,7 +1,7 @@
 """CUDA graphs of the lookups of tables held whole in tier 0 on a GPU, and of zero-copy ones.
 
 Such a table (a DeviceTier with a DirectIndex whose misses are drawn on the device; or a zero-copy
-DeviceTier, whose residency is queued with no wait: DeviceTier.queued_work) makes a batch
+DeviceTier, whose residency is queued with no wait: ZeroCopy.queued_work) makes a batch
 resident without waiting for the device, and the device work of its lookup depends only on the
 batch's shape: ids [N], boundaries [B + 1], the bag mode, the padding row. The ordinary path
 (lookup.py) is bound by the host there: on an H200, 2.3 ms of host time a step for 0.35 ms of
@@ -29,10 +29,10 @@ are in use). The results are the ordinary path's, bit for bit: the same kernels,
 order over the same ids (the padding is no distinct id and in no bag).
 
 A zero-copy table's forward graph also pins its batch's rows (its commit), and its backward's
-releases them, the host counting both after the replay (DeviceTier.graphed_admitted,
+releases them, the host counting both after the replay (ZeroCopy.graphed_admitted,
 graphed_released); a forward under no_grad, a frozen table's, or one whose backward never comes
 releases them by the ordinary kernel. Before each replay the tier makes room for the batch
-(DeviceTier.room_for_graph: the overflow slots at least the pinned ids and the batch's); a tier
+(ZeroCopy.room_for_graph: the overflow slots at least the pinned ids and the batch's); a tier
 that must grow replaces the tensors its graphs read, so its shapes are dropped (a shape in flight
 then runs its backward's kernels one by one: _Shape.stale) and captured again.
 
@@ -318,7 +318,7 @@ class StepGraphs:
             for inp in shape.inputs:  # (batches collected inside a lock: see TableStore.orphans)
                 if inp.queued:
                     inp.table._store.release_orphans()
-            waits = [inp.tier.room_for_graph(inp.ids.numel()) if inp.queued else () for inp in shape.inputs]
+            waits = [inp.tier.zero_copy.room_for_graph(inp.ids.numel()) if inp.queued else () for inp in shape.inputs]
             if shape.stale:  # (a tier grew to make room: the next lookup captures the shape again)
                 return None
             for inp, part in zip(shape.inputs, parts):
@@ -335,7 +335,7 @@ class StepGraphs:
                 shape.batches, shape.out, shape.saved = shape.forward.replay(shape.pools_held)
                 for inp, waited in zip(shape.inputs, waits):
                     if inp.queued:
-                        inp.tier.graphed_admitted(inp.ids.numel(), waited)
+                        inp.tier.zero_copy.graphed_admitted(inp.ids.numel(), waited)
                         inp.table._store.count_held()
                     else:
                         inp.tier.index.version += 1
@@ -354,7 +354,7 @@ class StepGraphs:
             return _Replayed.apply(self, shape, flight, *[inp.table._grad_anchor for inp in shape.inputs])
 
     def drop_shapes(self) -> None:
-        """Drops every shape not in flight (a tier's tensors are being replaced: DeviceTier._grow,
+        """Drops every shape not in flight (a tier's tensors are being replaced: DeviceTier.grow,
         which waits for the device first); a shape in flight is stale (its backward runs its
         kernels one by one; it is never looked up again, its key naming the old generation) and
         dropped as the least recently used, later."""
@@ -441,7 +441,7 @@ class StepGraphs:
         for inp in shape.inputs:
             deduped = device_dedup(inp.ids, inp.drop)
             if inp.queued:  # (pinned until the backward's release)
-                slots = inp.tier.queued_work(deduped.unique, deduped.count, True, captured=True)
+                slots = inp.tier.zero_copy.queued_work(deduped.unique, deduped.count, True, captured=True)
             else:
                 slots = inp.tier.draw(deduped.unique, deduped.count)
             batch = _Batch(deduped.unique, deduped.inverse, deduped.count, deduped.groups, slots)
@@ -511,7 +511,7 @@ class StepGraphs:
                     flight.released = True
                     for inp, update in zip(inputs, flight.updates):
                         if inp.queued and update:
-                            inp.tier.graphed_released(inp.ids.numel(), stream)
+                            inp.tier.zero_copy.graphed_released(inp.ids.numel(), stream)
                             inp.table._store.count_release()
                 if stream is not None:
                     for inp in inputs:

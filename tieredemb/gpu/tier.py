@@ -10,7 +10,7 @@ stream waits for the batch's event (ResidentBatch.await_rows). Releases run on t
 computed with the batch, so a row is unpinned only after every kernel that reads it. A plan waits
 for the device once (its one device-to-host transfer); a table held whole in tier 0 whose misses
 are initialized on the device waits for nothing, and neither does a zero-copy residency of host
-ids (its counts stay on the device: _queued_residency).
+ids (its counts stay on the device: gpu/zerocopy.py).
 
 The same code runs on CPU tensors (device "cpu", no streams): that is how the tests check it.
 """
@@ -25,11 +25,12 @@ import torch
 from .. import _C, locks
 from ..tiers.cache import Deduped
 from ..tiers.rowstore import DEFERRED_MARK
-from . import hostmap, moves, plan_kernels, rowinit, to_device
+from . import rowinit, to_device
 from .checks import check_on_device, checked_ids
 from .dedup import dedup as device_dedup
 from .graphed import StepGraphs
 from .index import DirectIndex, SetIndex
+from .zerocopy import ZeroCopy
 
 _ROWS_PER_MOVE = 1 << 16  # write-backs at flush: staging blocks of at most this many rows
 _DIRTY_SLACK = 64  # dirty rows a plan's transfer carries beyond the last batch's count
@@ -120,30 +121,9 @@ class DeviceTier:
         self._queued = False  # work was queued on the tier's stream since after_queued() last looked
         self._graphed_on = None  # the stream of replayed lookups the tier's stream is yet to wait for
         self._replayed_on = None  # the stream of the last replayed lookup (the next replay's waits for it)
-        self.mapped = None  # zero_copy: the host rows below, which the kernels read and write
-        self._unmap = None  # (and on a GPU, their release from it)
-        # zero_copy: which host rows were ever written (uint8 per id; moves.WROTE: by this tier,
-        # the store not yet told), the rows of them found by misses, and the rows read and
-        # written, since the store was last told (settle)
-        self.written = self._found = None
-        self._moved = [0, 0]
-        self._moved_queued = None  # zero_copy: rows read and written by queued residencies (on the device)
-        self._pinned_ids = 0  # ids of the batches pinned here and not yet released (see _queued_residency)
-        self._releases_since: list = []  # events after the releases queued since the last queued residency
-        if zero_copy:
-            if not (lower_is_store and hasattr(lower, "locate")):
-                below = getattr(lower, "name", lower)
-                raise ValueError(f"zero_copy needs the table's rows in host memory right below tier 0, not {below!r} "
-                                 "(no ssd_path, no host cache)")
-            if device.type == "cuda":  # pinned and mapped: Triton kernels take the host tensor as it is
-                self._unmap = hostmap.pin_and_map(lower, lower.rows, device)
-            self.mapped = lower.rows
-            self.written = torch.zeros(num_embeddings, dtype=torch.uint8, device=device)
-            stored = lower.written_ids(0, None)
-            if len(stored):
-                self.written[to_device(stored, device)] = 1
-            self._found = torch.zeros(1, dtype=torch.int64, device=device)
-            self._moved_queued = torch.zeros(2, dtype=torch.int64, device=device)
+        self.pinned_ids = 0  # ids of the batches pinned here and not yet released (see ZeroCopy.residency)
+        # zero_copy: the host rows below, mapped, which the kernels read and write (gpu/zerocopy.py)
+        self.zero_copy = ZeroCopy(self, lower, lower_is_store) if zero_copy else None
         # (torch hands streams out of a pool of 32 a device, round robin: past 32 tables, or beside
         # a user's own torch.cuda.Stream, one may be shared; that orders more, never less)
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -252,18 +232,18 @@ class DeviceTier:
                 with self.index_lock:
                     slots = self.draw(unique, num_unique)
                 # (it counts its misses on the device: see stats())
-                return slots, 0, self._record()
-            if self._queues(check, allow_overflow):
-                return self._queued_residency(unique, num_unique, pin)
+                return slots, 0, self.record()
+            if self.zero_copy is not None and self.zero_copy.queues(check, allow_overflow):
+                return self.zero_copy.residency(unique, num_unique, pin)
             with self.index_lock:
                 plan = self._plan(unique, num_unique, check)
             if plan.num_overflow and not allow_overflow:
                 return None
             dirty, misses = plan.num_dirty, plan.num_misses
             if dirty:  # (first: a lingering overflow row may leave and come back)
-                if self.mapped is not None:
-                    self._write_down_mapped(plan)
-                    self._moved[1] += dirty
+                if self.zero_copy is not None:
+                    self.zero_copy.write_down(plan)
+                    self.zero_copy.moved[1] += dirty
                 else:
                     rows = plan.dirty_rows if plan.dirty_rows is not None else self.pool.to_host(plan.dirty_slots)
                     self.lower.write_from(plan.dirty_ids, rows, torch.arange(dirty))
@@ -271,133 +251,32 @@ class DeviceTier:
             # the next plan's transfer carries this many dirty rows: a quarter more than these
             self.dirty_guess = dirty + dirty // 4 + _DIRTY_SLACK
             if misses:
-                if self.mapped is not None:
-                    self._read_mapped(plan)
-                    self._moved[0] += misses
+                if self.zero_copy is not None:
+                    self.zero_copy.read(plan)
+                    self.zero_copy.moved[0] += misses
                 else:
                     block = self.pool.staging(misses)
                     with self.init.deferred() if self.draws_misses else contextlib.nullcontext():
                         self.lower.read_to(plan.miss_ids, block, torch.arange(misses))
                     self.pool.from_host(plan.miss_slots, block)
                 if self.draws_misses:
-                    self._draw_marked(plan)
+                    self.draw_marked(plan)
                 self.bytes_in += misses * self.row_bytes
             with self.index_lock:
                 self.index.commit(plan, pin)
-            return plan.slots, misses, self._record()
+            return plan.slots, misses, self.record()
 
-    # -- lookups replayed from captured graphs (gpu/graphed.py) ------------------------------
     def graph_kind(self) -> str | None:
-        """How a lookup's residency here is captured: "draw" (a whole table whose misses are drawn
-        here: DirectIndex.draw), "queued" (a zero-copy residency queued without a wait, no
-        lookahead window: queued_work), or None (the ordinary path only)."""
+        """How a lookup's residency here is captured as a CUDA graph (gpu/graphed.py): "draw" (a
+        whole table whose misses are drawn here: DirectIndex.draw), "queued" (a zero-copy
+        residency queued without a wait, no lookahead window: ZeroCopy.queued_work), or None
+        (the ordinary path only)."""
         if isinstance(self.index, DirectIndex):
             return "draw" if self.init_misses_here else None
-        return "queued" if self._queues(None, True) and not self.index.window else None
+        zc = self.zero_copy
+        return "queued" if zc is not None and zc.queues(None, True) and not self.index.window else None
 
-    def room_for_graph(self, n: int) -> list:
-        """Before a replayed queued residency of n ids (under its store's lock, which every other
-        residency takes): make_room's grow (then the shape's graphs are stale), and the releases
-        the replay's stream is to wait for, returned (forgotten by graphed_admitted, once the
-        replay is queued after them)."""
-        return self._room(n, forget=False)
-
-    def graphed_admitted(self, n: int, waited: list) -> None:
-        """After a replayed queued residency of n ids (pinned), queued after the releases waited
-        (room_for_graph's): what its capture did on the host."""
-        with self.pool_lock:
-            self._pinned_ids += n
-            if waited:
-                gone = {id(e) for e in waited}
-                self._releases_since = [e for e in self._releases_since if id(e) not in gone]
-        self.index.queued_replayed()
-
-    def graphed_released(self, n: int, stream) -> None:
-        """After a replayed backward's graph released its batch of n ids, on stream (None on the
-        CPU): the host's part of unpin()."""
-        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext(), self.pool_lock:
-            self._count_release(n)
-        if stream is not None:
-            self.computed_on(stream)
-
-    def _queues(self, check, allow_overflow: bool) -> bool:
-        """Whether a residency is queued without a wait (_queued_residency): zero_copy, host ids
-        (no verdict to read), overflow allowed, a set-associative index of one part (Triton's)."""
-        return (self.mapped is not None and check is None and allow_overflow and isinstance(self.index, SetIndex)
-                and self.index.partitions is None and self.index.kernels == "triton")
-
-    def _queued_residency(self, unique: torch.Tensor, num_unique: torch.Tensor, pin: bool):
-        """resident() for zero_copy, queued without a wait for the device: the plan's counts stay
-        there (SetIndex.plan_queued), every move reads its count there, and the counters are
-        added up there (read by stats()). The host's one decision, more overflow slots, is made
-        before the plan from what it knows: the overflow slots are kept at least the ids of the
-        batches pinned here and of this one, so no plan needs more than are free (the price: up
-        to that many rows of tier 0's pool more). That count drops when a release is queued, so
-        the plan first waits, on the device, for every release queued since the last one (each on
-        the stream that computed with its batch, maybe still behind its backward). The misses
-        are counted on the device only (the returned count is 0: the prefetcher's row counters
-        leave them out, as they do a whole-table tier's draws)."""
-        self.make_room(unique.numel(), self.stream)
-        with self.index_lock:
-            slots = self.queued_work(unique, num_unique, pin)
-        return slots, 0, self._record()
-
-    def make_room(self, n: int, stream) -> None:
-        """Before a queued residency of n ids on stream (None on the CPU): the overflow slots made
-        at least the ids of the batches pinned here and of this one (rare: a batch larger than
-        before, or more of them in flight; a grow waits for the device), after the releases the
-        host no longer counts: stream waits for them (each queued on the stream that computed
-        with its batch, maybe still behind its backward). The count is read with them, under one
-        lock: a release queued after is still counted."""
-        for event in self._room(n, forget=True):
-            stream.wait_event(event)
-
-    def _room(self, n: int, forget: bool) -> list:
-        """make_room's grow; returns the releases to wait for (forget: no later residency needs to
-        wait for them again)."""
-        with self.pool_lock:
-            released, pinned = self._releases_since, self._pinned_ids
-            if forget:
-                self._releases_since = []
-        with self.index_lock:
-            short = pinned + n - self.index.overflow_slots
-            if short > 0:
-                self._grow(max(short, self.index.overflow_slots))
-        return list(released)
-
-    def queued_work(self, unique: torch.Tensor, num_unique: torch.Tensor, pin: bool,
-                    captured: bool = False) -> torch.Tensor:
-        """A queued residency's device work on the current stream (the plan, the rows moved, the
-        commit; made room for: make_room), under index_lock: its slots. Every count stays on the
-        device. Also what a captured graph replays (gpu/graphed.py; captured: then every replay's
-        find searches the overflow rows, whatever the host knows of them now): nothing here reads
-        a host value that changes from batch to batch."""
-        if captured:
-            self.index.overflow_known = False
-        plan = self.index.plan_queued(unique, num_unique, self.num_embeddings)
-        xfer = plan.placed.xfer
-        dirty, misses = xfer[plan_kernels.DIRTY:plan_kernels.DIRTY + 1], xfer[plan_kernels.FRESH:plan_kernels.FRESH + 1]
-        self._write_down_mapped(plan, dirty)  # (first: a lingering overflow row may leave and come back)
-        self._read_mapped(plan, misses)
-        if self.draws_misses:
-            self._draw_marked(plan, misses)
-        self._moved_queued += xfer[plan_kernels.FRESH:plan_kernels.DIRTY + 1:plan_kernels.DIRTY - plan_kernels.FRESH]
-        self.index.commit_queued(plan, pin)
-        return plan.slots
-
-    # A plan's rows moved by the device (count: their number on the device, for a queued plan's
-    # lists, whole; None: the lists are cut to it). zero_copy: between the pool and the mapped host rows.
-    def _write_down_mapped(self, plan, count: torch.Tensor | None = None) -> None:
-        """The dirty victims written into the host rows, noted written there (moves.WROTE)."""
-        moves.move_rows(self.pool.rows, plan.dirty_slots, self.mapped, plan.dirty_ids_device, written=self.written,
-                        count=count)
-
-    def _read_mapped(self, plan, count: torch.Tensor | None = None) -> None:
-        """The misses read from the host rows; those never written there marked for _draw_marked."""
-        moves.move_rows(self.mapped, plan.miss_ids_device, self.pool.rows, plan.miss_slots, mark=DEFERRED_MARK,
-                        written=self.written, src_written=True, found=self._found, count=count)
-
-    def _draw_marked(self, plan, count: torch.Tensor | None = None) -> None:
+    def draw_marked(self, plan, count: torch.Tensor | None = None) -> None:
         """The misses marked never stored, drawn here, bit for bit as the host would."""
         rowinit.init_rows(plan.miss_ids_device, self.pool.rows, plan.miss_slots, *self.init.args,
                           weights=self.init.weights, marked=DEFERRED_MARK, count=count)
@@ -407,7 +286,7 @@ class DeviceTier:
         launch on the current stream, which waits for nothing (DirectIndex.draw). Returns slots."""
         return self.index.draw(unique, num_unique, self.pool.rows, self.init)
 
-    def _record(self):
+    def record(self):
         """An event after the work queued on the tier's stream so far (None on the CPU)."""
         if self.stream is None:
             return None
@@ -422,14 +301,14 @@ class DeviceTier:
         kernel queued before writes to the old ones."""
         while True:
             # (the transfer brings dirty rows for the host to write down; zero-copy writes them from the device)
-            rows = self.pool.rows if self.mapped is None else None
+            rows = self.pool.rows if self.zero_copy is None else None
             plan = self.index.plan(unique, num_unique, self.num_embeddings, rows, self.dirty_guess, check,
-                                   ids_to_host=self.mapped is None)
+                                   ids_to_host=self.zero_copy is None)
             if not isinstance(plan, int):
                 return plan
-            self._grow(plan)
+            self.grow(plan)
 
-    def _grow(self, slots: int) -> None:
+    def grow(self, slots: int) -> None:
         """Adds overflow slots to the index and the pool: under pool_lock, after the device is idle.
         The graphs captured over the old tensors are dropped (a batch in flight from one runs its
         backward's kernels one by one: see generation)."""
@@ -451,7 +330,7 @@ class DeviceTier:
         got = self.resident(unique, count, pin=True, allow_overflow=allow_overflow, check=check)
         if got is not None:
             with self.pool_lock:  # (as unpin's, on the thread that releases)
-                self._pinned_ids += unique.numel()
+                self.pinned_ids += unique.numel()
         return got
 
     def mark_dirty(self, slots: torch.Tensor) -> None:
@@ -464,43 +343,21 @@ class DeviceTier:
         """The rows of ids (host int64) reached the layer below from elsewhere: misses must now be
         read from it (and with zero_copy, those rows read as written)."""
         self.init_misses_here = False
-        if self.written is not None and len(ids):
+        if self.zero_copy is not None and len(ids):
             self._after_residencies()
-            self.written[to_device(ids, self.device)] = 1
+            self.zero_copy.mark_written(ids)
             self._before_residencies()
 
     def _settle(self) -> None:
-        """zero_copy: tells the store below of the rows the device wrote into its host rows (its
-        written bits) and of the rows it read and wrote (its counters) since the last time, so
-        that what the store holds and counts is current. Waits for the device. The caller has
+        """zero_copy: tells the store below what the device wrote into its host rows and what it
+        moved since the last time (ZeroCopy.settle). Waits for the device. The caller has
         ordered the current stream after the residencies (_after_residencies)."""
-        if self.written is None:
+        if self.zero_copy is None:
             return
         try:
-            self._tell_store()
-        finally:  # (what was read and zeroed here, before the next residency adds to it)
+            self.zero_copy.settle()
+        finally:  # (what was read and zeroed there, before the next residency adds to it)
             self._before_residencies()
-
-    def _tell_store(self) -> None:
-        if self._moved_queued is not None:  # (what queued residencies moved, counted on the device)
-            queued = self._moved_queued.tolist()
-            if any(queued):
-                self._moved_queued.zero_()
-                self._moved = [a + b for a, b in zip(self._moved, queued)]
-                self.bytes_in += queued[0] * self.row_bytes
-                self.bytes_out += queued[1] * self.row_bytes
-        if not any(self._moved):
-            return
-        reads, wrote = self._moved
-        ids = torch.nonzero(self.written == moves.WROTE).squeeze(1) if wrote else None
-        found = int(self._found.item())
-        if ids is not None:  # (the store told first: a failure before this leaves the bits to tell again)
-            self.lower.wrote_in_place(ids.cpu(), count=False)
-        self.lower.count_moved(reads, found, wrote)
-        self._moved = [0, 0]
-        if ids is not None:
-            self.written[ids] = 1
-        self._found.zero_()
 
     def unpin(self, slots: torch.Tensor, stream=None) -> None:
         """Unpins a batch's slots, on stream (the one its kernels ran on) if given, else on the
@@ -512,20 +369,20 @@ class DeviceTier:
         # each and take a release landing between them, as they must on a GPU anyway.)
         with ctx, self.pool_lock:
             self.index.unpin(slots)
-            self._count_release(slots.numel())
+            self.count_release(slots.numel())
         if stream is not None:
             self.computed_on(stream)
 
-    def _count_release(self, n: int) -> None:
+    def count_release(self, n: int) -> None:
         """A release of n ids queued on the current stream (under pool_lock): no longer counted as
         pinned, and an event after it (a GPU's) for the plans that must see it."""
-        self._pinned_ids -= n
+        self.pinned_ids -= n
         if self.stream is not None:  # (queued on that stream: a plan retried for room waits for it)
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(self.device))
             self._released = event
-            if self.mapped is not None:  # (a queued residency waits for each: see make_room)
-                self._releases_since.append(event)
+            if self.zero_copy is not None:  # (a queued residency waits for each: see ZeroCopy.residency)
+                self.zero_copy.releases_since.append(event)
 
     def computed_on(self, stream) -> None:
         """Notes that batches were computed on stream (a flush or a read then waits for it)."""
@@ -599,8 +456,8 @@ class DeviceTier:
             with self.index_lock:
                 self.index.mark_clean(part_slots)
             try:
-                if self.written is not None:  # (zero_copy: the tier's own copy of the written bits; a
-                    self.written[part_ids] = 1  # failure leaves the rows dirty here, so never read below)
+                if self.zero_copy is not None:  # (its copy of the written bits; a failure leaves the
+                    self.zero_copy.written[part_ids] = 1  # rows dirty here, so never read below)
                 self.lower.write_from(part_ids.cpu(), self.pool.to_host(part_slots), torch.arange(part_ids.numel()))
             except BaseException:
                 self.mark_dirty(part_slots)
@@ -671,9 +528,8 @@ class DeviceTier:
             self.flush()
             self.lower.close()
         finally:
-            if self._unmap is not None:  # (after the device is done with the host rows)
-                self.mapped = None
-                self._unmap()
+            if self.zero_copy is not None:  # (after the device is done with the host rows)
+                self.zero_copy.close()
 
 
 def on_cpu_tensors(table, cache_rows: int | None, policy: str = "lru", partitions=None, zero_copy: bool = False,

@@ -1,0 +1,189 @@
+"""A zero-copy tier 0 (DeviceTier(zero_copy=True)): the table's host rows right below it (a
+HostStore's) are pinned and mapped into the device, and the tier's kernels read the misses from
+them and write the dirty victims into them (gpu/moves.py): no staging block, no host copy.
+
+Which host rows were ever written is kept on the device too (a uint8 per id), and the rows moved
+are counted there; the store is told of both later, in one pass (settle). A residency of host ids
+then needs nothing from the host but the plan's counts, so it is queued with no wait at all
+(ZeroCopy.residency), and a lookup's whole device work can be captured as a CUDA graph
+(gpu/graphed.py calls room_for_graph, queued_work, graphed_admitted and graphed_released).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from ..tiers.rowstore import DEFERRED_MARK
+from . import hostmap, moves, plan_kernels, to_device
+from .index import SetIndex
+
+
+class ZeroCopy:
+    """A DeviceTier's zero-copy part. rows: the host rows below (mapped on a GPU); written: uint8
+    [rows] on the device (moves.WROTE: written by the device, the store not yet told); the rows
+    moved since the store was last told: counted on the host (moved: read, written) by residencies
+    that waited for their plan, on the device (moved_queued) by queued ones."""
+
+    def __init__(self, tier, store, lower_is_store: bool):
+        if not (lower_is_store and hasattr(store, "locate")):
+            below = getattr(store, "name", store)
+            raise ValueError(f"zero_copy needs the table's rows in host memory right below tier 0, not {below!r} "
+                             "(no ssd_path, no host cache)")
+        self.tier = tier
+        self.store = store
+        device = tier.device
+        # (on a GPU, pinned and mapped: Triton kernels take the host tensor as it is; on CPU
+        # tensors, the tests', the host rows themselves)
+        self._unmap = hostmap.pin_and_map(store, store.rows, device) if device.type == "cuda" else None
+        self.rows = store.rows
+        self.written = torch.zeros(tier.num_embeddings, dtype=torch.uint8, device=device)
+        stored = store.written_ids(0, None)
+        if len(stored):
+            self.written[to_device(stored, device)] = 1
+        self.found = torch.zeros(1, dtype=torch.int64, device=device)  # misses' rows that were written below
+        self.moved = [0, 0]
+        self.moved_queued = torch.zeros(2, dtype=torch.int64, device=device)
+        self.releases_since: list = []  # events after the releases queued since the last queued residency
+
+    # -- the moves (count: their number on the device, for a queued plan's lists, whole; None:
+    # the lists are cut to it) ------------------------------------------------------------------
+    def write_down(self, plan, count: torch.Tensor | None = None) -> None:
+        """A plan's dirty victims written into the host rows, noted written there (moves.WROTE)."""
+        moves.move_rows(self.tier.pool.rows, plan.dirty_slots, self.rows, plan.dirty_ids_device, written=self.written,
+                        count=count)
+
+    def read(self, plan, count: torch.Tensor | None = None) -> None:
+        """A plan's misses read from the host rows; those never written there marked for the
+        tier to draw (DeviceTier._draw_marked)."""
+        moves.move_rows(self.rows, plan.miss_ids_device, self.tier.pool.rows, plan.miss_slots, mark=DEFERRED_MARK,
+                        written=self.written, src_written=True, found=self.found, count=count)
+
+    # -- a residency queued without a wait for the device --------------------------------------
+    def queues(self, check, allow_overflow: bool) -> bool:
+        """Whether a residency is queued without a wait (residency): host ids (no verdict to read),
+        overflow allowed, a set-associative index of one part (Triton's)."""
+        index = self.tier.index
+        return (check is None and allow_overflow and isinstance(index, SetIndex) and index.partitions is None
+                and index.kernels == "triton")
+
+    def residency(self, unique: torch.Tensor, num_unique: torch.Tensor, pin: bool):
+        """DeviceTier.resident(), queued without a wait for the device: the plan's counts stay there
+        (SetIndex.plan_queued), every move reads its count there, and the counters are added up
+        there (read by stats()). The host's one decision, more overflow slots, is made before the
+        plan from what it knows: the overflow slots are kept at least the ids of the batches
+        pinned here and of this one, so no plan needs more than are free (the price: up to that
+        many rows of tier 0's pool more). That count drops when a release is queued, so the plan
+        first waits, on the device, for every release queued since the last one (each on the
+        stream that computed with its batch, maybe still behind its backward). The misses are
+        counted on the device only (the returned count is 0: the prefetcher's row counters leave
+        them out, as they do a whole-table tier's draws). On the tier's stream, as resident's."""
+        tier = self.tier
+        for event in self._room(unique.numel(), forget=True):
+            tier.stream.wait_event(event)
+        with tier.index_lock:
+            slots = self.queued_work(unique, num_unique, pin)
+        return slots, 0, tier.record()
+
+    def room_for_graph(self, n: int) -> list:
+        """Before a replayed queued residency of n ids (under its store's lock, which every other
+        residency takes): residency's grow (then the shape's graphs are stale), and the releases
+        the replay's stream is to wait for, returned (forgotten by graphed_admitted, once the
+        replay is queued after them)."""
+        return self._room(n, forget=False)
+
+    def _room(self, n: int, forget: bool) -> list:
+        """The overflow slots made at least the ids of the batches pinned here and of n more (rare:
+        a batch larger than before, or more of them in flight; a grow waits for the device).
+        Returns the releases the host no longer counts, to wait for (forget: no later residency
+        needs to wait for them again). The count is read with them, under one lock: a release
+        queued after is still counted."""
+        tier = self.tier
+        with tier.pool_lock:
+            released, pinned = self.releases_since, tier.pinned_ids
+            if forget:
+                self.releases_since = []
+        with tier.index_lock:
+            short = pinned + n - tier.index.overflow_slots
+            if short > 0:
+                tier.grow(max(short, tier.index.overflow_slots))
+        return list(released)
+
+    def queued_work(self, unique: torch.Tensor, num_unique: torch.Tensor, pin: bool,
+                    captured: bool = False) -> torch.Tensor:
+        """A queued residency's device work on the current stream (the plan, the rows moved, the
+        commit; made room for: _room), under index_lock: its slots. Every count stays on the
+        device. Also what a captured graph replays (gpu/graphed.py; captured: then every replay's
+        find searches the overflow rows, whatever the host knows of them now): nothing here reads
+        a host value that changes from batch to batch."""
+        tier = self.tier
+        if captured:
+            tier.index.overflow_known = False
+        plan = tier.index.plan_queued(unique, num_unique, tier.num_embeddings)
+        xfer = plan.placed.xfer
+        dirty = xfer[plan_kernels.DIRTY:plan_kernels.DIRTY + 1]
+        misses = xfer[plan_kernels.FRESH:plan_kernels.FRESH + 1]
+        self.write_down(plan, dirty)  # (first: a lingering overflow row may leave and come back)
+        self.read(plan, misses)
+        if tier.draws_misses:
+            tier.draw_marked(plan, misses)
+        self.moved_queued += xfer[plan_kernels.FRESH:plan_kernels.DIRTY + 1:plan_kernels.DIRTY - plan_kernels.FRESH]
+        tier.index.commit_queued(plan, pin)
+        return plan.slots
+
+    def graphed_admitted(self, n: int, waited: list) -> None:
+        """After a replayed queued residency of n ids (pinned), queued after the releases waited
+        (room_for_graph's): what its capture did on the host."""
+        tier = self.tier
+        with tier.pool_lock:
+            tier.pinned_ids += n
+            if waited:
+                gone = {id(e) for e in waited}
+                self.releases_since = [e for e in self.releases_since if id(e) not in gone]
+        tier.index.queued_replayed()
+
+    def graphed_released(self, n: int, stream) -> None:
+        """After a replayed backward's graph released its batch of n ids, on stream (None on the
+        CPU): the host's part of DeviceTier.unpin()."""
+        tier = self.tier
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext(), tier.pool_lock:
+            tier.count_release(n)
+        if stream is not None:
+            tier.computed_on(stream)
+
+    # -- the store told ------------------------------------------------------------------------
+    def mark_written(self, ids: torch.Tensor) -> None:
+        """The rows of ids (host int64) reached the host rows from elsewhere: misses read them."""
+        self.written[to_device(ids, self.tier.device)] = 1
+
+    def settle(self) -> None:
+        """Tells the store of the rows the device wrote into its host rows (the written bits) and
+        of the rows it read and wrote (the counters) since the last time, so that what the store
+        holds and counts is current; the device's counts added to the tier's bytes moved. Waits
+        for the device; the caller has ordered the current stream after the residencies."""
+        tier = self.tier
+        queued = self.moved_queued.tolist()
+        if any(queued):
+            self.moved_queued.zero_()
+            self.moved = [a + b for a, b in zip(self.moved, queued)]
+            tier.bytes_in += queued[0] * tier.row_bytes
+            tier.bytes_out += queued[1] * tier.row_bytes
+        if not any(self.moved):
+            return
+        reads, wrote = self.moved
+        ids = torch.nonzero(self.written == moves.WROTE).squeeze(1) if wrote else None
+        found = int(self.found.item())
+        if ids is not None:  # (the store told first: a failure before this leaves the bits to tell again)
+            self.store.wrote_in_place(ids.cpu(), count=False)
+        self.store.count_moved(reads, found, wrote)
+        self.moved = [0, 0]
+        if ids is not None:
+            self.written[ids] = 1
+        self.found.zero_()
+
+    def close(self) -> None:
+        """Unmaps the host rows (after the device is done with them)."""
+        if self._unmap is not None:
+            self.rows = None
+            self._unmap()
