@@ -5,8 +5,17 @@ rows. For each shape (warps per program, the most occurrences read at once), the
 one call, median of --reps calls timed by CUDA events, after a call that compiles it. Where the
 defaults (pooling.FORWARD_WARPS, FORWARD_TILE, UPDATE_WARPS, UPDATE_TILE) come from.
 
+With --moves, instead: zero-copy's move kernel (tieredemb/gpu/moves.py) under each launch shape
+(rows a program moves, warps): --move-rows rows of dim 128 + 1 read from host rows pinned and
+mapped into the device (a HostStore's, as a zero-copy table's) into a device pool, written from
+the pool into the host rows, and both at once on two streams (the rows disjoint). The last says
+whether the bus's two directions overlap: if both at once take about as long as one, one kernel
+moving each slot's victim out and its miss in (as FBGEMM's cache insert does) would halve a
+zero-copy step's moves (two launches one after the other now, 390 us each on the H200).
+
     python bench/gpu_kernels.py
     python bench/gpu_kernels.py --rows 1000000 --reps 20 --json $OUT/kernels.json
+    python bench/gpu_kernels.py --moves --json $OUT/moves.json
 """
 
 from __future__ import annotations
@@ -56,10 +65,16 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None)
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                    help="cpu: a check of this script under TRITON_INTERPRET=1 (no GPU figure)")
+    p.add_argument("--moves", action="store_true", help="instead: the zero-copy move kernel (see above)")
+    p.add_argument("--move-rows", type=int, default=20_000, help="--moves: rows moved each way a call")
+    p.add_argument("--move-shapes", default="16x4,16x8,32x4,32x8,64x4,64x8,8x2,16x2",
+                   help="--moves: the launch shapes tried, rows per program x warps")
     a = p.parse_args(argv)
     if a.device == "cuda" and not torch.cuda.is_available():
         print("gpu_kernels: no CUDA device here (--device cpu checks the script)", file=sys.stderr)
         return 2
+    if a.moves:
+        return sweep_moves(a)
     import tieredemb
     from tieredemb.gpu import pooling
 
@@ -102,6 +117,66 @@ def main(argv=None) -> int:
         with open(a.json, "w") as f:
             json.dump({"device": name, "ids": n, "distinct": u, "rows": a.rows,
                        "results": results}, f, indent=1)
+    return 0
+
+
+def sweep_moves(a) -> int:
+    """--moves: see the module's docstring."""
+    from tieredemb.gpu import hostmap, moves
+    from tieredemb.tiers.pools import reserve_host_rows
+
+    dev = torch.device(a.device)
+    width, n = 129, a.move_rows  # (dim 128 and row-wise Adagrad's accumulator)
+    store = argparse.Namespace(rows=reserve_host_rows(a.rows, width, populate_rows=0))  # (as a HostStore's rows)
+    store.rows.normal_()
+    unmap = hostmap.pin_and_map(store, store.rows, dev) if dev.type == "cuda" else None
+    pool = torch.randn(4 * n, width, device=dev)
+    g = torch.Generator().manual_seed(0)
+    host_rows = torch.randperm(a.rows, generator=g)[:2 * n].to(dev)  # (distinct: reads and writes disjoint)
+    read_ids, write_ids = host_rows[:n], host_rows[n:]
+    read_slots, write_slots = torch.randperm(4 * n, device=dev)[:2 * n].split(n)
+    side = torch.cuda.Stream(dev) if dev.type == "cuda" else None
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu (a check of the script)"
+    mb = n * width * 4 / 1e6
+
+    def read():
+        moves.move_rows(store.rows, read_ids, pool, read_slots)
+
+    def write():
+        moves.move_rows(pool, write_slots, store.rows, write_ids)
+
+    def both():
+        if side is None:
+            read()
+            write()
+            return
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            write()
+        read()
+        torch.cuda.current_stream(dev).wait_stream(side)
+
+    print(f"device: {name}; torch {torch.__version__}; {n} rows of {width} floats ({mb:.1f} MB) each way, host "
+          f"rows {a.rows} x {width}; median of {a.reps} calls, microseconds (GB/s)")
+    default = (moves.MOVE_ROWS, moves.MOVE_WARPS)
+    results = []
+    try:
+        for shape in a.move_shapes.split(","):
+            moves.MOVE_ROWS, moves.MOVE_WARPS = map(int, shape.split("x"))
+            got = {what: timed(fn, a.reps, dev) for what, fn in (("read", read), ("write", write), ("both", both))}
+            results.append({"rows_per_program": moves.MOVE_ROWS, "warps": moves.MOVE_WARPS, **{
+                f"{k}_us": v for k, v in got.items()}})
+            print(f"rows {moves.MOVE_ROWS:3d} x warps {moves.MOVE_WARPS}:  host->device {got['read']:8.1f} us "
+                  f"({mb / got['read'] / 1e-3:5.1f})   device->host {got['write']:8.1f} us "
+                  f"({mb / got['write'] / 1e-3:5.1f})   both at once {got['both']:8.1f} us "
+                  f"(both / (read + write) {got['both'] / (got['read'] + got['write']):.2f})", flush=True)
+    finally:
+        moves.MOVE_ROWS, moves.MOVE_WARPS = default
+        if unmap is not None:
+            unmap()
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"device": name, "rows_moved": n, "width": width, "results": results}, f, indent=1)
     return 0
 
 

@@ -12,7 +12,8 @@
 #                                          and without, torch ops); the same with ragged bags, and with ids on
 #                                          the device; tier 0 = 10% over host memory and over the log store
 #                                          (FBGEMM's UVM cache, ours zero-copy with CUDA graphs and without,
-#                                          with copies, over SSD with prefetch); the collection bench; as
+#                                          with copies, over SSD with prefetch); zero-copy's move kernel by
+#                                          launch shape, each way and both at once; the collection bench; as
 #                                          time allows
 #
 # and, where time is left, one of the parts alone:
@@ -29,6 +30,7 @@
 #   bash bench/gpu_session.sh profile      one run of ours and FBGEMM's under torch.profiler ($OUT/prof.tgz)
 #   bash bench/gpu_session.sh collection   bench_collection.py --device cuda --quick
 #   bash bench/gpu_session.sh kernels      gpu_kernels.py: the forward and backward kernels alone, by launch shape
+#   bash bench/gpu_session.sh moves        gpu_kernels.py --moves: zero-copy's move kernel, by launch shape
 #
 # FBGEMM's GPU TBE (the peer) and rocksdict / lz4 (which tieredemb imports: no table is made without
 # them) do not come with the machine. Stage them from here first (../shared/tools/stage_wheels.sh
@@ -45,8 +47,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 step=${1:-}
 case "$step" in
-  first|tests|interpreted|suite|hbm|host|ssd|device-ids|profile|collection|kernels) ;;
-  *) echo "usage: bash bench/gpu_session.sh first|tests|interpreted|suite|hbm|host|ssd|device-ids|profile|collection|kernels" >&2; exit 2 ;;
+  first|tests|interpreted|suite|hbm|host|ssd|device-ids|profile|collection|kernels|moves) ;;
+  *) echo "usage: bash bench/gpu_session.sh first|tests|interpreted|suite|hbm|host|ssd|device-ids|profile|collection|kernels|moves" >&2; exit 2 ;;
 esac
 PY=${PYTHON:-python3}
 OUT=${OUT:-/tmp/gpu_session}
@@ -90,8 +92,9 @@ bench() {  # bench NAME ARGS...: bench_gpu.py with a log and a JSON under $OUT
   local name=$1; shift
   timeout -k 15 -s ABRT "$(budget "$LIMIT")" "$PY" bench/bench_gpu.py "$@" --json "$OUT/$name.json" 2>&1 | log "$name"
 }
-kernels() {  # kernels ARGS...: gpu_kernels.py (the lookup kernels alone, by launch shape) with a log and a JSON
-  timeout -k 15 -s ABRT "$(budget "$LIMIT")" "$PY" bench/gpu_kernels.py "$@" --json "$OUT/kernels.json" 2>&1 | log kernels
+kernels() {  # kernels NAME ARGS...: gpu_kernels.py (kernels alone, by launch shape) with a log and a JSON
+  local name=$1; shift
+  timeout -k 15 -s ABRT "$(budget "$LIMIT")" "$PY" bench/gpu_kernels.py "$@" --json "$OUT/$name.json" 2>&1 | log "$name"
 }
 collection() {  # bench_collection.py on the GPU, quick, with a log and a JSON
   timeout -k 15 -s ABRT "$(budget "$LIMIT")" "$PY" bench/bench_collection.py --device cuda --quick \
@@ -120,6 +123,7 @@ case "$step" in
     part 70 bench ragged --only fbgemm-hbm,ours-hbm,ours-hbm-eager --runs 5 --ragged
     part 70 bench device_ids --only fbgemm-hbm,ours-hbm,ours-hbm-eager --runs 5 --ids-on-device
     part 180 bench cached --only fbgemm-uvm10,ours-host10-zc,ours-host10-zc-eager,ours-host10,ours-ssd10 --ssd-path /tmp
+    part 45 kernels moves --moves --reps 10
     part 600 collection ;;
   tests) tests test_gpu tests/test_gpu.py --deselect tests/test_gpu.py::test_the_cpu_tensor_tests_pass_in_a_child ;;
   interpreted)
@@ -138,5 +142,6 @@ case "$step" in
     [ -d /tmp/prof ] && tar czf "$OUT/prof.tgz" -C /tmp prof
     exit $rc ;;
   collection) collection ;;
-  kernels) kernels ;;
+  kernels) kernels kernels ;;
+  moves) kernels moves --moves ;;
 esac

@@ -25,7 +25,10 @@ import triton.language as tl
 
 from . import launch_turn
 
-_ROWS = 16  # rows a program moves
+# Launch shape: rows a program moves, warps per program. Not yet measured on a GPU (the H200's
+# profile, seventeenth session: 390 us each way a step at these); module constants, so that
+# bench/gpu_kernels.py --moves can try others.
+MOVE_ROWS, MOVE_WARPS = 16, 4
 WROTE = 2  # written[id] of a row the device wrote down and the host has not yet been told of (1: told)
 
 
@@ -82,11 +85,11 @@ def move_rows(src: torch.Tensor, src_rows: torch.Tensor, dst: torch.Tensor, dst_
     if src_written and found is None:
         raise ValueError("move_rows: src_written counts the rows found into `found`, which is missing")
     with launch_turn():
-        _move_kernel[(triton.cdiv(n, _ROWS),)](src.view(torch.int32), src_rows, dst.view(torch.int32), dst_rows, n,
+        _move_kernel[(triton.cdiv(n, MOVE_ROWS),)](src.view(torch.int32), src_rows, dst.view(torch.int32), dst_rows, n,
                                               dst_rows if count is None else count, width, 0 if mark is None else mark,
                                               dst_rows if written is None else written,
                                               dst_rows if found is None else found, MARK=mark is not None,
                                               SRC_WRITTEN=written is not None and src_written,
                                               DST_WRITTEN=written is not None and not src_written,
-                                              COUNTED=count is not None, ROWS=_ROWS,
-                                              COLS=min(64, triton.next_power_of_2(width)))
+                                              COUNTED=count is not None, ROWS=MOVE_ROWS,
+                                              COLS=min(64, triton.next_power_of_2(width)), num_warps=MOVE_WARPS)
