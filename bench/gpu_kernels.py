@@ -5,13 +5,13 @@ rows. For each shape (warps per program, the most occurrences read at once), the
 one call, median of --reps calls timed by CUDA events, after a call that compiles it. Where the
 defaults (pooling.FORWARD_WARPS, FORWARD_TILE, UPDATE_WARPS, UPDATE_TILE) come from.
 
-With --moves, instead: zero-copy's move kernel (tieredemb/gpu/moves.py) under each launch shape
-(rows a program moves, warps): --move-rows rows of dim 128 + 1 read from host rows pinned and
-mapped into the device (a HostStore's, as a zero-copy table's) into a device pool, written from
-the pool into the host rows, and both at once on two streams (the rows disjoint). The last says
-whether the bus's two directions overlap: if both at once take about as long as one, one kernel
-moving each slot's victim out and its miss in (as FBGEMM's cache insert does) would halve a
-zero-copy step's moves (two launches one after the other now, 390 us each on the H200).
+With --moves, instead: zero-copy's moves (tieredemb/gpu/moves.py) under each launch shape (rows
+a program moves, warps): --move-rows rows of dim 128 + 1 read from host rows pinned and mapped
+into the device (as a zero-copy table's) into a device pool (move_rows), as many written from
+the pool into the host rows, both at once on two streams (the rows disjoint), and both by the
+swap kernel a zero-copy residency uses (swap_rows: each slot's victim out, then its miss in, by
+one program). Whether the bus's two directions overlap, and whether the swap gets that: before
+it, a zero-copy step moved its rows by two launches one after the other (390 us each on the H200).
 
     python bench/gpu_kernels.py
     python bench/gpu_kernels.py --rows 1000000 --reps 20 --json $OUT/kernels.json
@@ -145,6 +145,11 @@ def sweep_moves(a) -> int:
     def write():
         moves.move_rows(pool, write_slots, store.rows, write_ids)
 
+    written, found = torch.ones(a.rows, dtype=torch.uint8, device=dev), torch.zeros(1, dtype=torch.int64, device=dev)
+
+    def swap():
+        moves.swap_rows(pool, read_slots, write_ids, store.rows, read_ids, mark=0, written=written, found=found)
+
     def both():
         if side is None:
             read()
@@ -163,13 +168,15 @@ def sweep_moves(a) -> int:
     try:
         for shape in a.move_shapes.split(","):
             moves.MOVE_ROWS, moves.MOVE_WARPS = map(int, shape.split("x"))
-            got = {what: timed(fn, a.reps, dev) for what, fn in (("read", read), ("write", write), ("both", both))}
+            got = {what: timed(fn, a.reps, dev) for what, fn in (("read", read), ("write", write), ("both", both),
+                                                                  ("swap", swap))}
             results.append({"rows_per_program": moves.MOVE_ROWS, "warps": moves.MOVE_WARPS, **{
                 f"{k}_us": v for k, v in got.items()}})
             print(f"rows {moves.MOVE_ROWS:3d} x warps {moves.MOVE_WARPS}:  host->device {got['read']:8.1f} us "
                   f"({mb / got['read'] / 1e-3:5.1f})   device->host {got['write']:8.1f} us "
-                  f"({mb / got['write'] / 1e-3:5.1f})   both at once {got['both']:8.1f} us "
-                  f"(both / (read + write) {got['both'] / (got['read'] + got['write']):.2f})", flush=True)
+                  f"({mb / got['write'] / 1e-3:5.1f})   both at once {got['both']:8.1f} us, swapped "
+                  f"{got['swap']:8.1f} us (both, swap / (read + write): {got['both'] / (got['read'] + got['write']):.2f}, "
+                  f"{got['swap'] / (got['read'] + got['write']):.2f})", flush=True)
     finally:
         moves.MOVE_ROWS, moves.MOVE_WARPS = default
         if unmap is not None:

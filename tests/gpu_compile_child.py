@@ -83,14 +83,14 @@ def main() -> None:
         for pin in (False, True):
             plan_kernels.commit(ids, placed, index, lingering, pin)
 
-    for width in (9, 32, 129):  # zero-copy moves, with and without marks; misses read by the written bits
-        rows = torch.zeros(20, width)      # kept on the device, and dirty victims noted in them
-        for mark in (None, 5):
-            moves.move_rows(rows, ids, rows, ids, mark=mark)
-        written, found = torch.zeros(20, dtype=torch.uint8), torch.zeros(1, dtype=torch.int64)
+    for width in (9, 32, 129):  # zero-copy moves: rows moved, and dirty victims noted written (the
+        rows = torch.zeros(20, width)  # written bits kept on the device); misses swapped in, their
+        written, found = torch.zeros(20, dtype=torch.uint8), torch.zeros(1, dtype=torch.int64)  # victims out
+        moves.move_rows(rows, ids, rows, ids)
         for count in (None, torch.tensor([7])):  # (and with counts read on the device: a queued residency's)
-            moves.move_rows(rows, ids, rows, ids, mark=5, written=written, src_written=True, found=found, count=count)
-            moves.move_rows(rows, ids, rows, ids, written=written, count=count)
+            moves.move_rows(rows, ids, rows, ids, written=written, count=count, src_from=4)
+            for victims in (None, ids):
+                moves.swap_rows(rows, ids, victims, rows, ids, mark=5, written=written, found=found, count=count)
 
     for n in (1, 3000):  # a batch's dedup (n = 1: no scan to read), of device ids and of host ids as int32
         for dtype, sentinel in ((torch.int64, checks.SENTINEL64), (torch.int32, checks.SENTINEL32)):

@@ -24,7 +24,7 @@ def test_every_kernel_compiles_for_an_h100():
     assert set(compiled) == {"_forward_kernel", "_psw_grad_kernel", "_chunk_kernel", "_update_kernel",
                              "_init_rows_kernel", "_find_kernel", "_assign_kernel", "_draw_kernel", "_group_kernel",
                              "_prep_kernel", "_tally_kernel", "_place_kernel", "_bind_kernel", "_commit_kernel",
-                             "_release_kernel", "_move_kernel", "_check_kernel"}
+                             "_release_kernel", "_move_kernel", "_swap_kernel", "_check_kernel"}
     assert len(compiled) > 200  # every specialization of the child's list reached the compiler
     sizes = [int(line.rsplit(" ", 1)[1]) for line in done.stdout.splitlines()]
     assert min(sizes) > 1000  # each a cubin, not an empty shell
@@ -35,3 +35,12 @@ def test_every_kernel_compiles_for_an_h100():
     marking = [line for line in done.stdout.splitlines()
                if line.startswith("_init_rows_kernel ") and "'MARKED': True" in line]
     assert len(marking) > 4 and all(int(line.rsplit(" ", 2)[1]) >= 1 for line in marking), marking
+    # So must a slot's victim be read by all of a program's threads before any writes its miss over
+    # it (the swap kernel's barriers: its only ones, as it reduces nothing but the count found, a sum
+    # whose own barrier a count above 1 sets apart)
+    swapping = [line for line in done.stdout.splitlines()
+                if line.startswith("_swap_kernel ") and "'VICTIMS': True" in line]
+    plain = [line for line in done.stdout.splitlines()
+             if line.startswith("_swap_kernel ") and "'VICTIMS': False" in line]
+    assert len(swapping) == len(plain) == 6
+    assert min(int(line.rsplit(" ", 2)[1]) for line in swapping) > max(int(line.rsplit(" ", 2)[1]) for line in plain)

@@ -556,46 +556,60 @@ def test_the_device_dedup_gives_the_distinct_ids_inverse_and_grouping(dtype, n):
 
 
 @pytest.mark.parametrize("width", [7, 32, 129])
-def test_the_move_kernel_copies_rows_and_marks_those_never_written(width):
-    from tieredemb.gpu.moves import move_rows
-    from tieredemb.tiers.rowstore import DEFERRED_MARK
+def test_the_move_kernel_copies_rows_and_notes_them_written(width):
+    from tieredemb.gpu.moves import WROTE, move_rows
 
     g = torch.Generator().manual_seed(width)
     src, dst = torch.randn(50, width, generator=g), torch.randn(60, width, generator=g)
     src_rows = torch.randint(-1, 50, (45,), generator=g)  # (45: three of the kernel's programs)
     dst_rows = torch.randperm(60, generator=g)[:45]
     want = dst.clone()
-    want[dst_rows[src_rows >= 0]] = src[src_rows[src_rows >= 0]]
-    want.view(torch.int32)[dst_rows[src_rows < 0], 0] = DEFERRED_MARK
-    move_rows(src, src_rows, dst, dst_rows, mark=DEFERRED_MARK)
-    assert torch.equal(dst.view(torch.int32), want.view(torch.int32))  # (words: the marks are NaNs)
-    before = dst.clone()
-    move_rows(src, torch.tensor([2, -1]), dst, torch.tensor([1, 2]))  # no mark: a row with no source is left alone
-    assert torch.equal(dst[1], src[2]) and torch.equal(dst[2:].view(torch.int32), before[2:].view(torch.int32))
+    want[dst_rows[src_rows >= 0]] = src[src_rows[src_rows >= 0]]  # (a row with no source is left alone)
+    move_rows(src, src_rows, dst, dst_rows)
+    assert torch.equal(dst, want)
+    # src_from: only the rows from there on; written: those moved noted WROTE; count: the first count[0]
+    written = torch.zeros(60, dtype=torch.uint8)
+    rows = torch.arange(45)
+    move_rows(dst, rows, src, rows, written=written, count=torch.tensor([30]), src_from=10)
+    assert torch.equal(src[10:30], dst[10:30]) and not torch.equal(src[:10], dst[:10])
+    assert not torch.equal(src[30:45], dst[30:45])
+    assert written.tolist() == [0] * 10 + [WROTE] * 20 + [0] * 30
 
 
-def test_the_move_kernel_keeps_the_written_bits_on_the_device():
-    """With the written bits: a miss reads its id's row only where the row was ever written (else
-    marked), counting those found; a row written down is noted WROTE."""
-    from tieredemb.gpu.moves import WROTE, move_rows
+@pytest.mark.parametrize("width", [5, 129])
+def test_the_swap_kernel_writes_each_slots_victim_down_before_reading_its_miss_in(width):
+    """Each miss's slot: its dirty victim (if any) written down to the host rows first, noted
+    WROTE; then the miss read in where its host row was ever written (counted), else marked."""
+    from tieredemb.gpu.moves import WROTE, swap_rows
     from tieredemb.tiers.rowstore import DEFERRED_MARK
 
     g = torch.Generator().manual_seed(3)
-    host, pool = torch.randn(40, 5, generator=g), torch.randn(20, 5, generator=g)
+    host, pool = torch.randn(40, width, generator=g), torch.randn(20, width, generator=g)
     written = (torch.rand(40, generator=g) < 0.5).to(torch.uint8)
-    ids, slots = torch.randperm(40, generator=g)[:20], torch.randperm(20, generator=g)
+    order = torch.randperm(40, generator=g)
+    ids, victims = order[:18], torch.where(torch.rand(18, generator=g) < 0.6, order[20:38], -1)  # (disjoint)
+    slots = torch.randperm(20, generator=g)[:18]
+    slots[5] = -1  # (a slot < 0 takes nothing)
     found = torch.zeros(1, dtype=torch.int64)
-    want = pool.clone()
-    stored = written[ids] != 0
-    want[slots[stored]] = host[ids[stored]]
-    want.view(torch.int32)[slots[~stored], 0] = DEFERRED_MARK
-    move_rows(host, ids, pool, slots, mark=DEFERRED_MARK, written=written, src_written=True, found=found)
-    assert torch.equal(pool.view(torch.int32), want.view(torch.int32)) and int(found) == int(stored.sum())
-    back = torch.tensor([1, 7, 9])
-    move_rows(pool, back, host, ids[:3], written=written)
-    assert torch.equal(host[ids[:3]].view(torch.int32), pool[back].view(torch.int32)) and (written[ids[:3]] == WROTE).all()
-    with pytest.raises(ValueError, match="src_written counts the rows found into `found`, which is missing"):
-        move_rows(host, ids, pool, slots, written=written, src_written=True)
+    live = slots >= 0
+    stored = live & (written[ids] != 0)
+    want_host, want_pool, want_written = host.clone(), pool.clone(), written.clone()
+    out = live & (victims >= 0)
+    want_host[victims[out]] = pool[slots[out]]  # (the slot's row before the miss came)
+    want_written[victims[out]] = WROTE
+    want_pool[slots[stored]] = host[ids[stored]]
+    want_pool.view(torch.int32)[slots[live & ~stored], 0] = DEFERRED_MARK
+    swap_rows(pool, slots, victims, host, ids, mark=DEFERRED_MARK, written=written, found=found)
+    assert torch.equal(pool.view(torch.int32), want_pool.view(torch.int32))  # (words: the marks are NaNs)
+    assert torch.equal(host, want_host) and torch.equal(written, want_written) and int(found) == int(stored.sum())
+    assert out.sum() > 3 and stored.sum() > 3 and (live & ~stored).sum() > 3
+    # no victims (None), and count: the first count[0] entries only
+    before = pool.clone()
+    swap_rows(pool, slots[:4], None, host, ids[:4], mark=DEFERRED_MARK, written=written, found=found,
+              count=torch.tensor([2]))
+    assert torch.equal(pool[slots[2:4]].view(torch.int32), before[slots[2:4]].view(torch.int32))
+    with pytest.raises(ValueError, match="host rows of 4 words swapped with rows of"):
+        swap_rows(pool, slots, None, host[:, :4], ids, mark=DEFERRED_MARK, written=written, found=found)
 
 
 # (each case with one optimizer: zero_copy changes how rows move, not the update; both optimizers run)

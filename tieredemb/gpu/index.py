@@ -58,6 +58,9 @@ class DevicePlan:
     lingering: int = 0           # overflow rows left unpinned, evicted by this plan
     dirty_rows: torch.Tensor | None = None  # the dirty victims' rows on the host, if the transfer held them
     placed: plan_kernels.Placed | None = None  # the lists the plan was read from (what commit applies)
+    # int64 device, beside miss_slots: the id of the dirty victim each miss's slot holds (written
+    # down before the miss comes in), -1 for none; None: no miss has one (DirectIndex)
+    miss_victims: torch.Tensor | None = None
 
 
 class SetIndex:
@@ -208,7 +211,7 @@ class SetIndex:
                           victim_slots=placed.victims, miss_ids=None, miss_ids_device=placed.xfer[k:k + n],
                           miss_slots=placed.miss_slots, dirty_ids=None, dirty_ids_device=placed.xfer[k + n:],
                           dirty_slots=placed.dirty_slots, num_overflow=0, num_victims=0, num_unique=0,
-                          version=self.version, placed=placed)
+                          version=self.version, placed=placed, miss_victims=placed.miss_victims)
 
     def commit_queued(self, plan: DevicePlan, pin: bool) -> None:
         """Applies a plan_queued() plan (the rows moved already), without a wait: its totals are
@@ -257,7 +260,8 @@ class SetIndex:
                           dirty_ids_device=placed.xfer[k + n:k + n + n_dirty], dirty_slots=placed.dirty_slots[:n_dirty],
                           num_overflow=n_need, num_victims=n_victims, num_unique=n_valid, version=self.version,
                           num_misses=n_miss, num_dirty=n_dirty, lingering=n_lingering,
-                          dirty_rows=guessed[0][:n_dirty] if guess and n_dirty <= guess else None, placed=placed)
+                          dirty_rows=guessed[0][:n_dirty] if guess and n_dirty <= guess else None, placed=placed,
+                          miss_victims=placed.miss_victims[:n_miss])
         return plan, n_need, n_free
 
     def _place_twin(self, ids, num_unique, rows, guess, num_embeddings) -> plan_kernels.Placed:
@@ -296,8 +300,9 @@ class SetIndex:
         most = n + self.overflow_slots
         dirty_slots = _compact(dirty_victim, at, most)
         xfer = torch.cat([counts, _compact(fresh, ids, n), _compact(dirty_victim, self.slot_id[at], most)])
-        return plan_kernels.Placed(xfer, slots, valid, fresh, _compact(fresh, slots, n), _compact(victim, at, most),
-                                   dirty_slots, (), None, rows.index_select(0, dirty_slots[:guess]) if guess else None)
+        miss_victims = _compact(fresh, torch.where(dirty_victim[:n], self.slot_id[at[:n]], -1), n)
+        return plan_kernels.Placed(xfer, slots, valid, fresh, _compact(fresh, slots, n), miss_victims,
+                                   _compact(victim, at, most), dirty_slots, (), None, rows.index_select(0, dirty_slots[:guess]) if guess else None)
 
     def _find(self, ids, num_unique, valid):
         """(slots, sets): each id's slot (-1: a miss, or past U) and each miss's set (else

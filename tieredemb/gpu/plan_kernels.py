@@ -324,14 +324,14 @@ def _rank(flag, ends_ptr, blocks, b, kind):
 @triton.jit(do_not_specialize=["n", "blocks", "guess"])
 def _place_kernel(ids_ptr, num_unique_ptr, n, num_rows, found_ptr, chosen_ptr, slot_id_ptr, pins_ptr, dirty_ptr,
                   tag_ptr, step_ptr, cap, n_ovf, decided_ptr, ends_ptr, blocks, slots_ptr, valid_ptr, fresh_ptr,
-                  xfer_ptr, miss_slots_ptr, need_at_ptr, need_miss_ptr, victims_ptr, dirty_slots_ptr, free_ptr, leaves_ptr,
-                  rows_ptr, width, guess, guessed_ptr, GUESS: tl.constexpr, COLS: tl.constexpr,
+                  xfer_ptr, miss_slots_ptr, miss_victims_ptr, need_at_ptr, need_miss_ptr, victims_ptr, dirty_slots_ptr,
+                  free_ptr, leaves_ptr, rows_ptr, width, guess, guessed_ptr, GUESS: tl.constexpr, COLS: tl.constexpr,
                   BLOCK: tl.constexpr):
     """Entries BLOCK * program b onwards, each where it goes: the batch's slots (a miss: the slot
     assign chose, -1 for a need, bound later), valid and fresh; into the transfer (xfer: the kinds'
     totals, then the miss ids from 8, then the dirty victims' ids from 8 + n) and the device lists
-    beside it (miss slots, victim slots, dirty slots, the needs (their entry and miss rank), the
-    free overflow slots); leaves[j] = 1 for a lingering overflow row whose slot no need takes
+    beside it (miss slots, each miss's dirty victim in its set, victim slots, dirty slots, the needs
+    (their entry and miss rank), the free overflow slots); leaves[j] = 1 for a lingering overflow row whose slot no need takes
     (commit empties it); with GUESS, the rows of the first `guess` dirty victims into guessed."""
     b = tl.program_id(0)
     v = b * BLOCK + tl.arange(0, BLOCK)
@@ -348,6 +348,7 @@ def _place_kernel(ids_ptr, num_unique_ptr, n, num_rows, found_ptr, chosen_ptr, s
     miss = _rank(fresh, ends_ptr, blocks, b, 3)
     tl.store(xfer_ptr + _KINDS_K + miss, row_id, mask=fresh)
     tl.store(miss_slots_ptr + miss, chosen, mask=fresh)
+    tl.store(miss_victims_ptr + miss, tl.where(dirty, gone_id, -1), mask=fresh)  # (an entry < n: in its set)
     k = _rank(need, ends_ptr, blocks, b, 0)
     tl.store(need_at_ptr + k, v.to(tl.int64), mask=need)
     tl.store(need_miss_ptr + k, miss, mask=need)
@@ -430,6 +431,8 @@ class Placed(NamedTuple):
     valid: torch.Tensor        # bool [n]
     fresh: torch.Tensor        # bool [n]
     miss_slots: torch.Tensor   # int64 [n]: the misses' slots, in batch order (a need's once bound)
+    miss_victims: torch.Tensor  # int64 [n]: the id of each miss's dirty victim in its set (the row its slot
+    #                             holds, written down before the miss comes), -1 for none (and for a need's)
     victims: torch.Tensor      # int64 [n + overflow slots]: slots whose row leaves
     dirty_slots: torch.Tensor  # int64 [n + overflow slots]: those whose row is written down first
     needs: tuple               # (entry, miss rank) of each need, the free overflow slots: for bind()
@@ -448,7 +451,7 @@ def place(ids, num_unique, num_rows, index, found, chosen, rows, guess) -> Place
     def empty(size, dtype=torch.int64):
         return torch.empty(size, dtype=dtype, device=dev)
 
-    out = Placed(empty(KINDS + 2 * n + n_ovf), found, empty(n, torch.bool), empty(n, torch.bool), empty(n),
+    out = Placed(empty(KINDS + 2 * n + n_ovf), found, empty(n, torch.bool), empty(n, torch.bool), empty(n), empty(n),
                  empty(n + n_ovf), empty(n + n_ovf), (empty(n), empty(n), empty(n_ovf)), empty(n_ovf, torch.uint8),
                  empty((guess, rows.shape[1]), torch.float32) if guess else None)
     decided = empty(n + n_ovf, torch.uint8)  # (tally's reading of what may change under it: see _entries)
@@ -462,7 +465,7 @@ def place(ids, num_unique, num_rows, index, found, chosen, rows, guess) -> Place
     with launch_turn():
         _place_kernel[(blocks,)](ids, num_unique, n, num_rows, found, chosen, *state, ends, blocks, out.slots,
                                  out.valid.view(torch.uint8), out.fresh.view(torch.uint8), out.xfer, out.miss_slots,
-                                 out.needs[0], out.needs[1], out.victims, out.dirty_slots, out.needs[2], out.leaves,
+                                 out.miss_victims, out.needs[0], out.needs[1], out.victims, out.dirty_slots, out.needs[2], out.leaves,
                                  rows if guess else ids, width, guess, out.guessed if guess else ids,
                                  GUESS=guess > 0, COLS=min(16, triton.next_power_of_2(width)), BLOCK=_BLOCK)
     return out

@@ -240,21 +240,16 @@ class DeviceTier:
             if plan.num_overflow and not allow_overflow:
                 return None
             dirty, misses = plan.num_dirty, plan.num_misses
-            if dirty:  # (first: a lingering overflow row may leave and come back)
-                if self.zero_copy is not None:
-                    self.zero_copy.write_down(plan)
-                    self.zero_copy.moved[1] += dirty
-                else:
-                    rows = plan.dirty_rows if plan.dirty_rows is not None else self.pool.to_host(plan.dirty_slots)
-                    self.lower.write_from(plan.dirty_ids, rows, torch.arange(dirty))
-                self.bytes_out += dirty * self.row_bytes
+            if self.zero_copy is not None:  # (both ways at once: see ZeroCopy.move)
+                self.zero_copy.move(plan)
+            elif dirty:  # (first: a lingering overflow row may leave and come back)
+                rows = plan.dirty_rows if plan.dirty_rows is not None else self.pool.to_host(plan.dirty_slots)
+                self.lower.write_from(plan.dirty_ids, rows, torch.arange(dirty))
+            self.bytes_out += dirty * self.row_bytes
             # the next plan's transfer carries this many dirty rows: a quarter more than these
             self.dirty_guess = dirty + dirty // 4 + _DIRTY_SLACK
             if misses:
-                if self.zero_copy is not None:
-                    self.zero_copy.read(plan)
-                    self.zero_copy.moved[0] += misses
-                else:
+                if self.zero_copy is None:
                     block = self.pool.staging(misses)
                     with self.init.deferred() if self.draws_misses else contextlib.nullcontext():
                         self.lower.read_to(plan.miss_ids, block, torch.arange(misses))

@@ -47,18 +47,27 @@ class ZeroCopy:
         self.moved_queued = torch.zeros(2, dtype=torch.int64, device=device)
         self.releases_since: list = []  # events after the releases queued since the last queued residency
 
-    # -- the moves (count: their number on the device, for a queued plan's lists, whole; None:
-    # the lists are cut to it) ------------------------------------------------------------------
-    def write_down(self, plan, count: torch.Tensor | None = None) -> None:
-        """A plan's dirty victims written into the host rows, noted written there (moves.WROTE)."""
-        moves.move_rows(self.tier.pool.rows, plan.dirty_slots, self.rows, plan.dirty_ids_device, written=self.written,
-                        count=count)
-
-    def read(self, plan, count: torch.Tensor | None = None) -> None:
-        """A plan's misses read from the host rows; those never written there marked for the
-        tier to draw (DeviceTier._draw_marked)."""
-        moves.move_rows(self.rows, plan.miss_ids_device, self.tier.pool.rows, plan.miss_slots, mark=DEFERRED_MARK,
-                        written=self.written, src_written=True, found=self.found, count=count)
+    # -- the moves ------------------------------------------------------------------------------
+    def move(self, plan, counts: torch.Tensor | None = None) -> None:
+        """A plan's rows moved (counts: its totals on the device, for a queued plan's lists, whole;
+        None: the lists are cut to them). First the dirty rows lingering in overflow slots are
+        written down (one may be a miss of this batch, read back next); then each miss's slot has
+        its dirty victim written down and the miss read into it, by one kernel, both ways of the
+        bus at once (moves.swap_rows); misses never written below are marked for the tier to draw
+        (DeviceTier.draw_marked)."""
+        tier = self.tier
+        pool, k = tier.pool.rows, plan_kernels.FRESH
+        dirty = None if counts is None else counts[plan_kernels.DIRTY - k:plan_kernels.DIRTY - k + 1]
+        if counts is not None or plan.lingering:
+            moves.move_rows(pool, plan.dirty_slots, self.rows, plan.dirty_ids_device, written=self.written,
+                            count=dirty, src_from=tier.index.capacity)
+        moves.swap_rows(pool, plan.miss_slots, plan.miss_victims, self.rows, plan.miss_ids_device, mark=DEFERRED_MARK,
+                        written=self.written, found=self.found, count=None if counts is None else counts[:1])
+        if counts is None:
+            self.moved[0] += plan.num_misses
+            self.moved[1] += plan.num_dirty
+        else:  # (counted on the device: read by settle)
+            self.moved_queued += counts[::plan_kernels.DIRTY - k]
 
     # -- a residency queued without a wait for the device --------------------------------------
     def queues(self, check, allow_overflow: bool) -> bool:
@@ -121,14 +130,10 @@ class ZeroCopy:
         if captured:
             tier.index.overflow_known = False
         plan = tier.index.plan_queued(unique, num_unique, tier.num_embeddings)
-        xfer = plan.placed.xfer
-        dirty = xfer[plan_kernels.DIRTY:plan_kernels.DIRTY + 1]
-        misses = xfer[plan_kernels.FRESH:plan_kernels.FRESH + 1]
-        self.write_down(plan, dirty)  # (first: a lingering overflow row may leave and come back)
-        self.read(plan, misses)
+        counts = plan.placed.xfer[plan_kernels.FRESH:plan_kernels.DIRTY + 1]  # (misses ... dirty victims)
+        self.move(plan, counts)
         if tier.draws_misses:
-            tier.draw_marked(plan, misses)
-        self.moved_queued += xfer[plan_kernels.FRESH:plan_kernels.DIRTY + 1:plan_kernels.DIRTY - plan_kernels.FRESH]
+            tier.draw_marked(plan, counts[:1])
         tier.index.commit_queued(plan, pin)
         return plan.slots
 
