@@ -54,7 +54,8 @@ def main() -> None:
 
     import tieredemb
     from tieredemb.gpu import checks, dedup, moves, plan_kernels, pooling, rowinit
-    from tieredemb.gpu.index import DirectIndex, SetIndex
+    from tieredemb.gpu.direct_index import DirectIndex
+    from tieredemb.gpu.index import SetIndex
     from tieredemb.tiers.rowstore import RowInit
 
     # the set-associative plan's kernels: each policy, with and without partitions, overflow rows

@@ -227,7 +227,7 @@ def test_an_index_plan_refuses_bad_ids_itself_and_changes_nothing(kind):
     """Device ids are range-checked by the plan, in the transfer it makes anyway (no wait of
     their own): a bad id among a batch's distinct ids is named, whatever its place, and the
     index is as it was."""
-    from tieredemb.gpu.index import DirectIndex
+    from tieredemb.gpu.direct_index import DirectIndex
 
     cpu = torch.device("cpu")
     index = SetIndex(8, "lru", cpu, overflow=2) if kind == "set" else DirectIndex(50, cpu)

@@ -1,4 +1,4 @@
-"""DeviceTier: tier 0 on a GPU, device-resident. Its index (gpu/index.py), pins, dirty bits and
+"""DeviceTier: tier 0 on a GPU, device-resident. Its index (gpu/index.py, gpu/direct_index.py), pins, dirty bits and
 policy state live in device memory; a batch's dedup, hits and misses, victims and slots are
 computed on the device over the whole batch; only the miss ids and the dirty victims cross to the
 host, as blocks through pinned staging, and the layer below (a RowStore: the host cache, the host
@@ -29,7 +29,8 @@ from . import rowinit, to_device
 from .checks import check_on_device, checked_ids
 from .dedup import dedup as device_dedup
 from .graphed import StepGraphs
-from .index import DirectIndex, SetIndex
+from .direct_index import DirectIndex
+from .index import SetIndex
 from .zerocopy import ZeroCopy
 
 _ROWS_PER_MOVE = 1 << 16  # write-backs at flush: staging blocks of at most this many rows
