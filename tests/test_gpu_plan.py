@@ -54,7 +54,7 @@ def test_the_triton_plan_equals_the_torch_twin(policy, shape):
         kw.update(capacity=256, overflow=300)
     tri, twin = _pair("triton", **kw)
     g = torch.Generator().manual_seed(3)
-    pinned, guessed = [], 0
+    pinned, guessed, paired_total = [], 0, 0
     for step in range(steps):
         n = int(torch.randint(1, most, (1,), generator=g))
         ids = torch.unique((torch.rand(n, generator=g) ** 2 * rows).long())
@@ -72,6 +72,16 @@ def test_the_triton_plan_equals_the_torch_twin(policy, shape):
         plans = [_admit(index, ids, count, rows, guess) for index in (tri, twin)]
         for name in FIELDS:
             assert torch.equal(getattr(plans[0], name), getattr(plans[1], name)), (step, name)
+        # each dirty victim in a set is paired with the one miss that takes its slot (zero-copy's
+        # swap writes it down, then reads the miss in); none is a miss of the batch
+        p = plans[0]
+        paired = p.miss_victims >= 0
+        in_sets = p.dirty_slots < tri.capacity
+        mine, theirs = torch.sort(p.miss_slots[paired]), torch.sort(p.dirty_slots[in_sets])  # (slots: distinct)
+        assert torch.equal(mine.values, theirs.values), step
+        assert torch.equal(p.miss_victims[paired][mine.indices], p.dirty_ids[in_sets][theirs.indices]), step
+        assert not torch.isin(p.miss_victims[paired], p.miss_ids).any(), step
+        paired_total += int(paired.sum())
         carried = plans[0].dirty_rows
         assert (carried is None) == (plans[1].dirty_rows is None) == (not guess or guess < plans[0].dirty_ids.numel())
         if carried is not None:
@@ -97,7 +107,7 @@ def test_the_triton_plan_equals_the_torch_twin(policy, shape):
         looked = tri.lookup(probe)
         assert torch.equal(looked, twin.lookup(probe)), step
         assert (looked >= 0).any() and tri.lookup(torch.tensor([-1, -7])).tolist() == [-1, -1]
-    assert tri.counts["misses"] > 0 and tri.counts["evictions"] > 0 and guessed > 0
+    assert tri.counts["misses"] > 0 and tri.counts["evictions"] > 0 and guessed > 0 and paired_total > 0
     if shape != "parts":
         assert tri.counts["overflow_rows"] > 0  # the overflow path ran too
 

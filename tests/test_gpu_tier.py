@@ -574,6 +574,9 @@ def test_the_move_kernel_copies_rows_and_notes_them_written(width):
     assert torch.equal(src[10:30], dst[10:30]) and not torch.equal(src[:10], dst[:10])
     assert not torch.equal(src[30:45], dst[30:45])
     assert written.tolist() == [0] * 10 + [WROTE] * 20 + [0] * 30
+    before = dst.clone()
+    move_rows(src, torch.tensor([3, 4]), dst, torch.tensor([-1, 5]))  # (an entry with no destination moves nothing)
+    assert torch.equal(dst[5], src[4]) and torch.equal(dst[torch.arange(60) != 5], before[torch.arange(60) != 5])
 
 
 @pytest.mark.parametrize("width", [5, 129])
@@ -603,10 +606,14 @@ def test_the_swap_kernel_writes_each_slots_victim_down_before_reading_its_miss_i
     assert torch.equal(pool.view(torch.int32), want_pool.view(torch.int32))  # (words: the marks are NaNs)
     assert torch.equal(host, want_host) and torch.equal(written, want_written) and int(found) == int(stored.sum())
     assert out.sum() > 3 and stored.sum() > 3 and (live & ~stored).sum() > 3
+    assert (out & ~stored).sum() > 0  # (a victim written down from a slot whose miss is then marked)
     # no victims (None), and count: the first count[0] entries only
     before = pool.clone()
+    found.zero_()
+    written.fill_(1)
     swap_rows(pool, slots[:4], None, host, ids[:4], mark=DEFERRED_MARK, written=written, found=found,
               count=torch.tensor([2]))
+    assert torch.equal(pool[slots[:2]], host[ids[:2]]) and int(found) == 2
     assert torch.equal(pool[slots[2:4]].view(torch.int32), before[slots[2:4]].view(torch.int32))
     with pytest.raises(ValueError, match="host rows of 4 words swapped with rows of"):
         swap_rows(pool, slots, None, host[:, :4], ids, mark=DEFERRED_MARK, written=written, found=found)

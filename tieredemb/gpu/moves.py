@@ -39,14 +39,17 @@ WROTE = 2  # written[id] of a row the device wrote down and the host has not yet
 def _move_kernel(src_ptr, src_rows_ptr, dst_ptr, dst_rows_ptr, n, count_ptr, width, src_from, written_ptr,
                  WRITTEN: tl.constexpr, COUNTED: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr):
     """Entries ROWS * program onwards, below n (COUNTED: below count[0] too), whose src_rows[i] >=
-    src_from: dst[dst_rows[i]] = src[src_rows[i]] (int32 words); WRITTEN: written[dst_rows[i]] = WROTE."""
+    src_from and dst_rows[i] >= 0: dst[dst_rows[i]] = src[src_rows[i]] (int32 words); WRITTEN:
+    written[dst_rows[i]] = WROTE."""
     i = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     live = i < n
     if COUNTED:
         live = live & (i < tl.load(count_ptr))
     src_row = tl.load(src_rows_ptr + i, mask=live, other=-1)
     live = live & (src_row >= src_from) & (src_row >= 0)
-    dst_row = tl.load(dst_rows_ptr + i, mask=live, other=0)
+    dst_row = tl.load(dst_rows_ptr + i, mask=live, other=-1)
+    live = live & (dst_row >= 0)
+    dst_row = tl.maximum(dst_row, 0)
     if WRITTEN:
         tl.store(written_ptr + dst_row, tl.full((ROWS,), 2, tl.uint8), mask=live)  # (WROTE)
     src = src_ptr + tl.maximum(src_row, 0)[:, None] * width
@@ -88,8 +91,7 @@ def _swap_kernel(pool_ptr, slots_ptr, victims_ptr, host_ptr, ids_ptr, n, count_p
             tl.debug_barrier()  # (every thread's read of the slot before any thread's write to it)
             tl.store(host_ptr + tl.maximum(victim, 0)[:, None] * width + cols, leaving, mask=m)
         tl.store(pool + cols, coming, mask=stored[:, None] & inside)
-    if VICTIMS:
-        tl.debug_barrier()  # (the mark after the victim's first word was read)
+    # (the mark: after the first chunk's barrier, so after every read of the victim's first word)
     tl.store(pool_ptr + slot * width, tl.full((ROWS,), mark, tl.int32), mask=live & ~stored)
 
 
@@ -100,7 +102,8 @@ def _launch_args(width: int) -> dict:
 def move_rows(src: torch.Tensor, src_rows: torch.Tensor, dst: torch.Tensor, dst_rows: torch.Tensor, *,
               written: torch.Tensor | None = None, count: torch.Tensor | None = None, src_from: int = 0) -> None:
     """dst[dst_rows[i]] = src[src_rows[i]] (float32 [*, width] words, the same width; rows int64
-    [n], on the device) for each entry whose src_rows[i] >= max(src_from, 0). Either side may be
+    [n], on the device) for each entry whose src_rows[i] >= max(src_from, 0) and dst_rows[i] >= 0
+    (the others move nothing). Either side may be
     host rows mapped into the device (gpu/hostmap.py). written (uint8 [rows of dst], on the
     device): written[dst_rows[i]] = WROTE. count (an int64 on the device): only the first count[0]
     entries move, the lists' length being the most there may be (no wait for the count). Queued
