@@ -3,7 +3,10 @@ backward fused with row-wise Adagrad (tieredemb/gpu/pooling.py), on bench_gpu.py
 bags x 20 ids, Zipf 1.05 over 10M rows, dim 128), the rows at random slots of a pool of --rows
 rows. For each shape (warps per program, the most occurrences read at once), the device time of
 one call, median of --reps calls timed by CUDA events, after a call that compiles it. Where the
-defaults (pooling.FORWARD_WARPS, FORWARD_TILE, UPDATE_WARPS, UPDATE_TILE) come from.
+defaults (pooling.FORWARD_WARPS, FORWARD_TILE, UPDATE_WARPS, UPDATE_TILE) come from. Then, at
+those defaults, the backward + update by its number of programs (pooling.UPDATE_PROGRAMS: one
+per occurrence, or --update-programs times the GPU's multiprocessors, each taking unique rows a
+grid's stride apart).
 
 With --moves, instead: zero-copy's moves (tieredemb/gpu/moves.py) under each launch shape (rows
 a program moves, warps): --move-rows rows of dim 128 + 1 read from host rows pinned and mapped
@@ -60,11 +63,14 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", type=int, default=10_000_000)
     p.add_argument("--reps", type=int, default=30)
+    p.add_argument("--bags", type=int, default=8192, help="bags of 20 ids in the batch (fewer: a quick check on a CPU)")
     p.add_argument("--warps", default="1,2,4,8")
     p.add_argument("--tiles", default="4,8,16,32")
     p.add_argument("--json", default=None)
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                    help="cpu: a check of this script under TRITON_INTERPRET=1 (no GPU figure)")
+    p.add_argument("--update-programs", default="0,8,16,32,64",
+                   help="the update's programs tried, per multiprocessor (0: one per occurrence)")
     p.add_argument("--moves", action="store_true", help="instead: the zero-copy move kernel (see above)")
     p.add_argument("--move-rows", type=int, default=20_000, help="--moves: rows moved each way a call")
     p.add_argument("--move-shapes", default="16x4,16x8,32x4,32x8,64x4,64x8,8x2,16x2",
@@ -79,7 +85,7 @@ def main(argv=None) -> int:
     from tieredemb.gpu import pooling
 
     dev = torch.device(a.device)
-    w = Workload(rows=a.rows, dim=128, bags=8192, ids_per_bag=20, alpha=1.05, batches=1)
+    w = Workload(rows=a.rows, dim=128, bags=a.bags, ids_per_bag=20, alpha=1.05, batches=1)
     ids, offsets = (t.to(dev) for t in BatchSource(w).batch(0))
     unique, inverse = torch.unique(ids, return_inverse=True)
     n, u = ids.numel(), unique.numel()
@@ -108,6 +114,18 @@ def main(argv=None) -> int:
                   flush=True)
     finally:
         pooling.FORWARD_WARPS, pooling.FORWARD_TILE, pooling.UPDATE_WARPS, pooling.UPDATE_TILE = defaults
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 1
+    by_programs, programs_default = [], pooling.UPDATE_PROGRAMS
+    for per_sm in map(int, a.update_programs.split(",")):
+        pooling.UPDATE_PROGRAMS = per_sm * sms or None
+        try:
+            bwd = timed(lambda: pooling.backward_update(pool, dirty, w.dim, slots, unique, count, inverse, offsets,
+                                                        None, 0, -1, -1, grad, None, opt, 1, False), a.reps, dev)
+        finally:
+            pooling.UPDATE_PROGRAMS = programs_default
+        by_programs.append({"update_programs": per_sm * sms or None, "backward_update_us": bwd})
+        print(f"update programs {'one per occurrence' if not per_sm else f'{per_sm} x {sms} = {per_sm * sms}':>20}:  "
+              f"backward+update {bwd:8.1f} us", flush=True)
     best_f = min(results, key=lambda r: r["forward_us"])
     best_b = min(results, key=lambda r: r["backward_update_us"])
     print(f"fastest forward: warps {best_f['warps']}, max tile {best_f['max_tile']} ({best_f['forward_us']:.1f} us); "
@@ -116,7 +134,7 @@ def main(argv=None) -> int:
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"device": name, "ids": n, "distinct": u, "rows": a.rows,
-                       "results": results}, f, indent=1)
+                       "results": results, "by_update_programs": by_programs}, f, indent=1)
     return 0
 
 

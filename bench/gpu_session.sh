@@ -13,8 +13,8 @@
 #                                          the device; tier 0 = 10% over host memory and over the log store
 #                                          (FBGEMM's UVM cache, ours zero-copy with CUDA graphs and without,
 #                                          with copies, over SSD with prefetch); zero-copy's move kernel by
-#                                          launch shape, each way and both at once; the collection bench; as
-#                                          time allows
+#                                          launch shape, each way and both at once; the update kernel by its
+#                                          number of programs; the collection bench; as time allows
 #
 # and, where time is left, one of the parts alone:
 #
@@ -124,6 +124,7 @@ case "$step" in
     part 70 bench device_ids --only fbgemm-hbm,ours-hbm,ours-hbm-eager --runs 5 --ids-on-device
     part 180 bench cached --only fbgemm-uvm10,ours-host10-zc,ours-host10-zc-eager,ours-host10,ours-ssd10 --ssd-path /tmp
     part 45 kernels moves --moves --reps 10
+    part 45 kernels kernels --warps 1 --tiles 16 --update-programs 0,8,16,32,64 --reps 10
     part 600 collection ;;
   tests) tests test_gpu tests/test_gpu.py --deselect tests/test_gpu.py::test_the_cpu_tensor_tests_pass_in_a_child ;;
   interpreted)

@@ -352,7 +352,8 @@ def test_hot_rows_are_summed_tile_by_tile_as_the_native_kernels_sum_them():
     38 partial sums, added over five tiles; warm rows of 10-30 occurrences side by side put two
     tile starts in one window of the chunk kernel. Every mode, with per-sample weights, 16-bit
     weights and placed output: the native kernels' update within float tolerance, the same bits
-    run to run."""
+    run to run, and whether the update runs a program per occurrence or five programs, each taking
+    the unique rows five apart (pooling.UPDATE_PROGRAMS)."""
     dim, n, bags = 300, 500, 37
     g = torch.Generator().manual_seed(11)
     ids = torch.where(torch.rand(n, generator=g) < 0.6, 7, torch.randint(0, 12, (n,), generator=g))  # and 11 warm ones
@@ -381,13 +382,17 @@ def test_hot_rows_are_summed_tile_by_tile_as_the_native_kernels_sum_them():
             _C.pool_backward_update(native, dim, slots, inverse, offsets, psw, mode, pad, grad, argmax,
                                     opt.native_args(3), pad, None, weights=weights)
             runs = []
-            for _ in range(2):
+            for programs in (None, 5):
+                pooling.UPDATE_PROGRAMS, default = programs, pooling.UPDATE_PROGRAMS
                 tri, block = pool.clone(), torch.full((bags * (dim + 5) + 2,), float("nan"))
                 _, argmax_t = pooling.forward(tri, dim, slots, unique, inverse, offsets, psw, mode, 3, weights, block,
                                               out_at)
-                pooling.backward_update(tri, torch.zeros(100, dtype=torch.uint8), dim, slots, unique,
-                                        torch.tensor([len(unique)]), inverse, offsets, psw, mode, 3, 3, block_grad,
-                                        argmax_t, opt, 3, False, weights, at=out_at)
+                try:
+                    pooling.backward_update(tri, torch.zeros(100, dtype=torch.uint8), dim, slots, unique,
+                                            torch.tensor([len(unique)]), inverse, offsets, psw, mode, 3, 3, block_grad,
+                                            argmax_t, opt, 3, False, weights, at=out_at)
+                finally:
+                    pooling.UPDATE_PROGRAMS = default
                 runs.append((tri, block))
             out_t = runs[0][1][out_at[:, None] + torch.arange(dim)]
             torch.testing.assert_close(out_t, out_n, rtol=1e-5, atol=1e-5)

@@ -32,6 +32,11 @@ _SUM, _MEAN, _MAX = 0, 1, 2
 # us at 4 and 32, 404-408 us at 1 and 16. Module constants, so that gpu_kernels.py can try others.
 FORWARD_WARPS, FORWARD_TILE = 1, 8
 UPDATE_WARPS, UPDATE_TILE = 1, 16
+# The update's programs: None, one per occurrence (U of N do work: the others return at once; on
+# the H200 the update took 136 us where FBGEMM's backward took 65); or at most this many, each
+# taking unique rows a grid's stride apart. The same results either way; not yet measured on a
+# GPU (bench/gpu_kernels.py sweeps it).
+UPDATE_PROGRAMS = None
 
 
 @triton.jit
@@ -211,60 +216,59 @@ def _update_kernel(pool_ptr, dirty_ptr, slots_ptr, unique_ptr, num_unique_ptr, o
                    skip_id, frozen_id, lr, eps, beta1, beta2, adam_step_ptr, acc_div, sr_seed, step_ptr, OPT: tl.constexpr,
                    MODE: tl.constexpr, HAS_AT: tl.constexpr, SCALE: tl.constexpr, WEIGHTS: tl.constexpr,
                    STOCHASTIC: tl.constexpr, TILE: tl.constexpr, BLOCK: tl.constexpr):
-    """Unique row u = program 0: g = the sum of its occurrences' gradients (occurrences
-    order[start[u]] .. order[start[u+1]-1], each the gradient of its bag times its scale (see
-    _tile_grad); for max
-    only the columns it was the argmax of; a bag's gradient is grad's row bag, or with HAS_AT its
+    """Unique rows u = program 0, then a grid's stride apart, below U; for each, g = the sum of its
+    occurrences' gradients (occurrences order[start[u]] .. order[start[u+1]-1], each the gradient
+    of its bag times its scale (see _tile_grad); for max only the columns it was the argmax of; a bag's gradient is grad's row bag, or with HAS_AT its
     floats from at[bag]): one tile's sum for a row of at most TILE occurrences, else the sum of
     its tiles' partial sums (partial rows chunk[u] .. chunk[u+1]-1, _chunk_kernel's), TILE at a
     time, in order. Then the optimizer applied to its row in the pool, and the row marked dirty.
     Rows skip_id (left out of the bags) and frozen_id (the padding row) are left alone. 16-bit
     weights (WEIGHTS 1, 2) are updated in float32 and rounded back: to the nearest, or
     stochastically (STOCHASTIC). Every sum has a fixed order: the same bits from run to run."""
-    u = tl.program_id(0)
-    uid = tl.load(unique_ptr + u, mask=u < tl.load(num_unique_ptr), other=skip_id)  # (past U: nothing to do)
-    if (uid != skip_id) & (uid != frozen_id):
-        cols = tl.arange(0, BLOCK)
-        w = cols < dim
-        first = tl.load(start_ptr + u)
-        end = tl.load(start_ptr + u + 1)
-        if end - first > TILE:
-            g = tl.zeros([BLOCK], dtype=tl.float32)
-            c_end = tl.load(chunk_ptr + u + 1)
-            for c0 in range(tl.load(chunk_ptr + u), c_end, TILE):
-                c = c0 + tl.arange(0, TILE)
-                g += tl.sum(tl.load(partial_ptr + c[:, None] * dim + cols[None, :],
-                                    mask=(c < c_end)[:, None] & w[None, :], other=0.0), axis=0)
-        else:
-            g = _tile_grad(order_ptr, first, end, bag_ptr, scale_ptr, grad_ptr, at_ptr, argmax_ptr, dim, cols, w,
-                           MODE, HAS_AT, SCALE, TILE)
-        slot = tl.load(slots_ptr + u)
-        row = pool_ptr + slot * width + weight_words - dim  # the state: at row + dim + ...
-        x = load_weights(pool_ptr, slot, cols, w, width, WEIGHTS)
-        if OPT == 0:  # SGD
-            x = x - lr * g
-        elif OPT == 1:  # Adagrad: a squared-gradient sum per element
-            s = tl.load(row + dim + cols, mask=w, other=0.0) + g * g
-            tl.store(row + dim + cols, s, mask=w)
-            x = x - lr * tl.math.div_rn(g, tl.math.sqrt_rn(s) + eps)
-        elif OPT == 2:  # row-wise Adagrad: one accumulator, the mean squared gradient (over acc_div: 1, or
-            # momentum-scaled row-wise Adagrad's c)
-            acc = tl.load(row + dim) + tl.math.div_rn(tl.sum(g * g, axis=0), dim_f)
-            tl.store(row + dim, acc)
-            x = x - tl.math.div_rn(lr, tl.math.sqrt_rn(tl.math.div_rn(acc, acc_div)) + eps) * g
-        else:  # lazy Adam, torch.optim.SparseAdam's arithmetic
-            m = tl.load(row + dim + cols, mask=w, other=0.0)
-            v = tl.load(row + 2 * dim + cols, mask=w, other=0.0)
-            numer = (g - m) * (1.0 - beta1) + m
-            vv = (g * g - v) * (1.0 - beta2) + v
-            tl.store(row + dim + cols, numer, mask=w)
-            tl.store(row + 2 * dim + cols, vv, mask=w)
-            x = x - tl.load(adam_step_ptr) * tl.math.div_rn(numer, tl.math.sqrt_rn(vv) + eps)
-        if STOCHASTIC and WEIGHTS != 0:
-            _store_stochastic(pool_ptr, slot, cols, x, w, width, uid, sr_seed, tl.load(step_ptr), WEIGHTS)
-        else:
-            store_weights(pool_ptr, slot, cols, x, w, width, WEIGHTS)
-        tl.store(dirty_ptr + slot, 1)
+    for u in range(tl.program_id(0), tl.load(num_unique_ptr), tl.num_programs(0)):
+        uid = tl.load(unique_ptr + u)
+        if (uid != skip_id) & (uid != frozen_id):
+            cols = tl.arange(0, BLOCK)
+            w = cols < dim
+            first = tl.load(start_ptr + u)
+            end = tl.load(start_ptr + u + 1)
+            if end - first > TILE:
+                g = tl.zeros([BLOCK], dtype=tl.float32)
+                c_end = tl.load(chunk_ptr + u + 1)
+                for c0 in range(tl.load(chunk_ptr + u), c_end, TILE):
+                    c = c0 + tl.arange(0, TILE)
+                    g += tl.sum(tl.load(partial_ptr + c[:, None] * dim + cols[None, :],
+                                        mask=(c < c_end)[:, None] & w[None, :], other=0.0), axis=0)
+            else:
+                g = _tile_grad(order_ptr, first, end, bag_ptr, scale_ptr, grad_ptr, at_ptr, argmax_ptr, dim, cols, w,
+                               MODE, HAS_AT, SCALE, TILE)
+            slot = tl.load(slots_ptr + u)
+            row = pool_ptr + slot * width + weight_words - dim  # the state: at row + dim + ...
+            x = load_weights(pool_ptr, slot, cols, w, width, WEIGHTS)
+            if OPT == 0:  # SGD
+                x = x - lr * g
+            elif OPT == 1:  # Adagrad: a squared-gradient sum per element
+                s = tl.load(row + dim + cols, mask=w, other=0.0) + g * g
+                tl.store(row + dim + cols, s, mask=w)
+                x = x - lr * tl.math.div_rn(g, tl.math.sqrt_rn(s) + eps)
+            elif OPT == 2:  # row-wise Adagrad: one accumulator, the mean squared gradient (over acc_div: 1, or
+                # momentum-scaled row-wise Adagrad's c)
+                acc = tl.load(row + dim) + tl.math.div_rn(tl.sum(g * g, axis=0), dim_f)
+                tl.store(row + dim, acc)
+                x = x - tl.math.div_rn(lr, tl.math.sqrt_rn(tl.math.div_rn(acc, acc_div)) + eps) * g
+            else:  # lazy Adam, torch.optim.SparseAdam's arithmetic
+                m = tl.load(row + dim + cols, mask=w, other=0.0)
+                v = tl.load(row + 2 * dim + cols, mask=w, other=0.0)
+                numer = (g - m) * (1.0 - beta1) + m
+                vv = (g * g - v) * (1.0 - beta2) + v
+                tl.store(row + dim + cols, numer, mask=w)
+                tl.store(row + 2 * dim + cols, vv, mask=w)
+                x = x - tl.load(adam_step_ptr) * tl.math.div_rn(numer, tl.math.sqrt_rn(vv) + eps)
+            if STOCHASTIC and WEIGHTS != 0:
+                _store_stochastic(pool_ptr, slot, cols, x, w, width, uid, sr_seed, tl.load(step_ptr), WEIGHTS)
+            else:
+                store_weights(pool_ptr, slot, cols, x, w, width, WEIGHTS)
+            tl.store(dirty_ptr + slot, 1)
 
 
 @triton.jit
@@ -385,7 +389,7 @@ def backward_update(pool: torch.Tensor, dirty: torch.Tensor, dim: int, slots: to
         else:  # (never read)
             scalars = _unread_scalars(dev)
     with launch_turn():
-        _update_kernel[(n,)](pool, dirty, slots, unique, num_unique, order, start, chunk, partial, bag_of, scale,
+        _update_kernel[(n if UPDATE_PROGRAMS is None else min(n, UPDATE_PROGRAMS),)](pool, dirty, slots, unique, num_unique, order, start, chunk, partial, bag_of, scale,
                              grad_out, at_arg, argmax_arg, dim, float(dim), pool.shape[1],
                              dim if weights == 0 else (dim + 1) // 2, skip_id, frozen_id, a.lr, a.eps, a.beta1, a.beta2,
                              scalars[0], a.accumulator_divisor, sr_seed, scalars[1], OPT=optimizer.kind, MODE=mode,
