@@ -19,6 +19,12 @@ it, a zero-copy step moved its rows by two launches one after the other (390 us 
     python bench/gpu_kernels.py
     python bench/gpu_kernels.py --rows 1000000 --reps 20 --json $OUT/kernels.json
     python bench/gpu_kernels.py --moves --json $OUT/moves.json
+    python bench/gpu_kernels.py --plan --json $OUT/plan.json
+
+With --plan, instead: a zero-copy tier's queued plan and its commit (tieredemb/gpu/index.py
+plan_queued, commit_queued: find, the sort by set, assign, tally, place, bind, commit, the
+overflow directory) on a tier 0 of --rows / 10 slots, a new batch of the workload each call, by
+the assign kernel's number of programs (plan_kernels.ASSIGN_PROGRAMS, as --update-programs).
 """
 
 from __future__ import annotations
@@ -70,8 +76,10 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                    help="cpu: a check of this script under TRITON_INTERPRET=1 (no GPU figure)")
     p.add_argument("--update-programs", default="0,8,16,32,64",
-                   help="the update's programs tried, per multiprocessor (0: one per occurrence)")
+                   help="the update's programs tried, per multiprocessor (0: one per occurrence); with --plan, "
+                        "the assign kernel's")
     p.add_argument("--moves", action="store_true", help="instead: the zero-copy move kernel (see above)")
+    p.add_argument("--plan", action="store_true", help="instead: a queued plan, by the assign kernel's programs")
     p.add_argument("--move-rows", type=int, default=20_000, help="--moves: rows moved each way a call")
     p.add_argument("--move-shapes", default="16x4,16x8,32x4,32x8,64x4,64x8,8x2,16x2",
                    help="--moves: the launch shapes tried, rows per program x warps")
@@ -81,6 +89,8 @@ def main(argv=None) -> int:
         return 2
     if a.moves:
         return sweep_moves(a)
+    if a.plan:
+        return sweep_plan(a)
     import tieredemb
     from tieredemb.gpu import pooling
 
@@ -135,6 +145,44 @@ def main(argv=None) -> int:
         with open(a.json, "w") as f:
             json.dump({"device": name, "ids": n, "distinct": u, "rows": a.rows,
                        "results": results, "by_update_programs": by_programs}, f, indent=1)
+    return 0
+
+
+def sweep_plan(a) -> int:
+    """--plan: see the module's docstring."""
+    from tieredemb.gpu import plan_kernels
+    from tieredemb.gpu.dedup import dedup
+    from tieredemb.gpu.index import SetIndex
+
+    dev = torch.device(a.device)
+    w = Workload(rows=a.rows, dim=128, bags=a.bags, ids_per_bag=20, alpha=1.05, batches=a.reps + 1)
+    source = BatchSource(w)
+    batches = [dedup(source.batch(k)[0].to(dev)) for k in range(a.reps + 1)]
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 1
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu (a check of the script)"
+    print(f"device: {name}; torch {torch.__version__}; tier 0 of {a.rows // 10} slots, batches of "
+          f"{batches[0].unique.numel()} ids; a queued plan and its commit, median of {a.reps} calls, microseconds")
+    results, default = [], plan_kernels.ASSIGN_PROGRAMS
+    try:
+        for per_sm in map(int, a.update_programs.split(",")):
+            plan_kernels.ASSIGN_PROGRAMS = per_sm * sms or None
+            index = SetIndex(a.rows // 10, "lru", dev)
+            index.grow(batches[0].unique.numel())  # (a queued plan's room: see SetIndex.plan_queued)
+            left = iter(batches)
+
+            def plan():
+                d = next(left)
+                index.commit_queued(index.plan_queued(d.unique, d.count, a.rows), False)
+
+            us = timed(plan, a.reps, dev)
+            results.append({"assign_programs": per_sm * sms or None, "plan_us": us})
+            print(f"assign programs {'one per position' if not per_sm else f'{per_sm} x {sms} = {per_sm * sms}':>20}:  "
+                  f"plan + commit {us:8.1f} us", flush=True)
+    finally:
+        plan_kernels.ASSIGN_PROGRAMS = default
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"device": name, "rows": a.rows, "results": results}, f, indent=1)
     return 0
 
 

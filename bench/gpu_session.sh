@@ -9,12 +9,13 @@
 #
 #   bash bench/gpu_session.sh first        in one call, in this order, each part stopped in time for the next:
 #                                          the GPU tests; the table whole in HBM (FBGEMM, ours with CUDA graphs
-#                                          and without, torch ops); the same with ragged bags, and with ids on
-#                                          the device; tier 0 = 10% over host memory and over the log store
-#                                          (FBGEMM's UVM cache, ours zero-copy with CUDA graphs and without,
-#                                          with copies, over SSD with prefetch); zero-copy's move kernel by
-#                                          launch shape, each way and both at once; the update kernel by its
-#                                          number of programs; the collection bench; as time allows
+#                                          and without, torch ops); tier 0 = 10% over host memory and over the
+#                                          log store (FBGEMM's UVM cache, ours zero-copy with CUDA graphs and
+#                                          without, with copies, over SSD with prefetch); zero-copy's move kernel
+#                                          by launch shape, each way and both at once; the update kernel and a
+#                                          queued plan by their kernels' number of programs; the whole table
+#                                          with ragged bags, and with ids on the device; the collection bench;
+#                                          as time allows
 #
 # and, where time is left, one of the parts alone:
 #
@@ -31,6 +32,7 @@
 #   bash bench/gpu_session.sh collection   bench_collection.py --device cuda --quick
 #   bash bench/gpu_session.sh kernels      gpu_kernels.py: the forward and backward kernels alone, by launch shape
 #   bash bench/gpu_session.sh moves        gpu_kernels.py --moves: zero-copy's move kernel, by launch shape
+#   bash bench/gpu_session.sh plan         gpu_kernels.py --plan: a queued plan, by the assign kernel's programs
 #
 # FBGEMM's GPU TBE (the peer) and rocksdict / lz4 (which tieredemb imports: no table is made without
 # them) do not come with the machine. Stage them from here first (../shared/tools/stage_wheels.sh
@@ -47,8 +49,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 step=${1:-}
 case "$step" in
-  first|tests|interpreted|suite|hbm|host|ssd|device-ids|profile|collection|kernels|moves) ;;
-  *) echo "usage: bash bench/gpu_session.sh first|tests|interpreted|suite|hbm|host|ssd|device-ids|profile|collection|kernels|moves" >&2; exit 2 ;;
+  first|tests|interpreted|suite|hbm|host|ssd|device-ids|profile|collection|kernels|moves|plan) ;;
+  *) echo "usage: bash bench/gpu_session.sh first|tests|interpreted|suite|hbm|host|ssd|device-ids|profile|collection|kernels|moves|plan" >&2; exit 2 ;;
 esac
 PY=${PYTHON:-python3}
 OUT=${OUT:-/tmp/gpu_session}
@@ -120,11 +122,12 @@ case "$step" in
     rm -rf /tmp/prof
     part 170 tests test_gpu -v --durations=15 tests/test_gpu.py --deselect tests/test_gpu.py::test_the_cpu_tensor_tests_pass_in_a_child
     part 90 bench hbm --only fbgemm-hbm,ours-hbm,ours-hbm-eager,torch-ops --runs 5
-    part 70 bench ragged --only fbgemm-hbm,ours-hbm,ours-hbm-eager --runs 5 --ragged
-    part 70 bench device_ids --only fbgemm-hbm,ours-hbm,ours-hbm-eager --runs 5 --ids-on-device
     part 180 bench cached --only fbgemm-uvm10,ours-host10-zc,ours-host10-zc-eager,ours-host10,ours-ssd10 --ssd-path /tmp
     part 45 kernels moves --moves --reps 10
     part 45 kernels kernels --warps 1 --tiles 16 --update-programs 0,8,16,32,64 --reps 10
+    part 45 kernels plan --plan --update-programs 0,8,16,32,64 --reps 10
+    part 70 bench ragged --only fbgemm-hbm,ours-hbm,ours-hbm-eager --runs 5 --ragged
+    part 70 bench device_ids --only fbgemm-hbm,ours-hbm,ours-hbm-eager --runs 5 --ids-on-device
     part 600 collection ;;
   tests) tests test_gpu tests/test_gpu.py --deselect tests/test_gpu.py::test_the_cpu_tensor_tests_pass_in_a_child ;;
   interpreted)
@@ -145,4 +148,5 @@ case "$step" in
   collection) collection ;;
   kernels) kernels kernels ;;
   moves) kernels moves --moves ;;
+  plan) kernels plan --plan ;;
 esac

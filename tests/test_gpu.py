@@ -84,6 +84,20 @@ def test_zero_copy_trains_bit_for_bit_as_the_host_copies(cache_rows, depth):
     mapped.close()
 
 
+@pytest.mark.parametrize("zero_copy", [False, True], ids=["copies", "zero-copy"])
+def test_kernels_capped_at_a_few_programs_train_bit_for_bit_as_one_per_item(monkeypatch, zero_copy):
+    """The update and assign kernels, each capped at 7 programs that take their items 7 apart
+    (pooling.UPDATE_PROGRAMS, plan_kernels.ASSIGN_PROGRAMS: what gpu_kernels.py sweeps), train the
+    same bits as one program per item."""
+    from tieredemb.gpu import plan_kernels, pooling
+
+    plain, out_plain = _train("cuda", "sum", cache_rows=8, zero_copy=zero_copy)
+    monkeypatch.setattr(pooling, "UPDATE_PROGRAMS", 7)
+    monkeypatch.setattr(plan_kernels, "ASSIGN_PROGRAMS", 7)
+    capped, out_capped = _train("cuda", "sum", cache_rows=8, zero_copy=zero_copy)
+    assert torch.equal(out_capped, out_plain) and torch.equal(_table(capped), _table(plain))
+
+
 def test_a_bare_cuda_device_names_the_gpu_current_at_creation():
     """device="cuda" is fixed to the GPU current when the table is made (as torch's modules take
     it): its stream and its waits then never follow whichever GPU a later caller has current."""

@@ -27,6 +27,12 @@ import triton.language as tl
 from . import launch_turn
 from .rowinit import init_row, kernel_args
 
+# The assign kernel's programs: None, one per sorted position (each set's first miss does the
+# work, the others return at once: on the H200 the kernel took 125 us a plan of 164K ids); or at
+# most this many, each taking positions a grid's stride apart. The same results either way; not
+# yet measured on a GPU (bench/gpu_kernels.py --plan sweeps it).
+ASSIGN_PROGRAMS = None
+
 HASH = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64: Fibonacci hashing
 NEVER = 1 << 62  # a victim key larger than any stamp: not a candidate
 USES_CAP = (1 << 28) - 1  # LFU's key: uses (at most this) above the stamp's 32 bits
@@ -117,38 +123,38 @@ def _find_kernel(ids_ptr, num_unique_ptr, n, slot_id_ptr, pins_ptr, ovf_ids_ptr,
 def _assign_kernel(in_set_ptr, order_ptr, n, sets, ways, slot_id_ptr, pins_ptr, tag_ptr, step_ptr, stamp_ptr, uses_ptr,
                    wid_ptr, wbatch_ptr, n_w, w_steps, chosen_ptr, LFU: tl.constexpr, WINDOW: tl.constexpr,
                    WAYS: tl.constexpr):
-    """Sorted position p = program 0 (the batch's misses sorted by set, in batch order within one:
-    in_set, order): if p is its set's first miss, the set's misses take its ways, the r-th miss
-    the way of rank r among the candidates (ties: the lower way), while candidates last: chosen
-    [order[p + r]] = its slot."""
-    p = tl.program_id(0)
-    s = tl.load(in_set_ptr + p).to(tl.int64)
-    prev = tl.load(in_set_ptr + tl.maximum(p - 1, 0))
-    if (s < sets) & ((p == 0) | (prev != s)):
-        ahead = p + tl.arange(0, WAYS)
-        misses = tl.sum((tl.load(in_set_ptr + ahead, mask=ahead < n, other=-1) == s).to(tl.int32), axis=0)
-        way = tl.arange(0, WAYS)
-        in_set = way < ways
-        slot = s * ways + way
-        sid = tl.load(slot_id_ptr + slot, mask=in_set, other=-1)
-        key = tl.load(stamp_ptr + slot, mask=in_set, other=0)
-        if LFU:  # uses first (capped), then the stamp
-            key = tl.minimum(tl.load(uses_ptr + slot, mask=in_set, other=0), _USES_CAP_K) * (1 << 32) + key
-        if WINDOW:  # rows the window batches use: after the rest, the farthest next use first
-            pos = _lower_bound(wid_ptr, n_w, sid, w_steps)
-            ahead_use = (tl.load(wid_ptr + pos) == sid) & (sid >= 0)
-            key = tl.where(ahead_use, _WINDOW_KEY_K - tl.load(wbatch_ptr + pos), key)
-        key = tl.where(sid < 0, -1, key)
-        taken = (tl.load(pins_ptr + slot, mask=in_set, other=0) > 0) | (tl.load(tag_ptr + slot, mask=in_set,
-                                                                              other=0) == tl.load(step_ptr))
-        key = tl.where(taken, _NEVER_K, key)
-        key = tl.where(in_set, key, _LAST_K)
-        # each way's rank among the candidates: the ways with a smaller key, or an equal one before it
-        before = (key[None, :] < key[:, None]) | ((key[None, :] == key[:, None]) & (way[None, :] < way[:, None]))
-        rank = tl.sum(before.to(tl.int32), axis=1)
-        place = in_set & (rank < misses) & (key < _NEVER_K)
-        miss = tl.load(order_ptr + p + rank, mask=place, other=0)
-        tl.store(chosen_ptr + miss, slot.to(tl.int64), mask=place)
+    """Sorted positions p = program 0, then a grid's stride apart, below n (the batch's misses
+    sorted by set, in batch order within one: in_set, order): if p is its set's first miss, the
+    set's misses take its ways, the r-th miss the way of rank r among the candidates (ties: the
+    lower way), while candidates last: chosen[order[p + r]] = its slot."""
+    for p in range(tl.program_id(0), n, tl.num_programs(0)):
+        s = tl.load(in_set_ptr + p).to(tl.int64)
+        prev = tl.load(in_set_ptr + tl.maximum(p - 1, 0))
+        if (s < sets) & ((p == 0) | (prev != s)):
+            ahead = p + tl.arange(0, WAYS)
+            misses = tl.sum((tl.load(in_set_ptr + ahead, mask=ahead < n, other=-1) == s).to(tl.int32), axis=0)
+            way = tl.arange(0, WAYS)
+            in_set = way < ways
+            slot = s * ways + way
+            sid = tl.load(slot_id_ptr + slot, mask=in_set, other=-1)
+            key = tl.load(stamp_ptr + slot, mask=in_set, other=0)
+            if LFU:  # uses first (capped), then the stamp
+                key = tl.minimum(tl.load(uses_ptr + slot, mask=in_set, other=0), _USES_CAP_K) * (1 << 32) + key
+            if WINDOW:  # rows the window batches use: after the rest, the farthest next use first
+                pos = _lower_bound(wid_ptr, n_w, sid, w_steps)
+                ahead_use = (tl.load(wid_ptr + pos) == sid) & (sid >= 0)
+                key = tl.where(ahead_use, _WINDOW_KEY_K - tl.load(wbatch_ptr + pos), key)
+            key = tl.where(sid < 0, -1, key)
+            taken = (tl.load(pins_ptr + slot, mask=in_set, other=0) > 0) | (tl.load(tag_ptr + slot, mask=in_set,
+                                                                                  other=0) == tl.load(step_ptr))
+            key = tl.where(taken, _NEVER_K, key)
+            key = tl.where(in_set, key, _LAST_K)
+            # each way's rank among the candidates: the ways with a smaller key, or an equal one before it
+            before = (key[None, :] < key[:, None]) | ((key[None, :] == key[:, None]) & (way[None, :] < way[:, None]))
+            rank = tl.sum(before.to(tl.int32), axis=1)
+            place = in_set & (rank < misses) & (key < _NEVER_K)
+            miss = tl.load(order_ptr + p + rank, mask=place, other=0)
+            tl.store(chosen_ptr + miss, slot.to(tl.int64), mask=place)
 
 
 # seed is a 64-bit key, never a constant (see rowinit).
@@ -231,10 +237,11 @@ def assign(in_set, order, index, window, chosen) -> None:
     wid, wbatch = window if window is not None else (in_set, in_set)
     n_w = max(wid.numel(), 1)
     with launch_turn():
-        _assign_kernel[(n,)](in_set, order, n, index.sets, index.ways, index.slot_id, index.pins, index.tags,
-                             index.step, index.stamp, index.uses, wid, wbatch, n_w, n_w.bit_length(), chosen,
-                             LFU=index.policy == "lfu", WINDOW=window is not None,
-                             WAYS=triton.next_power_of_2(index.ways))
+        programs = n if ASSIGN_PROGRAMS is None else min(n, ASSIGN_PROGRAMS)
+        _assign_kernel[(programs,)](in_set, order, n, index.sets, index.ways, index.slot_id, index.pins, index.tags,
+                                    index.step, index.stamp, index.uses, wid, wbatch, n_w, n_w.bit_length(), chosen,
+                                    LFU=index.policy == "lfu", WINDOW=window is not None,
+                                    WAYS=triton.next_power_of_2(index.ways))
 
 
 # The rest of a plan, after find and assign, in two launches over the "entries": the batch's n ids,
