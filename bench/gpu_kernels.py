@@ -81,6 +81,7 @@ def main(argv=None) -> int:
     p.add_argument("--moves", action="store_true", help="instead: the zero-copy move kernel (see above)")
     p.add_argument("--plan", action="store_true", help="instead: a queued plan, by the assign kernel's programs")
     p.add_argument("--move-rows", type=int, default=20_000, help="--moves: rows moved each way a call")
+    p.add_argument("--move-host-rows", type=int, default=2_000_000, help="--moves: host rows (at most --rows)")
     p.add_argument("--move-shapes", default="16x4,16x8,32x4,32x8,64x4,64x8,8x2,16x2",
                    help="--moves: the launch shapes tried, rows per program x warps")
     a = p.parse_args(argv)
@@ -193,13 +194,13 @@ def sweep_moves(a) -> int:
 
     dev = torch.device(a.device)
     width, n = 129, a.move_rows  # (dim 128 and row-wise Adagrad's accumulator)
-    store = argparse.Namespace(rows=reserve_host_rows(a.rows, width, populate_rows=0))  # (as a HostStore's rows)
-    store.rows.normal_()
+    host_rows = min(a.rows, a.move_host_rows)  # (pinning makes every page memory: about 1 GB a 2M rows)
+    store = argparse.Namespace(rows=reserve_host_rows(host_rows, width, populate_rows=0))  # (as a HostStore's rows)
     unmap = hostmap.pin_and_map(store, store.rows, dev) if dev.type == "cuda" else None
     pool = torch.randn(4 * n, width, device=dev)
     g = torch.Generator().manual_seed(0)
-    host_rows = torch.randperm(a.rows, generator=g)[:2 * n].to(dev)  # (distinct: reads and writes disjoint)
-    read_ids, write_ids = host_rows[:n], host_rows[n:]
+    picked = torch.randperm(host_rows, generator=g)[:2 * n].to(dev)  # (distinct: reads and writes disjoint)
+    read_ids, write_ids = picked[:n], picked[n:]
     read_slots, write_slots = torch.randperm(4 * n, device=dev)[:2 * n].split(n)
     side = torch.cuda.Stream(dev) if dev.type == "cuda" else None
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu (a check of the script)"
@@ -211,7 +212,7 @@ def sweep_moves(a) -> int:
     def write():
         moves.move_rows(pool, write_slots, store.rows, write_ids)
 
-    written, found = torch.ones(a.rows, dtype=torch.uint8, device=dev), torch.zeros(1, dtype=torch.int64, device=dev)
+    written, found = torch.ones(host_rows, dtype=torch.uint8, device=dev), torch.zeros(1, dtype=torch.int64, device=dev)
 
     def swap():
         moves.swap_rows(pool, read_slots, write_ids, store.rows, read_ids, mark=0, written=written, found=found)
@@ -228,7 +229,7 @@ def sweep_moves(a) -> int:
         torch.cuda.current_stream(dev).wait_stream(side)
 
     print(f"device: {name}; torch {torch.__version__}; {n} rows of {width} floats ({mb:.1f} MB) each way, host "
-          f"rows {a.rows} x {width}; median of {a.reps} calls, microseconds (GB/s)")
+          f"rows {host_rows} x {width}; median of {a.reps} calls, microseconds (GB/s)")
     default = (moves.MOVE_ROWS, moves.MOVE_WARPS)
     results = []
     try:
