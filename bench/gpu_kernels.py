@@ -23,8 +23,8 @@ it, a zero-copy step moved its rows by two launches one after the other (390 us 
 
 With --plan, instead: a zero-copy tier's queued plan and its commit (tieredemb/gpu/index.py
 plan_queued, commit_queued: find, the sort by set, assign, tally, place, bind, commit, the
-overflow directory) on a tier 0 of --rows / 10 slots, a new batch of the workload each call, by
-the assign kernel's number of programs (plan_kernels.ASSIGN_PROGRAMS, as --update-programs).
+overflow directory) on a tier 0 of --rows / 10 slots, filled by --plan-warmup batches first, a
+new batch of the workload each call, by the assign kernel's number of programs (plan_kernels.ASSIGN_PROGRAMS, as --update-programs).
 """
 
 from __future__ import annotations
@@ -80,6 +80,7 @@ def main(argv=None) -> int:
                         "the assign kernel's")
     p.add_argument("--moves", action="store_true", help="instead: the zero-copy move kernel (see above)")
     p.add_argument("--plan", action="store_true", help="instead: a queued plan, by the assign kernel's programs")
+    p.add_argument("--plan-warmup", type=int, default=40, help="--plan: batches planned before the timed ones")
     p.add_argument("--move-rows", type=int, default=20_000, help="--moves: rows moved each way a call")
     p.add_argument("--move-host-rows", type=int, default=2_000_000, help="--moves: host rows (at most --rows)")
     p.add_argument("--move-shapes", default="16x4,16x8,32x4,32x8,64x4,64x8,8x2,16x2",
@@ -156,9 +157,9 @@ def sweep_plan(a) -> int:
     from tieredemb.gpu.index import SetIndex
 
     dev = torch.device(a.device)
-    w = Workload(rows=a.rows, dim=128, bags=a.bags, ids_per_bag=20, alpha=1.05, batches=a.reps + 1)
+    w = Workload(rows=a.rows, dim=128, bags=a.bags, ids_per_bag=20, alpha=1.05, batches=a.plan_warmup + a.reps + 1)
     source = BatchSource(w)
-    batches = [dedup(source.batch(k)[0].to(dev)) for k in range(a.reps + 1)]
+    batches = [dedup(source.batch(k)[0].to(dev)) for k in range(a.plan_warmup + a.reps + 1)]
     sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 1
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu (a check of the script)"
     print(f"device: {name}; torch {torch.__version__}; tier 0 of {a.rows // 10} slots, batches of "
@@ -174,6 +175,9 @@ def sweep_plan(a) -> int:
             def plan():
                 d = next(left)
                 index.commit_queued(index.plan_queued(d.unique, d.count, a.rows), False)
+
+            for _ in range(a.plan_warmup):  # (tier 0 filled: its victims as in training, not empty slots)
+                plan()
 
             us = timed(plan, a.reps, dev)
             results.append({"assign_programs": per_sm * sms or None, "plan_us": us})

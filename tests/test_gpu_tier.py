@@ -383,11 +383,12 @@ def test_hot_rows_are_summed_tile_by_tile_as_the_native_kernels_sum_them():
                                     opt.native_args(3), pad, None, weights=weights)
             runs = []
             for programs in (None, 5):
-                pooling.UPDATE_PROGRAMS, default = programs, pooling.UPDATE_PROGRAMS
                 tri, block = pool.clone(), torch.full((bags * (dim + 5) + 2,), float("nan"))
                 _, argmax_t = pooling.forward(tri, dim, slots, unique, inverse, offsets, psw, mode, 3, weights, block,
                                               out_at)
+                default = pooling.UPDATE_PROGRAMS
                 try:
+                    pooling.UPDATE_PROGRAMS = programs
                     pooling.backward_update(tri, torch.zeros(100, dtype=torch.uint8), dim, slots, unique,
                                             torch.tensor([len(unique)]), inverse, offsets, psw, mode, 3, 3, block_grad,
                                             argmax_t, opt, 3, False, weights, at=out_at)
@@ -622,6 +623,15 @@ def test_the_swap_kernel_writes_each_slots_victim_down_before_reading_its_miss_i
     assert torch.equal(pool[slots[2:4]].view(torch.int32), before[slots[2:4]].view(torch.int32))
     with pytest.raises(ValueError, match="host rows of 4 words swapped with rows of"):
         swap_rows(pool, slots, None, host[:, :4], ids, mark=DEFERRED_MARK, written=written, found=found)
+
+
+def test_a_kernels_programs_are_one_per_item_or_a_positive_cap():
+    from tieredemb.gpu import programs
+
+    assert (programs(10, None), programs(10, 3), programs(2, 3)) == (10, 3, 2)
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match=f"None \\(one per item\\) or a positive int, got {bad!r}"):
+            programs(10, bad)
 
 
 # (each case with one optimizer: zero_copy changes how rows move, not the update; both optimizers run)

@@ -22,6 +22,17 @@ def launch_turn():
     return _TURNS
 
 
+def programs(items: int, cap: int | None) -> int:
+    """A grid for a kernel whose programs take its items a grid's stride apart: one program per
+    item (cap None), or at most cap of them (a positive int: pooling.UPDATE_PROGRAMS,
+    plan_kernels.ASSIGN_PROGRAMS). ValueError naming a cap that is not."""
+    if cap is None:
+        return items
+    if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1:
+        raise ValueError(f"a kernel's programs must be None (one per item) or a positive int, got {cap!r}")
+    return min(items, cap)
+
+
 # Host-to-device copies of at most this many bytes from pageable memory are asynchronous (CUDA
 # Programming Guide, "Asynchronous Concurrent Execution"); larger ones may wait for the stream.
 _INLINE_COPY_BYTES = 64 << 10

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import launch_turn
+from . import launch_turn, programs
 from .rowinit import init_row, kernel_args
 
 # The assign kernel's programs: None, one per sorted position (each set's first miss does the
@@ -237,11 +237,11 @@ def assign(in_set, order, index, window, chosen) -> None:
     wid, wbatch = window if window is not None else (in_set, in_set)
     n_w = max(wid.numel(), 1)
     with launch_turn():
-        programs = n if ASSIGN_PROGRAMS is None else min(n, ASSIGN_PROGRAMS)
-        _assign_kernel[(programs,)](in_set, order, n, index.sets, index.ways, index.slot_id, index.pins, index.tags,
-                                    index.step, index.stamp, index.uses, wid, wbatch, n_w, n_w.bit_length(), chosen,
-                                    LFU=index.policy == "lfu", WINDOW=window is not None,
-                                    WAYS=triton.next_power_of_2(index.ways))
+        _assign_kernel[(programs(n, ASSIGN_PROGRAMS),)](in_set, order, n, index.sets, index.ways, index.slot_id,
+                                                        index.pins, index.tags, index.step, index.stamp, index.uses,
+                                                        wid, wbatch, n_w, n_w.bit_length(), chosen,
+                                                        LFU=index.policy == "lfu", WINDOW=window is not None,
+                                                        WAYS=triton.next_power_of_2(index.ways))
 
 
 # The rest of a plan, after find and assign, in two launches over the "entries": the batch's n ids,

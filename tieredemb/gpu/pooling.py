@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import launch_turn
+from . import launch_turn, programs
 from .rowinit import _mix64, _row_key, bf16_bits, load_weights, store_weights
 
 _SUM, _MEAN, _MAX = 0, 1, 2
@@ -389,7 +389,7 @@ def backward_update(pool: torch.Tensor, dirty: torch.Tensor, dim: int, slots: to
         else:  # (never read)
             scalars = _unread_scalars(dev)
     with launch_turn():
-        _update_kernel[(n if UPDATE_PROGRAMS is None else min(n, UPDATE_PROGRAMS),)](pool, dirty, slots, unique, num_unique, order, start, chunk, partial, bag_of, scale,
+        _update_kernel[(programs(n, UPDATE_PROGRAMS),)](pool, dirty, slots, unique, num_unique, order, start, chunk, partial, bag_of, scale,
                              grad_out, at_arg, argmax_arg, dim, float(dim), pool.shape[1],
                              dim if weights == 0 else (dim + 1) // 2, skip_id, frozen_id, a.lr, a.eps, a.beta1, a.beta2,
                              scalars[0], a.accumulator_divisor, sr_seed, scalars[1], OPT=optimizer.kind, MODE=mode,
