@@ -24,7 +24,8 @@ it, a zero-copy step moved its rows by two launches one after the other (390 us 
 With --plan, instead: a zero-copy tier's queued plan and its commit (tieredemb/gpu/index.py
 plan_queued, commit_queued: find, the sort by set, assign, tally, place, bind, commit, the
 overflow directory) on a tier 0 of --rows / 10 slots, filled by --plan-warmup batches first, a
-new batch of the workload each call, by the assign kernel's number of programs (plan_kernels.ASSIGN_PROGRAMS, as --update-programs).
+new batch of the workload each call, by the assign kernel's number of programs
+(plan_kernels.ASSIGN_PROGRAMS, as --update-programs).
 """
 
 from __future__ import annotations
@@ -241,13 +242,14 @@ def sweep_moves(a) -> int:
             moves.MOVE_ROWS, moves.MOVE_WARPS = map(int, shape.split("x"))
             got = {what: timed(fn, a.reps, dev) for what, fn in (("read", read), ("write", write), ("both", both),
                                                                   ("swap", swap))}
+            one_way_each = got["read"] + got["write"]
             results.append({"rows_per_program": moves.MOVE_ROWS, "warps": moves.MOVE_WARPS, **{
                 f"{k}_us": v for k, v in got.items()}})
             print(f"rows {moves.MOVE_ROWS:3d} x warps {moves.MOVE_WARPS}:  host->device {got['read']:8.1f} us "
                   f"({mb / got['read'] / 1e-3:5.1f})   device->host {got['write']:8.1f} us "
                   f"({mb / got['write'] / 1e-3:5.1f})   both at once {got['both']:8.1f} us, swapped "
-                  f"{got['swap']:8.1f} us (both, swap / (read + write): {got['both'] / (got['read'] + got['write']):.2f}, "
-                  f"{got['swap'] / (got['read'] + got['write']):.2f})", flush=True)
+                  f"{got['swap']:8.1f} us (both, swap / (read + write): {got['both'] / one_way_each:.2f}, "
+                  f"{got['swap'] / one_way_each:.2f})", flush=True)
     finally:
         moves.MOVE_ROWS, moves.MOVE_WARPS = default
         if unmap is not None:

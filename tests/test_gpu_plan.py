@@ -14,7 +14,8 @@ from tieredemb.gpu import plan_kernels  # noqa: E402
 from tieredemb.gpu.index import SetIndex  # noqa: E402
 
 CPU = torch.device("cpu")
-FIELDS = ("slots", "fresh", "victim_slots", "miss_ids", "miss_slots", "miss_victims", "dirty_ids", "dirty_slots", "valid")
+FIELDS = ("slots", "fresh", "victim_slots", "miss_ids", "miss_slots", "miss_victims", "dirty_ids", "dirty_slots",
+          "valid")
 
 
 def _pair(kernels_first, **kw):

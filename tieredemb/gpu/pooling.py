@@ -218,8 +218,8 @@ def _update_kernel(pool_ptr, dirty_ptr, slots_ptr, unique_ptr, num_unique_ptr, o
                    STOCHASTIC: tl.constexpr, TILE: tl.constexpr, BLOCK: tl.constexpr):
     """Unique rows u = program 0, then a grid's stride apart, below U; for each, g = the sum of its
     occurrences' gradients (occurrences order[start[u]] .. order[start[u+1]-1], each the gradient
-    of its bag times its scale (see _tile_grad); for max only the columns it was the argmax of; a bag's gradient is grad's row bag, or with HAS_AT its
-    floats from at[bag]): one tile's sum for a row of at most TILE occurrences, else the sum of
+    of its bag times its scale (see _tile_grad); for max only the columns it was the argmax of; a
+    bag's gradient is grad's row bag, or with HAS_AT its floats from at[bag]): one tile's sum for a row of at most TILE occurrences, else the sum of
     its tiles' partial sums (partial rows chunk[u] .. chunk[u+1]-1, _chunk_kernel's), TILE at a
     time, in order. Then the optimizer applied to its row in the pool, and the row marked dirty.
     Rows skip_id (left out of the bags) and frozen_id (the padding row) are left alone. 16-bit
