@@ -302,7 +302,8 @@ class SetIndex:
         xfer = torch.cat([counts, _compact(fresh, ids, n), _compact(dirty_victim, self.slot_id[at], most)])
         miss_victims = _compact(fresh, torch.where(dirty_victim[:n], self.slot_id[at[:n]], -1), n)
         return plan_kernels.Placed(xfer, slots, valid, fresh, _compact(fresh, slots, n), miss_victims,
-                                   _compact(victim, at, most), dirty_slots, (), None, rows.index_select(0, dirty_slots[:guess]) if guess else None)
+                                   _compact(victim, at, most), dirty_slots, (), None,
+                                   rows.index_select(0, dirty_slots[:guess]) if guess else None)
 
     def _find(self, ids, num_unique, valid):
         """(slots, sets): each id's slot (-1: a miss, or past U) and each miss's set (else

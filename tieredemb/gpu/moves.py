@@ -103,11 +103,10 @@ def move_rows(src: torch.Tensor, src_rows: torch.Tensor, dst: torch.Tensor, dst_
               written: torch.Tensor | None = None, count: torch.Tensor | None = None, src_from: int = 0) -> None:
     """dst[dst_rows[i]] = src[src_rows[i]] (float32 [*, width] words, the same width; rows int64
     [n], on the device) for each entry whose src_rows[i] >= max(src_from, 0) and dst_rows[i] >= 0
-    (the others move nothing). Either side may be
-    host rows mapped into the device (gpu/hostmap.py). written (uint8 [rows of dst], on the
-    device): written[dst_rows[i]] = WROTE. count (an int64 on the device): only the first count[0]
-    entries move, the lists' length being the most there may be (no wait for the count). Queued
-    on the current stream."""
+    (the others move nothing). Either side may be host rows mapped into the device
+    (gpu/hostmap.py). written (uint8 [rows of dst], on the device): written[dst_rows[i]] = WROTE.
+    count (an int64 on the device): only the first count[0] entries move, the lists' length being
+    the most there may be (no wait for the count). Queued on the current stream."""
     n = dst_rows.numel()
     if n == 0:
         return

@@ -338,8 +338,9 @@ def _place_kernel(ids_ptr, num_unique_ptr, n, num_rows, found_ptr, chosen_ptr, s
     assign chose, -1 for a need, bound later), valid and fresh; into the transfer (xfer: the kinds'
     totals, then the miss ids from 8, then the dirty victims' ids from 8 + n) and the device lists
     beside it (miss slots, each miss's dirty victim in its set, victim slots, dirty slots, the needs
-    (their entry and miss rank), the free overflow slots); leaves[j] = 1 for a lingering overflow row whose slot no need takes
-    (commit empties it); with GUESS, the rows of the first `guess` dirty victims into guessed."""
+    (their entry and miss rank), the free overflow slots); leaves[j] = 1 for a lingering overflow
+    row whose slot no need takes (commit empties it); with GUESS, the rows of the first `guess`
+    dirty victims into guessed."""
     b = tl.program_id(0)
     v = b * BLOCK + tl.arange(0, BLOCK)
     row_id, found, chosen, slot, gone_id, need, free, valid, fresh, victim, dirty, bad, lingering = _entries(
@@ -472,7 +473,8 @@ def place(ids, num_unique, num_rows, index, found, chosen, rows, guess) -> Place
     with launch_turn():
         _place_kernel[(blocks,)](ids, num_unique, n, num_rows, found, chosen, *state, ends, blocks, out.slots,
                                  out.valid.view(torch.uint8), out.fresh.view(torch.uint8), out.xfer, out.miss_slots,
-                                 out.miss_victims, out.needs[0], out.needs[1], out.victims, out.dirty_slots, out.needs[2], out.leaves,
+                                 out.miss_victims, out.needs[0], out.needs[1], out.victims, out.dirty_slots,
+                                 out.needs[2], out.leaves,
                                  rows if guess else ids, width, guess, out.guessed if guess else ids,
                                  GUESS=guess > 0, COLS=min(16, triton.next_power_of_2(width)), BLOCK=_BLOCK)
     return out

@@ -219,12 +219,13 @@ def _update_kernel(pool_ptr, dirty_ptr, slots_ptr, unique_ptr, num_unique_ptr, o
     """Unique rows u = program 0, then a grid's stride apart, below U; for each, g = the sum of its
     occurrences' gradients (occurrences order[start[u]] .. order[start[u+1]-1], each the gradient
     of its bag times its scale (see _tile_grad); for max only the columns it was the argmax of; a
-    bag's gradient is grad's row bag, or with HAS_AT its floats from at[bag]): one tile's sum for a row of at most TILE occurrences, else the sum of
-    its tiles' partial sums (partial rows chunk[u] .. chunk[u+1]-1, _chunk_kernel's), TILE at a
-    time, in order. Then the optimizer applied to its row in the pool, and the row marked dirty.
-    Rows skip_id (left out of the bags) and frozen_id (the padding row) are left alone. 16-bit
-    weights (WEIGHTS 1, 2) are updated in float32 and rounded back: to the nearest, or
-    stochastically (STOCHASTIC). Every sum has a fixed order: the same bits from run to run."""
+    bag's gradient is grad's row bag, or with HAS_AT its floats from at[bag]): one tile's sum for a
+    row of at most TILE occurrences, else the sum of its tiles' partial sums (partial rows chunk[u]
+    .. chunk[u+1]-1, _chunk_kernel's), TILE at a time, in order. Then the optimizer applied to its
+    row in the pool, and the row marked dirty. Rows skip_id (left out of the bags) and frozen_id
+    (the padding row) are left alone. 16-bit weights (WEIGHTS 1, 2) are updated in float32 and
+    rounded back: to the nearest, or stochastically (STOCHASTIC). Every sum has a fixed order: the
+    same bits from run to run."""
     for u in range(tl.program_id(0), tl.load(num_unique_ptr), tl.num_programs(0)):
         uid = tl.load(unique_ptr + u)
         if (uid != skip_id) & (uid != frozen_id):
@@ -389,8 +390,8 @@ def backward_update(pool: torch.Tensor, dirty: torch.Tensor, dim: int, slots: to
         else:  # (never read)
             scalars = _unread_scalars(dev)
     with launch_turn():
-        _update_kernel[(programs(n, UPDATE_PROGRAMS),)](pool, dirty, slots, unique, num_unique, order, start, chunk, partial, bag_of, scale,
-                             grad_out, at_arg, argmax_arg, dim, float(dim), pool.shape[1],
+        _update_kernel[(programs(n, UPDATE_PROGRAMS),)](pool, dirty, slots, unique, num_unique, order, start, chunk,
+                             partial, bag_of, scale, grad_out, at_arg, argmax_arg, dim, float(dim), pool.shape[1],
                              dim if weights == 0 else (dim + 1) // 2, skip_id, frozen_id, a.lr, a.eps, a.beta1, a.beta2,
                              scalars[0], a.accumulator_divisor, sr_seed, scalars[1], OPT=optimizer.kind, MODE=mode,
                              HAS_AT=at is not None, SCALE=scale_kind, WEIGHTS=weights, STOCHASTIC=stochastic_rounding,

@@ -48,26 +48,26 @@ class ZeroCopy:
         self.releases_since: list = []  # events after the releases queued since the last queued residency
 
     # -- the moves ------------------------------------------------------------------------------
-    def move(self, plan, counts: torch.Tensor | None = None) -> None:
-        """A plan's rows moved (counts: its totals on the device, for a queued plan's lists, whole;
-        None: the lists are cut to them). First the dirty rows lingering in overflow slots are
+    def move(self, plan, queued: bool = False) -> None:
+        """A plan's rows moved (queued: a queued plan's, whose lists are whole and whose totals
+        stay on the device, plan.placed.xfer[:KINDS]; else the lists are cut to the totals). First the dirty rows lingering in overflow slots are
         written down (one may be a miss of this batch, read back next); then each miss's slot has
         its dirty victim written down and the miss read into it, by one kernel, both ways of the
         bus at once (moves.swap_rows); misses never written below are marked for the tier to draw
         (DeviceTier.draw_marked)."""
         tier = self.tier
-        pool, k = tier.pool.rows, plan_kernels.FRESH
-        dirty = None if counts is None else counts[plan_kernels.DIRTY - k:plan_kernels.DIRTY - k + 1]
-        if counts is not None or plan.lingering:
+        pool, totals = tier.pool.rows, plan.placed.xfer if queued else None
+        fresh, dirty = plan_kernels.FRESH, plan_kernels.DIRTY
+        if queued or plan.lingering:
             moves.move_rows(pool, plan.dirty_slots, self.rows, plan.dirty_ids_device, written=self.written,
-                            count=dirty, src_from=tier.index.capacity)
+                            count=totals[dirty:dirty + 1] if queued else None, src_from=tier.index.capacity)
         moves.swap_rows(pool, plan.miss_slots, plan.miss_victims, self.rows, plan.miss_ids_device, mark=DEFERRED_MARK,
-                        written=self.written, found=self.found, count=None if counts is None else counts[:1])
-        if counts is None:
+                        written=self.written, found=self.found, count=totals[fresh:fresh + 1] if queued else None)
+        if queued:  # (counted on the device: read by settle)
+            self.moved_queued += totals[fresh:dirty + 1:dirty - fresh]
+        else:
             self.moved[0] += plan.num_misses
             self.moved[1] += plan.num_dirty
-        else:  # (counted on the device: read by settle)
-            self.moved_queued += counts[::plan_kernels.DIRTY - k]
 
     # -- a residency queued without a wait for the device --------------------------------------
     def queues(self, check, allow_overflow: bool) -> bool:
@@ -130,10 +130,9 @@ class ZeroCopy:
         if captured:
             tier.index.overflow_known = False
         plan = tier.index.plan_queued(unique, num_unique, tier.num_embeddings)
-        counts = plan.placed.xfer[plan_kernels.FRESH:plan_kernels.DIRTY + 1]  # (misses ... dirty victims)
-        self.move(plan, counts)
+        self.move(plan, queued=True)
         if tier.draws_misses:
-            tier.draw_marked(plan, counts[:1])
+            tier.draw_marked(plan, plan.placed.xfer[plan_kernels.FRESH:plan_kernels.FRESH + 1])
         tier.index.commit_queued(plan, pin)
         return plan.slots
 
