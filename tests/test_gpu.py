@@ -74,14 +74,35 @@ def test_zero_copy_trains_bit_for_bit_as_the_host_copies(cache_rows, depth):
     plain, out_plain = _train("cuda", "sum", cache_rows=cache_rows, depth=depth)
     mapped, out_mapped = _train("cuda", "sum", cache_rows=cache_rows, depth=depth, zero_copy=True)
     assert mapped._store.tier0.zero_copy is not None and mapped.stats()["store"]["rows_written"] > 0
-    assert mapped.stats()["store"] == plain.stats()["store"]
+    _counted_alike(mapped, plain, depth, moved_only=True)
     assert torch.equal(out_mapped, out_plain) and torch.equal(_table(mapped), _table(plain))
     for emb in (plain, mapped):  # a flush, host writes below tier 0, then more training over them
         emb.flush()
         emb.write_rows(torch.arange(0, NUM, 3), torch.full((len(range(0, NUM, 3)), DIM), 0.5))
         emb(torch.arange(NUM), torch.arange(0, NUM, 10)).sum().backward()
-    assert torch.equal(_table(mapped), _table(plain)) and mapped.stats()["store"] == plain.stats()["store"]
+    assert torch.equal(_table(mapped), _table(plain))
+    _counted_alike(mapped, plain, depth, moved_only=False)
     mapped.close()
+
+
+def _counted_alike(a, b, depth: int, moved_only: bool) -> None:
+    """a and b, trained on the same batches, counted the same. Without prefetch: every counter of
+    the store. With a PrefetchLoader, which rows tier 0 holds at each step depends on the worker's
+    timing (whether a batch fits beside those in flight or waits for room), and so do misses,
+    write-backs and the store's counters: three runs of the copying table alone, on CPU tensors,
+    read 786, 804 and 814 rows (on the H200 the zero-copy table read 820, the copying one 821).
+    Then: both drew the same rows on first touch (reads - rows_found), and where the store was
+    moved to and from by tier 0 alone (moved_only), each store counted a read per miss of its tier
+    0 and a write per dirty write-back: the zero-copy table's counts, kept on the device."""
+    sa, sb = a.stats(), b.stats()
+    if depth == 0:
+        assert sa["store"] == sb["store"], (sa["store"], sb["store"])
+        return
+    drawn = [s["store"]["reads"] - s["store"]["rows_found"] for s in (sa, sb)]
+    assert drawn[0] == drawn[1] > 0, (sa["store"], sb["store"])
+    for s in (sa, sb) if moved_only else ():
+        assert (s["store"]["reads"], s["store"]["rows_written"]) == \
+            (s["tier0"]["misses"], s["tier0"]["dirty_writebacks"]), (s["store"], s["tier0"])
 
 
 @pytest.mark.parametrize("zero_copy", [False, True], ids=["copies", "zero-copy"])
