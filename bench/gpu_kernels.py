@@ -95,7 +95,7 @@ def main(argv=None) -> int:
     if a.plan:
         return sweep_plan(a)
     import tieredemb
-    from tieredemb.gpu import pooling
+    from tieredemb.gpu import PerMultiprocessor, multiprocessors, pooling
 
     dev = torch.device(a.device)
     w = Workload(rows=a.rows, dim=128, bags=a.bags, ids_per_bag=20, alpha=1.05, batches=1)
@@ -127,10 +127,10 @@ def main(argv=None) -> int:
                   flush=True)
     finally:
         pooling.FORWARD_WARPS, pooling.FORWARD_TILE, pooling.UPDATE_WARPS, pooling.UPDATE_TILE = defaults
-    sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 1
+    sms = multiprocessors(dev)
     by_programs, programs_default = [], pooling.UPDATE_PROGRAMS
     for per_sm in map(int, a.update_programs.split(",")):
-        pooling.UPDATE_PROGRAMS = per_sm * sms or None
+        pooling.UPDATE_PROGRAMS = PerMultiprocessor(per_sm) if per_sm else None
         try:
             bwd = timed(lambda: pooling.backward_update(pool, dirty, w.dim, slots, unique, count, inverse, offsets,
                                                         None, 0, -1, -1, grad, None, opt, 1, False), a.reps, dev)
@@ -153,7 +153,7 @@ def main(argv=None) -> int:
 
 def sweep_plan(a) -> int:
     """--plan: see the module's docstring."""
-    from tieredemb.gpu import plan_kernels
+    from tieredemb.gpu import PerMultiprocessor, multiprocessors, plan_kernels
     from tieredemb.gpu.dedup import dedup
     from tieredemb.gpu.index import SetIndex
 
@@ -161,14 +161,14 @@ def sweep_plan(a) -> int:
     w = Workload(rows=a.rows, dim=128, bags=a.bags, ids_per_bag=20, alpha=1.05, batches=a.plan_warmup + a.reps + 1)
     source = BatchSource(w)
     batches = [dedup(source.batch(k)[0].to(dev)) for k in range(a.plan_warmup + a.reps + 1)]
-    sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 1
+    sms = multiprocessors(dev)
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu (a check of the script)"
     print(f"device: {name}; torch {torch.__version__}; tier 0 of {a.rows // 10} slots, batches of "
           f"{batches[0].unique.numel()} ids; a queued plan and its commit, median of {a.reps} calls, microseconds")
     results, default = [], plan_kernels.ASSIGN_PROGRAMS
     try:
         for per_sm in map(int, a.update_programs.split(",")):
-            plan_kernels.ASSIGN_PROGRAMS = per_sm * sms or None
+            plan_kernels.ASSIGN_PROGRAMS = PerMultiprocessor(per_sm) if per_sm else None
             index = SetIndex(a.rows // 10, "lru", dev)
             index.grow(batches[0].unique.numel())  # (a queued plan's room: see SetIndex.plan_queued)
             left = iter(batches)

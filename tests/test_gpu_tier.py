@@ -625,13 +625,18 @@ def test_the_swap_kernel_writes_each_slots_victim_down_before_reading_its_miss_i
         swap_rows(pool, slots, None, host[:, :4], ids, mark=DEFERRED_MARK, written=written, found=found)
 
 
-def test_a_kernels_programs_are_one_per_item_or_a_positive_cap():
-    from tieredemb.gpu import programs
+def test_a_kernels_programs_are_one_per_item_a_positive_cap_or_so_many_per_multiprocessor():
+    from tieredemb.gpu import PerMultiprocessor, programs
 
-    assert (programs(10, None), programs(10, 3), programs(2, 3)) == (10, 3, 2)
+    cpu = torch.device("cpu")
+    assert (programs(10, None, cpu), programs(10, 3, cpu), programs(2, 3, cpu)) == (10, 3, 2)
+    assert (programs(100, PerMultiprocessor(32), cpu), programs(10, PerMultiprocessor(32), cpu)) == (32, 10)
     for bad in (0, -1, 2.5, True):
-        with pytest.raises(ValueError, match=f"None \\(one per item\\) or a positive int, got {bad!r}"):
-            programs(10, bad)
+        with pytest.raises(ValueError, match=f"None \\(one per item\\), a positive int or a PerMultiprocessor, "
+                                             f"got {bad!r}"):
+            programs(10, bad, cpu)
+        with pytest.raises(ValueError, match=f"programs per multiprocessor must be a positive int, got {bad!r}"):
+            PerMultiprocessor(bad)
 
 
 # (each case with one optimizer: zero_copy changes how rows move, not the update; both optimizers run)

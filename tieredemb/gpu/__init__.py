@@ -4,6 +4,9 @@ moves to and from host rows mapped into the GPU (moves.py, hostmap.py); the kern
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import numpy as np
 import torch
 
@@ -22,14 +25,38 @@ def launch_turn():
     return _TURNS
 
 
-def programs(items: int, cap: int | None) -> int:
-    """A grid for a kernel whose programs take its items a grid's stride apart: one program per
-    item (cap None), or at most cap of them (a positive int: pooling.UPDATE_PROGRAMS,
-    plan_kernels.ASSIGN_PROGRAMS). ValueError naming a cap that is not."""
+@dataclasses.dataclass(frozen=True)
+class PerMultiprocessor:
+    """A kernel's programs capped at this many per multiprocessor of the GPU it runs on (one
+    multiprocessor on CPU tensors, where Triton's interpreter runs the programs one by one)."""
+
+    count: int
+
+    def __post_init__(self):
+        if isinstance(self.count, bool) or not isinstance(self.count, int) or self.count < 1:
+            raise ValueError(f"programs per multiprocessor must be a positive int, got {self.count!r}")
+
+
+@functools.lru_cache(maxsize=None)
+def multiprocessors(device: torch.device) -> int:
+    """The streaming multiprocessors of a CUDA device (1 for any other)."""
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def programs(items: int, cap, device: torch.device) -> int:
+    """A grid for a kernel whose programs take its items a grid's stride apart, launched on
+    device: one program per item (cap None), at most cap of them (a positive int), or at most so
+    many per multiprocessor (a PerMultiprocessor): pooling.UPDATE_PROGRAMS,
+    plan_kernels.ASSIGN_PROGRAMS. ValueError naming a cap that is none of these."""
     if cap is None:
         return items
+    if isinstance(cap, PerMultiprocessor):
+        return min(items, cap.count * multiprocessors(device))
     if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1:
-        raise ValueError(f"a kernel's programs must be None (one per item) or a positive int, got {cap!r}")
+        raise ValueError(f"a kernel's programs must be None (one per item), a positive int or a PerMultiprocessor, "
+                         f"got {cap!r}")
     return min(items, cap)
 
 

@@ -24,14 +24,15 @@ import torch
 import triton
 import triton.language as tl
 
-from . import launch_turn, programs
+from . import PerMultiprocessor, launch_turn, programs
 from .rowinit import init_row, kernel_args
 
-# The assign kernel's programs: None, one per sorted position (each set's first miss does the
-# work, the others return at once: on the H200 the kernel took 125 us a plan of 164K ids); or at
-# most this many, each taking positions a grid's stride apart. The same results either way; not
-# yet measured on a GPU (bench/gpu_kernels.py --plan sweeps it).
-ASSIGN_PROGRAMS = None
+# The assign kernel's programs (gpu.programs): None, one per sorted position (each set's first
+# miss does the work, the others return at once); or capped, each taking positions a grid's
+# stride apart. The same results either way. On the H200 (bench/gpu_kernels.py --plan, a queued
+# plan and its commit, 164K ids): one per position 352.5 us, 8 to 64 per multiprocessor
+# 294.0-307.5 us.
+ASSIGN_PROGRAMS = PerMultiprocessor(32)
 
 HASH = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64: Fibonacci hashing
 NEVER = 1 << 62  # a victim key larger than any stamp: not a candidate
@@ -237,7 +238,7 @@ def assign(in_set, order, index, window, chosen) -> None:
     wid, wbatch = window if window is not None else (in_set, in_set)
     n_w = max(wid.numel(), 1)
     with launch_turn():
-        _assign_kernel[(programs(n, ASSIGN_PROGRAMS),)](in_set, order, n, index.sets, index.ways, index.slot_id,
+        _assign_kernel[(programs(n, ASSIGN_PROGRAMS, in_set.device),)](in_set, order, n, index.sets, index.ways, index.slot_id,
                                                         index.pins, index.tags, index.step, index.stamp, index.uses,
                                                         wid, wbatch, n_w, n_w.bit_length(), chosen,
                                                         LFU=index.policy == "lfu", WINDOW=window is not None,

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import launch_turn, programs
+from . import PerMultiprocessor, launch_turn, programs
 from .rowinit import _mix64, _row_key, bf16_bits, load_weights, store_weights
 
 _SUM, _MEAN, _MAX = 0, 1, 2
@@ -32,11 +32,11 @@ _SUM, _MEAN, _MAX = 0, 1, 2
 # us at 4 and 32, 404-408 us at 1 and 16. Module constants, so that gpu_kernels.py can try others.
 FORWARD_WARPS, FORWARD_TILE = 1, 8
 UPDATE_WARPS, UPDATE_TILE = 1, 16
-# The update's programs: None, one per occurrence (U of N do work: the others return at once; on
-# the H200 the update took 136 us where FBGEMM's backward took 65); or at most this many, each
-# taking unique rows a grid's stride apart. The same results either way; not yet measured on a
-# GPU (bench/gpu_kernels.py sweeps it).
-UPDATE_PROGRAMS = None
+# The update's programs (gpu.programs): None, one per occurrence (U of N do work, the others
+# return at once); or capped, each taking unique rows a grid's stride apart. The same results
+# either way. On the H200 (bench/gpu_kernels.py --update-programs, the batch: 164K ids,
+# 57K distinct): one per occurrence 287.6 us, 32 per multiprocessor 267.9 us, 8 per 349.1 us.
+UPDATE_PROGRAMS = PerMultiprocessor(32)
 
 
 @triton.jit
@@ -390,7 +390,7 @@ def backward_update(pool: torch.Tensor, dirty: torch.Tensor, dim: int, slots: to
         else:  # (never read)
             scalars = _unread_scalars(dev)
     with launch_turn():
-        _update_kernel[(programs(n, UPDATE_PROGRAMS),)](pool, dirty, slots, unique, num_unique, order, start, chunk,
+        _update_kernel[(programs(n, UPDATE_PROGRAMS, pool.device),)](pool, dirty, slots, unique, num_unique, order, start, chunk,
                              partial, bag_of, scale, grad_out, at_arg, argmax_arg, dim, float(dim), pool.shape[1],
                              dim if weights == 0 else (dim + 1) // 2, skip_id, frozen_id, a.lr, a.eps, a.beta1, a.beta2,
                              scalars[0], a.accumulator_divisor, sr_seed, scalars[1], OPT=optimizer.kind, MODE=mode,
