@@ -357,7 +357,11 @@ def sample_steps(name: str, step, stream, steps: int, grad, dev: torch.device, o
         lines += [f"{100 * n / total:6.1f}%  {t:20.20s} {key}" for (t, key), n in counts.most_common(60)]
     with open(os.path.join(out_dir, f"{name}.stacks.txt"), "w") as f:
         f.write("\n".join(lines) + "\n")
-    return {"steps": steps, "wall_ms_per_step": wall * 1e3 / steps}
+    top = {}  # (each thread's four busiest lines, for the log: few files come back from a GPU machine)
+    for (t, key), n in own.most_common():
+        if len(top.setdefault(t, [])) < 4:
+            top[t].append(f"{100 * n / total:.1f}% {key}")
+    return {"steps": steps, "wall_ms_per_step": wall * 1e3 / steps, "threads": dict(per_thread), "top": top}
 
 
 def tieredemb_loader(module, batches, depth):
@@ -458,6 +462,9 @@ def main(argv=None) -> int:
               + (f"  tier-0 hit {r['tier0_hit_rate']:.3f}" if "tier0_hit_rate" in r else "")
               + (f"  graphs {r['graphs']}" if "graphs" in r else "")
               + f"  [{r['config']}]", flush=True)
+        if "stacks" in r:
+            for thread, lines in r["stacks"]["top"].items():
+                print(f"{'':18s} stacks of {thread}: " + "; ".join(lines), flush=True)
         if "profile" in r:
             pr = r["profile"]
             print(f"{'':18s} profiled {pr['steps']} steps: {pr['wall_ms_per_step']:.3f} ms a step, kernels "

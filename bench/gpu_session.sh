@@ -118,17 +118,19 @@ part() {  # part CAP COMMAND...: one part of `first`, its outcome in $OUT/first.
   echo "first: exit $rc after $SECONDS s" | log first
 }
 case "$step" in
-  first)  # (what comes back: first.log, each part's JSON, prof.tgz: the whole-table systems' profiles and every system's stacks)
+  first)  # (what comes back: first.log, each part's JSON, prof.tgz: the cached systems' stacks)
     rm -rf /tmp/prof
     part 170 tests test_gpu -v --durations=15 tests/test_gpu.py --deselect tests/test_gpu.py::test_the_cpu_tensor_tests_pass_in_a_child
     part 90 bench hbm --only fbgemm-hbm,ours-hbm,ours-hbm-eager,torch-ops --runs 5
-    part 180 bench cached --only fbgemm-uvm10,ours-host10-zc,ours-host10-zc-eager,ours-host10,ours-ssd10 --ssd-path /tmp
+    part 180 bench cached --only fbgemm-uvm10,ours-host10-zc,ours-host10-zc-eager,ours-host10,ours-ssd10 --ssd-path /tmp \
+      --stacks /tmp/prof
     part 45 kernels moves --moves --reps 10
     part 45 kernels kernels --warps 1 --tiles 16 --update-programs 0,8,16,32,64 --reps 10
     part 45 kernels plan --plan --update-programs 0,8,16,32,64 --reps 10
     part 70 bench ragged --only fbgemm-hbm,ours-hbm,ours-hbm-eager --runs 5 --ragged
     part 70 bench device_ids --only fbgemm-hbm,ours-hbm,ours-hbm-eager --runs 5 --ids-on-device
-    part 600 collection ;;
+    part 600 collection
+    { [ -d /tmp/prof ] && tar czf "$OUT/prof.tgz" -C /tmp prof; } || true ;;
   tests) tests test_gpu tests/test_gpu.py --deselect tests/test_gpu.py::test_the_cpu_tensor_tests_pass_in_a_child ;;
   interpreted)
     par=$("$PY" -c 'import xdist; print("-n 8")' 2>/dev/null || true)
