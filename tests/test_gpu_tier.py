@@ -134,6 +134,70 @@ def test_rows_never_written_are_drawn_on_the_device_as_on_the_host():
     assert torch.equal(got, tieredemb.TieredEmbeddingBag(NUM, D, "sum", seed=9).read_rows(torch.arange(NUM)))
 
 
+@pytest.mark.parametrize("chunk, cap", [(4, 3), (64, None)], ids=["chunks-of-4-by-3-programs", "one-chunk-a-program"])
+def test_marked_rows_are_drawn_in_chunks_and_only_they(chunk, cap, monkeypatch):
+    """rowinit.init_rows with marked and count (a tier's misses never stored, their count on the
+    device): exactly the rows i < count whose destination is >= 0 and whose first word is the
+    mark are drawn, as the host draws them; every other row is left as it was. As chunks of 4
+    taken by 3 programs 12 apart, and as one chunk a program."""
+    from tieredemb.tiers.rowstore import DEFERRED_MARK
+
+    monkeypatch.setattr(rowinit, "INIT_CHUNK", chunk)
+    monkeypatch.setattr(rowinit, "INIT_PROGRAMS", cap)
+    g = torch.Generator().manual_seed(8)
+    n, count, width, dim = 50, 41, 9, 8
+    ids = torch.randint(0, 10**6, (n,), generator=g)
+    rows = torch.randperm(60, generator=g)[:n]
+    rows[torch.rand(n, generator=g) < 0.1] = -1
+    out = torch.randn(60, width, generator=g)
+    marked = torch.rand(n, generator=g) < 0.6
+    out.view(torch.int32)[rows[marked & (rows >= 0)], 0] = DEFERRED_MARK
+    want = out.clone()
+    take = marked & (rows >= 0) & (torch.arange(n) < count)
+    _C.init_rows(ids[take], drawn := torch.empty(int(take.sum()), width), dim, 0, 0.0, 1.0, 3, -1)
+    want[rows[take]] = drawn
+    rowinit.init_rows(ids, out, rows, dim, 0, 0.0, 1.0, 3, -1, marked=DEFERRED_MARK, count=torch.tensor([count]))
+    assert torch.equal(out.view(torch.int32), want.view(torch.int32))
+    # (11 chunks of 4 below count, rows drawn in most: each of the 3 programs takes several; marks past count)
+    assert take.sum() > 12 and (marked & (rows >= 0) & ~take).any()
+
+
+@pytest.mark.parametrize("chunk, cap", [(8, 3), (64, None)], ids=["chunks-of-8-by-3-programs", "one-chunk-a-program"])
+def test_a_whole_table_draw_sets_slots_draws_new_rows_once_and_counts_them(chunk, cap, monkeypatch):
+    """plan_kernels.draw over a batch's distinct ids, U of n: slots = the ids (-1 past U); the rows
+    not held yet drawn as the host draws them, and now held; rows held already left as they are;
+    counts [drawn, seen] added to. As chunks of 8 ids taken by 3 programs 24 apart, and as one
+    chunk a program."""
+    from tieredemb.gpu import plan_kernels
+    from tieredemb.gpu.direct_index import DirectIndex
+    from tieredemb.tiers.rowstore import RowInit
+
+    monkeypatch.setattr(plan_kernels, "DRAW_CHUNK", chunk)
+    monkeypatch.setattr(plan_kernels, "DRAW_PROGRAMS", cap)
+    g = torch.Generator().manual_seed(4)
+    rows, dim, width, n, u = 400, 6, 7, 90, 70
+    index = DirectIndex(rows, torch.device("cpu"))
+    held_before = torch.rand(rows, generator=g) < 0.4
+    index.held[:rows] = held_before
+    pool = torch.randn(rows + 1, width, generator=g)
+    before = pool.clone()
+    ids = torch.randperm(rows, generator=g)[:n]
+    index.drawn.copy_(torch.tensor([5, 11]))
+    init = RowInit(dim, 0, 0.0, 1.0, 13, 2)
+    slots = torch.full((n,), 77, dtype=torch.int64)
+    plan_kernels.draw(ids, torch.tensor([u]), index, pool, init, slots)
+    want_slots = torch.cat([ids[:u], torch.full((n - u,), -1)])
+    assert torch.equal(slots, want_slots)
+    new = ids[:u][~held_before[ids[:u]]]
+    assert len(new) > 2 * 8 * 3  # (more chunks than programs: every program takes several)
+    want = before.clone()
+    _C.init_rows(new, drawn := torch.empty(len(new), width), dim, 0, 0.0, 1.0, 13, 2)
+    want[new] = drawn
+    assert torch.equal(pool.view(torch.int32), want.view(torch.int32))
+    assert torch.equal(index.held[:rows], held_before | torch.isin(torch.arange(rows), ids[:u]))
+    assert index.drawn.tolist() == [5 + len(new), 11 + u]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_new_whole_table_draws_its_rows_in_one_launch_and_trains_as_the_cpu_engine(dtype):
     """A whole-table tier 0 over a new table makes a batch resident in one kernel launch (rows

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from . import PerMultiprocessor, launch_turn, programs
-from .rowinit import init_row, kernel_args
+from .rowinit import init_chunk, kernel_args
 
 # The assign kernel's programs (gpu.programs): None, one per sorted position (each set's first
 # miss does the work, the others return at once); or capped, each taking positions a grid's
@@ -160,26 +160,38 @@ def _assign_kernel(in_set_ptr, order_ptr, n, sets, ways, slot_id_ptr, pins_ptr, 
 
 # seed is a 64-bit key, never a constant (see rowinit).
 @triton.jit(do_not_specialize=["seed"])
-def _draw_kernel(ids_ptr, num_unique_ptr, num_rows, held_ptr, slots_ptr, counts_ptr, out_ptr, dim,
+def _draw_kernel(ids_ptr, num_unique_ptr, n, num_rows, held_ptr, slots_ptr, counts_ptr, out_ptr, dim,
                  width, weight_words, seed, kind, a, b, below_high, zero_id, WEIGHTS: tl.constexpr,
-                 BLOCK: tl.constexpr):
-    """Distinct id i = program 0 of a tier holding every row (slot = id): slots[i] = the id (-1
-    for i >= U, or an id out of range: left alone); a row not held yet is drawn into out[id],
-    marked held, and counted in counts[0]; program 0 adds U to counts[1]."""
-    i = tl.program_id(0)
+                 CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    """A tier holding every row (slot = id): the distinct ids i < n, CHUNK at a time from CHUNK *
+    program 0 on, a grid's stride apart. slots[i] = the id (-1 for i >= U, or an id out of range:
+    left alone); a row not held yet is marked held, drawn into out[id] (rowinit.init_chunk) and
+    counted in counts[0] (one add a program); program 0 adds U to counts[1]."""
     num_unique = tl.load(num_unique_ptr)
-    row_id = tl.load(ids_ptr + i)
-    ok = (i < num_unique) & (row_id >= 0) & (row_id < num_rows)
-    tl.store(slots_ptr + i, tl.where(ok, row_id, -1))
-    if i == 0:
+    if tl.program_id(0) == 0:
         tl.store(counts_ptr + 1, tl.load(counts_ptr + 1) + num_unique)
-    held = tl.load(held_ptr + tl.where(ok, row_id, 0))
-    tl.debug_barrier()  # (every thread has read held before any marks it, whatever num_warps is)
-    if ok & (held == 0):
-        init_row(out_ptr, row_id, row_id, dim, width, weight_words, seed.to(tl.uint64), kind, a, b, below_high,
-                 zero_id, WEIGHTS, BLOCK)
-        tl.store(held_ptr + row_id, 1)  # (clean: a row never held was never marked dirty)
-        tl.atomic_add(counts_ptr, 1)  # (an integer sum: the same whatever the order)
+    drawn = 0
+    for base in range(tl.program_id(0) * CHUNK, n, tl.num_programs(0) * CHUNK):
+        i = base + tl.arange(0, CHUNK)
+        live = i < n
+        row_id = tl.load(ids_ptr + i, mask=live, other=-1)
+        ok = live & (i < num_unique) & (row_id >= 0) & (row_id < num_rows)
+        new = ok & (tl.load(held_ptr + row_id, mask=ok, other=1) == 0)
+        tl.store(slots_ptr + i, tl.where(ok, row_id, -1), mask=live)
+        tl.debug_barrier()  # (every thread has read held before any marks it, whatever num_warps is)
+        tl.store(held_ptr + row_id, 1, mask=new)  # (clean: a row never held was never marked dirty)
+        drawn += tl.sum(new.to(tl.int32), axis=0)
+        init_chunk(out_ptr, row_id, row_id, new, dim, width, weight_words, seed.to(tl.uint64), kind, a, b,
+                   below_high, zero_id, WEIGHTS, CHUNK, BLOCK)
+    if drawn > 0:
+        tl.atomic_add(counts_ptr, drawn.to(tl.int64))  # (an integer sum: the same whatever the order)
+
+
+# Ids a draw program reads at once, and its programs (gpu.programs): the chunks of ids taken a
+# grid's stride apart. Not yet measured on a GPU: before, one program of one warp per id (N of
+# them, most past U or held), 100 us a step in the eighteenth session's profile of the whole table.
+DRAW_CHUNK = 64
+DRAW_PROGRAMS = PerMultiprocessor(32)
 
 
 def draw(ids, num_unique, index, rows, init, slots) -> None:
@@ -191,10 +203,11 @@ def draw(ids, num_unique, index, rows, init, slots) -> None:
     dim, kind, a, b, seed, zero_id = init.args
     width = rows.shape[1]
     with launch_turn():
-        # (one warp a program: most ids are held, or past U, and only store their slot)
-        _draw_kernel[(n,)](ids, num_unique, index.slots_total, index.held.view(torch.uint8), slots, index.drawn,
-                           rows, dim, width, seed=seed, kind=kind, zero_id=zero_id, WEIGHTS=init.weights,
-                           enable_fp_fusion=False, num_warps=1, **kernel_args(dim, width, kind, a, b, init.weights))
+        # (one warp a program: a chunk's loads are two ids a thread; a row of dim 128, four columns a thread)
+        _draw_kernel[(programs(triton.cdiv(n, DRAW_CHUNK), DRAW_PROGRAMS, ids.device),)](
+            ids, num_unique, n, index.slots_total, index.held.view(torch.uint8), slots, index.drawn, rows, dim, width,
+            seed=seed, kind=kind, zero_id=zero_id, WEIGHTS=init.weights, CHUNK=DRAW_CHUNK, enable_fp_fusion=False,
+            num_warps=1, **kernel_args(dim, width, kind, a, b, init.weights))
 
 
 def find(ids, num_unique, index, slots, set_out) -> None:

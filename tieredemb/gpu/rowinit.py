@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import launch_turn
+from . import PerMultiprocessor, launch_turn, programs
 
 _GAMMA = 0x9E3779B97F4A7C15
 
@@ -139,28 +139,50 @@ def init_row(out_ptr, dst, row_id, dim, width, weight_words, seed, kind, a, b, b
         tl.store(out_ptr + dst * width + cols, tl.zeros([BLOCK], dtype=tl.float32), mask=cols < width)
 
 
+@triton.jit
+def init_chunk(out_ptr, dst, row_id, todo, dim, width, weight_words, seed, kind, a, b, below_high, zero_id,
+               WEIGHTS: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    """The initial rows of row_id[j] into out[dst[j]] where todo[j] (vectors of CHUNK), one after
+    the other: each taken out of the vectors by a sum over the one lane it is in, so a program
+    reads its chunk's ids and rows at once and no thread waits on memory for the next."""
+    lanes = tl.arange(0, CHUNK)
+    if tl.max(todo.to(tl.int32), axis=0) > 0:  # (a chunk of rows held already: nothing to take out)
+        for j in range(0, CHUNK):
+            d = tl.sum(tl.where((lanes == j) & todo, dst + 1, 0), axis=0) - 1
+            if d >= 0:
+                init_row(out_ptr, d, tl.sum(tl.where(lanes == j, row_id, 0), axis=0), dim, width, weight_words,
+                         seed, kind, a, b, below_high, zero_id, WEIGHTS, BLOCK)
+
+
 # seed is a 64-bit key, never a constant: Triton would compile a seed of 1 in as a Python int,
 # which has no .to().
 @triton.jit(do_not_specialize=["seed"])
 def _init_rows_kernel(ids_ptr, out_ptr, rows_ptr, n, count_ptr, dim, width, weight_words, seed, kind, a, b,
                       below_high, zero_id, mark, HAS_ROWS: tl.constexpr, MARKED: tl.constexpr, COUNTED: tl.constexpr,
-                      WEIGHTS: tl.constexpr, BLOCK: tl.constexpr):
-    """Row i of the batch: the initial row of ids[i] into out[rows[i]] (out[i] without rows;
-    rows[i] < 0: none; MARKED: only if that row's first word, as an int32, is mark; COUNTED: only
-    for i < count[0])."""
-    i = tl.program_id(0)
-    row_id = tl.load(ids_ptr + i)
-    dst = tl.load(rows_ptr + i) if HAS_ROWS else i.to(tl.int64)
-    if COUNTED:
-        dst = tl.where(i < tl.load(count_ptr), dst, -1)
-    if MARKED:
-        dst = tl.where(tl.load(out_ptr + tl.maximum(dst, 0) * width).to(tl.int32, bitcast=True) == mark, dst, -1)
-        # Every thread has read the mark before any overwrites it (word 0 is a weight's): else a
-        # warp that reads late sees a drawn weight, skips its columns, and leaves the row half drawn.
-        tl.debug_barrier()
-    if dst >= 0:
-        init_row(out_ptr, dst, row_id, dim, width, weight_words, seed.to(tl.uint64), kind, a, b, below_high,
-                 zero_id, WEIGHTS, BLOCK)
+                      WEIGHTS: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    """Rows i of the batch, CHUNK at a time from CHUNK * program 0 on, a grid's stride apart: the
+    initial row of ids[i] into out[rows[i]] (out[i] without rows; rows[i] < 0: none; MARKED: only
+    if that row's first word, as an int32, is mark; COUNTED: only for i < count[0])."""
+    end = tl.minimum(n, tl.load(count_ptr)) if COUNTED else n
+    for base in range(tl.program_id(0) * CHUNK, end, tl.num_programs(0) * CHUNK):
+        i = base + tl.arange(0, CHUNK)
+        live = i < end
+        row_id = tl.load(ids_ptr + i, mask=live, other=0)
+        dst = tl.load(rows_ptr + i, mask=live, other=-1) if HAS_ROWS else i.to(tl.int64)
+        todo = live & (dst >= 0)
+        if MARKED:
+            todo = todo & (tl.load(out_ptr + dst * width, mask=todo, other=0).to(tl.int32, bitcast=True) == mark)
+            # Every thread has read its marks before any row is drawn (word 0 is a weight's): else
+            # a lane that reads late sees a drawn weight and leaves its row undrawn.
+            tl.debug_barrier()
+        init_chunk(out_ptr, dst, row_id, todo, dim, width, weight_words, seed.to(tl.uint64), kind, a, b,
+                   below_high, zero_id, WEIGHTS, CHUNK, BLOCK)
+
+
+# Rows an init program reads at once, and its programs (gpu.programs): the chunks taken a grid's
+# stride apart. Not yet measured on a GPU (before: one program per row).
+INIT_CHUNK = 64
+INIT_PROGRAMS = PerMultiprocessor(32)
 
 
 def kernel_args(dim: int, width: int, kind: int, a: float, b: float, weights: int) -> dict:
@@ -186,9 +208,9 @@ def init_rows(ids: torch.Tensor, out: torch.Tensor, rows: torch.Tensor | None, d
     if n == 0:
         return
     width = out.shape[1]
-    with launch_turn():
-        _init_rows_kernel[(n,)](ids, out, rows if rows is not None else ids, n, ids if count is None else count, dim,
-                                width, seed=seed, kind=kind, zero_id=zero_id, mark=0 if marked is None else marked,
-                                HAS_ROWS=rows is not None, MARKED=marked is not None, COUNTED=count is not None,
-                                WEIGHTS=weights, enable_fp_fusion=False,
-                                **kernel_args(dim, width, kind, a, b, weights))
+    with launch_turn():  # (one warp a program, as the whole table's draw: plan_kernels.draw)
+        _init_rows_kernel[(programs(triton.cdiv(n, INIT_CHUNK), INIT_PROGRAMS, out.device),)](
+            ids, out, rows if rows is not None else ids, n, ids if count is None else count, dim, width, seed=seed,
+            kind=kind, zero_id=zero_id, mark=0 if marked is None else marked, HAS_ROWS=rows is not None,
+            MARKED=marked is not None, COUNTED=count is not None, WEIGHTS=weights, CHUNK=INIT_CHUNK,
+            enable_fp_fusion=False, num_warps=1, **kernel_args(dim, width, kind, a, b, weights))
