@@ -122,8 +122,8 @@ case "$step" in
     rm -rf /tmp/prof
     part 170 tests test_gpu -v --durations=15 tests/test_gpu.py --deselect tests/test_gpu.py::test_the_cpu_tensor_tests_pass_in_a_child
     part 90 bench hbm --only fbgemm-hbm,ours-hbm,ours-hbm-eager,torch-ops --runs 5
-    part 180 bench cached --only fbgemm-uvm10,ours-host10-zc,ours-host10-zc-eager,ours-host10,ours-ssd10 --ssd-path /tmp \
-      --stacks /tmp/prof
+    part 180 bench cached --only fbgemm-uvm10,ours-host10-zc,ours-host10-zc-eager,ours-host10,ours-ssd10 \
+      --ssd-path /tmp --stacks /tmp/prof
     part 45 kernels moves --moves --reps 10
     part 45 kernels kernels --warps 1 --tiles 16 --update-programs 0,8,16,32,64 --reps 10
     part 45 kernels plan --plan --update-programs 0,8,16,32,64 --reps 10

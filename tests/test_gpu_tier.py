@@ -558,9 +558,10 @@ def test_partitioned_tier_keeps_each_parts_rows_and_counts_each_part():
 
 
 def test_the_backward_finds_each_occurrences_bag_and_each_hot_rows_tiles():
-    """_prep_kernel: each occurrence's bag by a binary search of the offsets (empty bags
-    anywhere, one bag, a bag count not a power of two), and each row's tiles of TILE occurrences
-    (0 for a row of at most TILE), as torch's repeat_interleave and arithmetic give them."""
+    """_prep_kernel: the bag of the occurrence at each sorted position, and (asked for, as the
+    per-sample weights' gradient asks) each occurrence's bag, by a binary search of the offsets
+    (empty bags anywhere, one bag, a bag count not a power of two), and each row's tiles of TILE
+    occurrences (0 for a row of at most TILE), as torch's repeat_interleave and arithmetic give them."""
     g = torch.Generator().manual_seed(0)
     for bags in (1, 2, 3, 7, 300, 1000):
         lengths = torch.randint(0, 4, (bags,), generator=g)
@@ -570,11 +571,17 @@ def test_the_backward_finds_each_occurrences_bag_and_each_hot_rows_tiles():
         n = int(offsets[-1])
         count = torch.bincount(torch.randint(0, max(1, n // 3), (n,), generator=g), minlength=n)
         start = torch.cat([torch.zeros(1, dtype=torch.int64), count.cumsum(0)])
-        bag, tiles, chunk = torch.empty(n, dtype=torch.int64), torch.empty(n, dtype=torch.int64), torch.full((n + 1,), 7)
-        pooling._prep_kernel[(-(-n // 256),)](offsets, bags, start, n, bag, tiles, chunk, bags.bit_length() + 1,
-                                               TILE=2, BLOCK=256)
-        assert torch.equal(bag, torch.repeat_interleave(torch.arange(bags), lengths)), bags
-        assert torch.equal(tiles, torch.where(count > 2, (count + 1) // 2, 0)) and chunk[0] == 0
+        order = torch.randperm(n, generator=g)
+        want = torch.repeat_interleave(torch.arange(bags), lengths)
+        for by_occurrence in (False, True):
+            sorted_bag, bag, tiles = (torch.full((n,), -5, dtype=torch.int64) for _ in range(3))
+            chunk = torch.full((n + 1,), 7)
+            pooling._prep_kernel[(-(-n // 256),)](offsets, bags, order, start, n, sorted_bag, bag, tiles, chunk,
+                                                   bags.bit_length() + 1, BY_OCCURRENCE=by_occurrence, TILE=2,
+                                                   BLOCK=256)
+            assert torch.equal(sorted_bag, want[order]), bags
+            assert torch.equal(bag, want) if by_occurrence else bool((bag == -5).all()), bags
+            assert torch.equal(tiles, torch.where(count > 2, (count + 1) // 2, 0)) and chunk[0] == 0
 
 
 @pytest.mark.parametrize("where", ["cpu", "device-tier"])

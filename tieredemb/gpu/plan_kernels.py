@@ -251,11 +251,10 @@ def assign(in_set, order, index, window, chosen) -> None:
     wid, wbatch = window if window is not None else (in_set, in_set)
     n_w = max(wid.numel(), 1)
     with launch_turn():
-        _assign_kernel[(programs(n, ASSIGN_PROGRAMS, in_set.device),)](in_set, order, n, index.sets, index.ways, index.slot_id,
-                                                        index.pins, index.tags, index.step, index.stamp, index.uses,
-                                                        wid, wbatch, n_w, n_w.bit_length(), chosen,
-                                                        LFU=index.policy == "lfu", WINDOW=window is not None,
-                                                        WAYS=triton.next_power_of_2(index.ways))
+        _assign_kernel[(programs(n, ASSIGN_PROGRAMS, in_set.device),)](
+            in_set, order, n, index.sets, index.ways, index.slot_id, index.pins, index.tags, index.step, index.stamp,
+            index.uses, wid, wbatch, n_w, n_w.bit_length(), chosen, LFU=index.policy == "lfu",
+            WINDOW=window is not None, WAYS=triton.next_power_of_2(index.ways))
 
 
 # The rest of a plan, after find and assign, in two launches over the "entries": the batch's n ids,

@@ -152,22 +152,25 @@ def _tile(block: int, most: int) -> int:
 
 
 @triton.jit
-def _tile_grad(order_ptr, first, end, bag_ptr, scale_ptr, grad_ptr, at_ptr, argmax_ptr, dim, cols, w,
+def _tile_grad(order_ptr, first, end, sorted_bag_ptr, scale_ptr, grad_ptr, at_ptr, argmax_ptr, dim, cols, w,
                MODE: tl.constexpr, HAS_AT: tl.constexpr, SCALE: tl.constexpr, TILE: tl.constexpr):
     """The sum of the gradients of the occurrences at sorted positions first .. min(first + TILE,
-    end) - 1 (occurrence order[k]: its bag's gradient times its scale: SCALE 0 none, 1 scale[i]
-    (per-sample weights), 2 scale[bag] (mean: 1 / the bag's rows); for max only the columns it
-    was the argmax of), read as one [TILE, BLOCK] tile and summed down (a fixed order)."""
+    end) - 1 (occurrence i = order[k], of bag sorted_bag[k]: its bag's gradient times its scale:
+    SCALE 0 none, 1 scale[i] (per-sample weights), 2 scale[bag] (mean: 1 / the bag's rows); for
+    max only the columns it was the argmax of), read as one [TILE, BLOCK] tile and summed down (a
+    fixed order). The bags are read by position, so the gradient rows wait on one load, not two;
+    the occurrences themselves only for max and per-sample weights."""
     k = first + tl.arange(0, TILE)
     live = k < end
-    i = tl.load(order_ptr + k, mask=live, other=0)
-    bag = tl.load(bag_ptr + i, mask=live, other=0)
+    bag = tl.load(sorted_bag_ptr + k, mask=live, other=0)
     m = live[:, None] & w[None, :]
     grad = tl.load(grad_ptr + _out_row(at_ptr, bag, dim, HAS_AT)[:, None] + cols[None, :], mask=m, other=0.0)
     if MODE == 2:
+        i = tl.load(order_ptr + k, mask=live, other=0)
         won = tl.load(argmax_ptr + bag[:, None] * dim + cols[None, :], mask=m, other=-1) == i[:, None]
         grad = tl.where(won, grad, 0.0)
     elif SCALE == 1:
+        i = tl.load(order_ptr + k, mask=live, other=0)
         grad = grad * tl.load(scale_ptr + i, mask=live, other=0.0)[:, None]
     elif SCALE == 2:
         grad = grad * tl.load(scale_ptr + bag, mask=live, other=0.0)[:, None]
@@ -175,9 +178,9 @@ def _tile_grad(order_ptr, first, end, bag_ptr, scale_ptr, grad_ptr, at_ptr, argm
 
 
 @triton.jit
-def _chunk_kernel(sorted_ptr, order_ptr, start_ptr, chunk_ptr, unique_ptr, bag_ptr, scale_ptr, grad_ptr, at_ptr,
-                  argmax_ptr, partial_ptr, n, dim, skip_id, frozen_id, MODE: tl.constexpr, HAS_AT: tl.constexpr,
-                  SCALE: tl.constexpr, TILE: tl.constexpr, BLOCK: tl.constexpr):
+def _chunk_kernel(sorted_ptr, order_ptr, start_ptr, chunk_ptr, unique_ptr, sorted_bag_ptr, scale_ptr, grad_ptr,
+                  at_ptr, argmax_ptr, partial_ptr, n, dim, skip_id, frozen_id, MODE: tl.constexpr,
+                  HAS_AT: tl.constexpr, SCALE: tl.constexpr, TILE: tl.constexpr, BLOCK: tl.constexpr):
     """The sorted positions of window program 0 (TILE of them; occurrences sorted by unique row,
     sorted[p] the row of position p): each tile of a row with more than TILE occurrences that
     starts here (at start[u] + k * TILE) has its gradient sum stored in partial[chunk[u] + k]. So a
@@ -202,8 +205,8 @@ def _chunk_kernel(sorted_ptr, order_ptr, start_ptr, chunk_ptr, unique_ptr, bag_p
             uid = tl.load(unique_ptr + row)
             if (uid >= 0) & (uid != skip_id) & (uid != frozen_id):  # (-1: ids after the last bag)
                 row_start = tl.load(start_ptr + row)
-                g = _tile_grad(order_ptr, p, tl.load(start_ptr + row + 1), bag_ptr, scale_ptr, grad_ptr, at_ptr,
-                               argmax_ptr, dim, cols, w, MODE, HAS_AT, SCALE, TILE)
+                g = _tile_grad(order_ptr, p, tl.load(start_ptr + row + 1), sorted_bag_ptr, scale_ptr, grad_ptr,
+                               at_ptr, argmax_ptr, dim, cols, w, MODE, HAS_AT, SCALE, TILE)
                 c = tl.load(chunk_ptr + row) + (p - row_start) // TILE
                 tl.store(partial_ptr + c * dim + cols, g, mask=w)
 
@@ -212,10 +215,10 @@ def _chunk_kernel(sorted_ptr, order_ptr, start_ptr, chunk_ptr, unique_ptr, bag_p
 # Python int, which has no .to().
 @triton.jit(do_not_specialize=["sr_seed"])
 def _update_kernel(pool_ptr, dirty_ptr, slots_ptr, unique_ptr, num_unique_ptr, order_ptr, start_ptr, chunk_ptr,
-                   partial_ptr, bag_ptr, scale_ptr, grad_ptr, at_ptr, argmax_ptr, dim, dim_f, width, weight_words,
-                   skip_id, frozen_id, lr, eps, beta1, beta2, adam_step_ptr, acc_div, sr_seed, step_ptr, OPT: tl.constexpr,
-                   MODE: tl.constexpr, HAS_AT: tl.constexpr, SCALE: tl.constexpr, WEIGHTS: tl.constexpr,
-                   STOCHASTIC: tl.constexpr, TILE: tl.constexpr, BLOCK: tl.constexpr):
+                   partial_ptr, sorted_bag_ptr, scale_ptr, grad_ptr, at_ptr, argmax_ptr, dim, dim_f, width,
+                   weight_words, skip_id, frozen_id, lr, eps, beta1, beta2, adam_step_ptr, acc_div, sr_seed, step_ptr,
+                   OPT: tl.constexpr, MODE: tl.constexpr, HAS_AT: tl.constexpr, SCALE: tl.constexpr,
+                   WEIGHTS: tl.constexpr, STOCHASTIC: tl.constexpr, TILE: tl.constexpr, BLOCK: tl.constexpr):
     """Unique rows u = program 0, then a grid's stride apart, below U; for each, g = the sum of its
     occurrences' gradients (occurrences order[start[u]] .. order[start[u+1]-1], each the gradient
     of its bag times its scale (see _tile_grad); for max only the columns it was the argmax of; a
@@ -241,8 +244,8 @@ def _update_kernel(pool_ptr, dirty_ptr, slots_ptr, unique_ptr, num_unique_ptr, o
                     g += tl.sum(tl.load(partial_ptr + c[:, None] * dim + cols[None, :],
                                         mask=(c < c_end)[:, None] & w[None, :], other=0.0), axis=0)
             else:
-                g = _tile_grad(order_ptr, first, end, bag_ptr, scale_ptr, grad_ptr, at_ptr, argmax_ptr, dim, cols, w,
-                               MODE, HAS_AT, SCALE, TILE)
+                g = _tile_grad(order_ptr, first, end, sorted_bag_ptr, scale_ptr, grad_ptr, at_ptr, argmax_ptr, dim,
+                               cols, w, MODE, HAS_AT, SCALE, TILE)
             slot = tl.load(slots_ptr + u)
             row = pool_ptr + slot * width + weight_words - dim  # the state: at row + dim + ...
             x = load_weights(pool_ptr, slot, cols, w, width, WEIGHTS)
@@ -297,23 +300,34 @@ def _store_stochastic(pool_ptr, slot, cols, x, mask, width, row_id, sr_seed, ste
 
 
 @triton.jit
-def _prep_kernel(offsets_ptr, bags, start_ptr, n, bag_ptr, tiles_ptr, chunk_ptr, steps, TILE: tl.constexpr,
-                 BLOCK: tl.constexpr):
-    """Positions BLOCK * program 0 onwards, p < n, in two roles. Occurrence p: bag[p] = its bag
-    (the last b < bags with offsets[b] <= p: a binary search of `steps` >= log2(bags) + 1
-    halvings; empty bags are skipped). Unique row p: tiles[p] = its tiles of TILE occurrences if
-    it has more than TILE (start[p + 1] - start[p]), else 0. Program 0 sets chunk[0] = 0."""
-    p = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    live = p < n
+def _bag_of(offsets_ptr, bags, q, live, steps, BLOCK: tl.constexpr):
+    """The bag of each occurrence q (int64 [BLOCK]): the last b < bags with offsets[b] <= q, by a
+    binary search of `steps` >= log2(bags) + 1 halvings (empty bags are skipped)."""
     lo = tl.zeros([BLOCK], dtype=tl.int64)
     hi = tl.zeros([BLOCK], dtype=tl.int64) + (bags - 1)
     for _ in range(steps):
         mid = (lo + hi + 1) // 2
         go = lo < hi
-        at_or_before = tl.load(offsets_ptr + mid, mask=live & go, other=0) <= p
+        at_or_before = tl.load(offsets_ptr + mid, mask=live & go, other=0) <= q
         lo = tl.where(go & at_or_before, mid, lo)
         hi = tl.where(go & ~at_or_before, mid - 1, hi)
-    tl.store(bag_ptr + p, lo, mask=live)
+    return lo
+
+
+@triton.jit
+def _prep_kernel(offsets_ptr, bags, order_ptr, start_ptr, n, sorted_bag_ptr, bag_ptr, tiles_ptr, chunk_ptr, steps,
+                 BY_OCCURRENCE: tl.constexpr, TILE: tl.constexpr, BLOCK: tl.constexpr):
+    """Positions BLOCK * program 0 onwards, p < n, in up to three roles. Sorted position p:
+    sorted_bag[p] = the bag of occurrence order[p]. Occurrence p (BY_OCCURRENCE: the per-sample
+    weights' gradient reads it): bag[p] = its bag. Unique row p: tiles[p] = its tiles of TILE
+    occurrences if it has more than TILE (start[p + 1] - start[p]), else 0. Program 0 sets
+    chunk[0] = 0."""
+    p = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = p < n
+    occurrence = tl.load(order_ptr + p, mask=live, other=0)
+    tl.store(sorted_bag_ptr + p, _bag_of(offsets_ptr, bags, occurrence, live, steps, BLOCK), mask=live)
+    if BY_OCCURRENCE:
+        tl.store(bag_ptr + p, _bag_of(offsets_ptr, bags, p.to(tl.int64), live, steps, BLOCK), mask=live)
     count = tl.load(start_ptr + p + 1, mask=live, other=0) - tl.load(start_ptr + p, mask=live, other=0)
     tl.store(tiles_ptr + p, tl.where(count > TILE, (count + TILE - 1) // TILE, 0), mask=live)
     if tl.program_id(0) == 0:
@@ -357,11 +371,13 @@ def backward_update(pool: torch.Tensor, dirty: torch.Tensor, dim: int, slots: to
     # chunk[u + 1] - 1 of partial. Such rows number fewer than n / tile, and each has at most its
     # occurrences / tile + 1 tiles.
     tile = _tile(block, UPDATE_TILE)
-    bag_of, tiles = torch.empty(n, dtype=torch.int64, device=dev), torch.empty(n, dtype=torch.int64, device=dev)
+    sorted_bag, tiles = torch.empty(n, dtype=torch.int64, device=dev), torch.empty(n, dtype=torch.int64, device=dev)
+    bag_of = torch.empty(n, dtype=torch.int64, device=dev) if need_psw_grad else sorted_bag  # (else not written)
     chunk = torch.empty(n + 1, dtype=torch.int64, device=dev)
     with launch_turn():
-        _prep_kernel[(triton.cdiv(n, _PREP_BLOCK),)](offsets, bags, start, n, bag_of, tiles, chunk,
-                                                     max(bags, 1).bit_length() + 1, TILE=tile, BLOCK=_PREP_BLOCK)
+        _prep_kernel[(triton.cdiv(n, _PREP_BLOCK),)](offsets, bags, order, start, n, sorted_bag, bag_of, tiles, chunk,
+                                                     max(bags, 1).bit_length() + 1, BY_OCCURRENCE=need_psw_grad,
+                                                     TILE=tile, BLOCK=_PREP_BLOCK)
     psw_grad = None
     if need_psw_grad:
         psw_grad = torch.empty(n, dtype=torch.float32, device=dev)
@@ -378,8 +394,8 @@ def backward_update(pool: torch.Tensor, dirty: torch.Tensor, dim: int, slots: to
         torch.cumsum(tiles, 0, out=chunk[1:])
         partial = torch.empty(2 * triton.cdiv(n, tile) + 1, dim, dtype=torch.float32, device=dev)
         with launch_turn():
-            _chunk_kernel[(triton.cdiv(n, tile),)](sorted_u, order, start, chunk, unique, bag_of, scale, grad_out,
-                                                   at_arg, argmax_arg, partial, n, dim, skip_id, frozen_id,
+            _chunk_kernel[(triton.cdiv(n, tile),)](sorted_u, order, start, chunk, unique, sorted_bag, scale,
+                                                   grad_out, at_arg, argmax_arg, partial, n, dim, skip_id, frozen_id,
                                                    MODE=mode, HAS_AT=at is not None, SCALE=scale_kind, TILE=tile,
                                                    BLOCK=block)
     a = optimizer.native_args(step)
@@ -390,12 +406,12 @@ def backward_update(pool: torch.Tensor, dirty: torch.Tensor, dim: int, slots: to
         else:  # (never read)
             scalars = _unread_scalars(dev)
     with launch_turn():
-        _update_kernel[(programs(n, UPDATE_PROGRAMS, pool.device),)](pool, dirty, slots, unique, num_unique, order, start, chunk,
-                             partial, bag_of, scale, grad_out, at_arg, argmax_arg, dim, float(dim), pool.shape[1],
-                             dim if weights == 0 else (dim + 1) // 2, skip_id, frozen_id, a.lr, a.eps, a.beta1, a.beta2,
-                             scalars[0], a.accumulator_divisor, sr_seed, scalars[1], OPT=optimizer.kind, MODE=mode,
-                             HAS_AT=at is not None, SCALE=scale_kind, WEIGHTS=weights, STOCHASTIC=stochastic_rounding,
-                             TILE=tile, BLOCK=block, num_warps=UPDATE_WARPS)
+        _update_kernel[(programs(n, UPDATE_PROGRAMS, pool.device),)](
+            pool, dirty, slots, unique, num_unique, order, start, chunk, partial, sorted_bag, scale, grad_out, at_arg,
+            argmax_arg, dim, float(dim), pool.shape[1], dim if weights == 0 else (dim + 1) // 2, skip_id, frozen_id,
+            a.lr, a.eps, a.beta1, a.beta2, scalars[0], a.accumulator_divisor, sr_seed, scalars[1], OPT=optimizer.kind,
+            MODE=mode, HAS_AT=at is not None, SCALE=scale_kind, WEIGHTS=weights, STOCHASTIC=stochastic_rounding,
+            TILE=tile, BLOCK=block, num_warps=UPDATE_WARPS)
     return psw_grad
 
 
