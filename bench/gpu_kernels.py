@@ -6,7 +6,8 @@ one call, median of --reps calls timed by CUDA events, after a call that compile
 defaults (pooling.FORWARD_WARPS, FORWARD_TILE, UPDATE_WARPS, UPDATE_TILE) come from. Then, at
 those defaults, the backward + update by its number of programs (pooling.UPDATE_PROGRAMS: one
 per occurrence, or --update-programs times the GPU's multiprocessors, each taking unique rows a
-grid's stride apart).
+grid's stride apart). Last, the whole table's residency (plan_kernels.draw: rows first missed
+drawn in place, 40 % of the batch's here) as one id a program and as chunks of 64.
 
 With --moves, instead: zero-copy's moves (tieredemb/gpu/moves.py) under each launch shape (rows
 a program moves, warps): --move-rows rows of dim 128 + 1 read from host rows pinned and mapped
@@ -139,6 +140,7 @@ def main(argv=None) -> int:
         by_programs.append({"update_programs": per_sm * sms or None, "backward_update_us": bwd})
         print(f"update programs {'one per occurrence' if not per_sm else f'{per_sm} x {sms} = {per_sm * sms}':>20}:  "
               f"backward+update {bwd:8.1f} us", flush=True)
+    by_draw = draw_by_chunks(a, dev, pool, unique, n, w.dim)
     best_f = min(results, key=lambda r: r["forward_us"])
     best_b = min(results, key=lambda r: r["backward_update_us"])
     print(f"fastest forward: warps {best_f['warps']}, max tile {best_f['max_tile']} ({best_f['forward_us']:.1f} us); "
@@ -147,8 +149,43 @@ def main(argv=None) -> int:
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"device": name, "ids": n, "distinct": u, "rows": a.rows,
-                       "results": results, "by_update_programs": by_programs}, f, indent=1)
+                       "results": results, "by_update_programs": by_programs, "draw": by_draw}, f, indent=1)
     return 0
+
+
+def draw_by_chunks(a, dev, pool, unique, n: int, dim: int) -> list:
+    """The whole table's residency (plan_kernels.draw) on the batch's distinct ids (a buffer of n,
+    U of them live), 40 % of their rows not held yet, so drawn: as one id a program (about the
+    launch before 5fd6ff6: one program per id) and as the default chunks. Each call first resets
+    the held bits (a copy, timed alone too)."""
+    from tieredemb.gpu import PerMultiprocessor, plan_kernels
+    from tieredemb.gpu.direct_index import DirectIndex
+    from tieredemb.tiers.rowstore import RowInit
+
+    index = DirectIndex(pool.shape[0], dev)
+    held = torch.rand(index.held.shape, generator=torch.Generator().manual_seed(5)).to(dev) < 0.6
+    ids = torch.full((n,), -1, dtype=torch.int64, device=dev)
+    ids[:unique.numel()] = unique
+    count = torch.tensor([unique.numel()], device=dev)
+    init = RowInit(dim, 0, 0.0, 0.01, 7, -1)
+    slots = torch.empty(n, dtype=torch.int64, device=dev)
+    reset = timed(lambda: index.held.copy_(held), a.reps, dev)
+    defaults, out = (plan_kernels.DRAW_CHUNK, plan_kernels.DRAW_PROGRAMS), []
+    try:
+        for label, chunk, cap in (("one id a program", 1, None), ("64 ids a program, 32 per SM", 64,
+                                                                  PerMultiprocessor(32))):
+            plan_kernels.DRAW_CHUNK, plan_kernels.DRAW_PROGRAMS = chunk, cap
+
+            def draw():
+                index.held.copy_(held)
+                plan_kernels.draw(ids, count, index, pool, init, slots)
+
+            us = timed(draw, a.reps, dev) - reset
+            out.append({"draw": label, "us": us})
+            print(f"draw {label:>28}:  {us:8.1f} us (the held bits' reset, {reset:.1f} us, taken off)", flush=True)
+    finally:
+        plan_kernels.DRAW_CHUNK, plan_kernels.DRAW_PROGRAMS = defaults
+    return out
 
 
 def sweep_plan(a) -> int:
