@@ -7,7 +7,7 @@ defaults (pooling.FORWARD_WARPS, FORWARD_TILE, UPDATE_WARPS, UPDATE_TILE) come f
 those defaults, the backward + update by its number of programs (pooling.UPDATE_PROGRAMS: one
 per occurrence, or --update-programs times the GPU's multiprocessors, each taking unique rows a
 grid's stride apart). Last, the whole table's residency (plan_kernels.draw: rows first missed
-drawn in place, 40 % of the batch's here) as one id a program and as chunks of 64.
+drawn in place, 40 % of the batch's here) as one id a program and as chunks of 8 and of 64.
 
 With --moves, instead: zero-copy's moves (tieredemb/gpu/moves.py) under each launch shape (rows
 a program moves, warps): --move-rows rows of dim 128 + 1 read from host rows pinned and mapped
@@ -156,8 +156,8 @@ def main(argv=None) -> int:
 def draw_by_chunks(a, dev, pool, unique, n: int, dim: int) -> list:
     """The whole table's residency (plan_kernels.draw) on the batch's distinct ids (a buffer of n,
     U of them live), 40 % of their rows not held yet, so drawn: as one id a program (about the
-    launch before 5fd6ff6: one program per id) and as the default chunks. Each call first resets
-    the held bits (a copy, timed alone too)."""
+    launch before 5fd6ff6: one program per id), as the default chunks of 8, and as chunks of 64.
+    Each call first resets the held bits (a copy, timed alone too)."""
     from tieredemb.gpu import PerMultiprocessor, plan_kernels
     from tieredemb.gpu.direct_index import DirectIndex
     from tieredemb.tiers.rowstore import RowInit
@@ -172,8 +172,9 @@ def draw_by_chunks(a, dev, pool, unique, n: int, dim: int) -> list:
     reset = timed(lambda: index.held.copy_(held), a.reps, dev)
     defaults, out = (plan_kernels.DRAW_CHUNK, plan_kernels.DRAW_PROGRAMS), []
     try:
-        for label, chunk, cap in (("one id a program", 1, None), ("64 ids a program, 32 per SM", 64,
-                                                                  PerMultiprocessor(32))):
+        for label, chunk, cap in (("one id a program", 1, None), ("8 ids a program, 32 per SM", 8,
+                                                                  PerMultiprocessor(32)),
+                                  ("64 ids a program, 32 per SM", 64, PerMultiprocessor(32))):
             plan_kernels.DRAW_CHUNK, plan_kernels.DRAW_PROGRAMS = chunk, cap
 
             def draw():
@@ -182,7 +183,7 @@ def draw_by_chunks(a, dev, pool, unique, n: int, dim: int) -> list:
 
             us = timed(draw, a.reps, dev) - reset
             out.append({"draw": label, "us": us})
-            print(f"draw {label:>28}:  {us:8.1f} us (the held bits' reset, {reset:.1f} us, taken off)", flush=True)
+            print(f"draw {label:>27}:  {us:8.1f} us (the held bits' reset, {reset:.1f} us, taken off)", flush=True)
     finally:
         plan_kernels.DRAW_CHUNK, plan_kernels.DRAW_PROGRAMS = defaults
     return out

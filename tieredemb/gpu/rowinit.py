@@ -180,8 +180,10 @@ def _init_rows_kernel(ids_ptr, out_ptr, rows_ptr, n, count_ptr, dim, width, weig
 
 
 # Rows an init program reads at once, and its programs (gpu.programs): the chunks taken a grid's
-# stride apart. Not yet measured on a GPU (before: one program per row).
-INIT_CHUNK = 64
+# stride apart. Not yet measured on a GPU (before: one program per row). Small chunks, as
+# plan_kernels.DRAW_CHUNK: here most rows of a chunk may be drawn (a tier's misses never stored),
+# one after the other, and 16K misses in chunks of 8 are 2K warps at work, in chunks of 64 only 250.
+INIT_CHUNK = 8
 INIT_PROGRAMS = PerMultiprocessor(32)
 
 
