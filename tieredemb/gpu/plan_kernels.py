@@ -206,7 +206,8 @@ def draw(ids, num_unique, index, rows, init, slots) -> None:
     dim, kind, a, b, seed, zero_id = init.args
     width = rows.shape[1]
     with launch_turn():
-        # (one warp a program: a chunk's loads are two ids a thread; a row of dim 128, four columns a thread)
+        # (one warp a program: a chunk's 8 ids held by 4 threads each, hence the barrier between the
+        # held bits' loads and stores; a row of dim 128 drawn four columns a thread)
         _draw_kernel[(programs(triton.cdiv(n, DRAW_CHUNK), DRAW_PROGRAMS, ids.device),)](
             ids, num_unique, n, index.slots_total, index.held.view(torch.uint8), slots, index.drawn, rows, dim, width,
             seed=seed, kind=kind, zero_id=zero_id, WEIGHTS=init.weights, CHUNK=DRAW_CHUNK, enable_fp_fusion=False,
