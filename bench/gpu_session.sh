@@ -125,7 +125,7 @@ case "$step" in
     part 180 bench cached --only fbgemm-uvm10,ours-host10-zc,ours-host10-zc-eager,ours-host10,ours-ssd10 \
       --ssd-path /tmp --stacks /tmp/prof
     part 45 kernels moves --moves --reps 10
-    part 45 kernels kernels --warps 1 --tiles 16 --update-programs 0,8,16,32,64 --reps 10
+    part 60 kernels kernels --warps 1 --tiles 16 --update-programs 0,8,16,32,64 --reps 10
     part 45 kernels plan --plan --update-programs 0,8,16,32,64 --reps 10
     part 70 bench ragged --only fbgemm-hbm,ours-hbm,ours-hbm-eager --runs 5 --ragged
     part 70 bench device_ids --only fbgemm-hbm,ours-hbm,ours-hbm-eager --runs 5 --ids-on-device
