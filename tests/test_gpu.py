@@ -111,16 +111,18 @@ def _counted_alike(a, b, depth: int, moved_only: bool) -> None:
 
 @pytest.mark.parametrize("zero_copy", [False, True], ids=["copies", "zero-copy"])
 def test_kernels_capped_at_a_few_programs_train_bit_for_bit_as_one_per_item(monkeypatch, zero_copy):
-    """The update and assign kernels, each capped at 7 programs that take their items 7 apart
-    (pooling.UPDATE_PROGRAMS, plan_kernels.ASSIGN_PROGRAMS: what gpu_kernels.py sweeps; by default
-    32 per multiprocessor), train the same bits as one program per item."""
-    from tieredemb.gpu import plan_kernels, pooling
+    """The update, assign and misses' draw kernels, each capped at 7 programs that take their
+    items (the draw: chunks of rows) 7 apart (pooling.UPDATE_PROGRAMS, plan_kernels.ASSIGN_PROGRAMS,
+    rowinit.INIT_PROGRAMS; by default 32 per multiprocessor), train the same bits as one program
+    per item."""
+    from tieredemb.gpu import plan_kernels, pooling, rowinit
 
-    monkeypatch.setattr(pooling, "UPDATE_PROGRAMS", None)
-    monkeypatch.setattr(plan_kernels, "ASSIGN_PROGRAMS", None)
+    caps = ((pooling, "UPDATE_PROGRAMS"), (plan_kernels, "ASSIGN_PROGRAMS"), (rowinit, "INIT_PROGRAMS"))
+    for module, name in caps:
+        monkeypatch.setattr(module, name, None)
     plain, out_plain = _train("cuda", "sum", cache_rows=8, zero_copy=zero_copy)
-    monkeypatch.setattr(pooling, "UPDATE_PROGRAMS", 7)
-    monkeypatch.setattr(plan_kernels, "ASSIGN_PROGRAMS", 7)
+    for module, name in caps:
+        monkeypatch.setattr(module, name, 7)
     capped, out_capped = _train("cuda", "sum", cache_rows=8, zero_copy=zero_copy)
     assert torch.equal(out_capped, out_plain) and torch.equal(_table(capped), _table(plain))
 
