@@ -299,9 +299,12 @@ def profile_steps(name: str, step, stream, steps: int, grad, dev: torch.device, 
         f.write(events.table(sort_by=sort_by, row_limit=40))
     trace = os.path.join(out_dir, f"{name}.trace.json")
     prof.export_chrome_trace(trace)
-    kernel_us = sum(e.self_device_time_total for e in events if e.device_type.name == "CUDA")
+    kernels = [e for e in events if e.device_type.name == "CUDA"]
+    kernel_us = sum(e.self_device_time_total for e in kernels)
+    top = sorted(kernels, key=lambda e: e.self_device_time_total, reverse=True)[:8]  # (for the log)
     return {"steps": steps, "wall_ms_per_step": wall * 1e3 / steps, "kernel_ms_per_step": kernel_us / 1e3 / steps,
-            "phases": trace_steps.summarize(trace)}
+            "phases": trace_steps.summarize(trace),
+            "top_kernels_us_per_step": [(e.key[:60], e.self_device_time_total / steps) for e in top]}
 
 
 def sample_steps(name: str, step, stream, steps: int, grad, dev: torch.device, out_dir: str) -> dict:
@@ -469,7 +472,9 @@ def main(argv=None) -> int:
             pr = r["profile"]
             print(f"{'':18s} profiled {pr['steps']} steps: {pr['wall_ms_per_step']:.3f} ms a step, kernels "
                   f"{pr['kernel_ms_per_step']:.3f} ms a step ({a.profile}/{name}.txt)\n"
-                  f"{'':18s} {trace_steps.line('', pr['phases']).strip()}", flush=True)
+                  f"{'':18s} {trace_steps.line('', pr['phases']).strip()}\n"
+                  f"{'':18s} kernels a step: "
+                  + "; ".join(f"{k} {us:.1f} us" for k, us in pr.get("top_kernels_us_per_step", [])), flush=True)
         write_json(a.json, dev, w, results, failed)  # (after each system: a later one may not finish)
     batches = (("on the device" if a.ids_on_device else
                 "on the host, " + ("pageable" if a.pageable_batches or dev.type != "cuda" else "pinned"))

@@ -13,9 +13,10 @@
 #                                          log store (FBGEMM's UVM cache, ours zero-copy with CUDA graphs and
 #                                          without, with copies, over SSD with prefetch); zero-copy's move kernel
 #                                          by launch shape, each way and both at once; the update kernel and a
-#                                          queued plan by their kernels' number of programs; the whole table
-#                                          with ragged bags, and with ids on the device; the collection bench;
-#                                          as time allows
+#                                          queued plan by their kernels' number of programs, the draw by its
+#                                          chunks; FBGEMM's, ours-hbm's and ours-host10-zc's kernels a step
+#                                          (torch.profiler); the whole table with ragged bags, and with ids on
+#                                          the device; the collection bench; as time allows
 #
 # and, where time is left, one of the parts alone:
 #
@@ -118,7 +119,7 @@ part() {  # part CAP COMMAND...: one part of `first`, its outcome in $OUT/first.
   echo "first: exit $rc after $SECONDS s" | log first
 }
 case "$step" in
-  first)  # (what comes back: first.log, each part's JSON, prof.tgz: the cached systems' stacks)
+  first)  # (what comes back: first.log, each part's JSON, prof.tgz: the cached systems' stacks, three profiles)
     rm -rf /tmp/prof
     part 170 tests test_gpu -v --durations=15 tests/test_gpu.py --deselect tests/test_gpu.py::test_the_cpu_tensor_tests_pass_in_a_child
     part 90 bench hbm --only fbgemm-hbm,ours-hbm,ours-hbm-eager,torch-ops --runs 5
@@ -127,6 +128,7 @@ case "$step" in
     part 45 kernels moves --moves --reps 10
     part 60 kernels kernels --warps 1 --tiles 16 --update-programs 0,8,16,32,64 --reps 10
     part 45 kernels plan --plan --update-programs 0,8,16,32,64 --reps 10
+    part 50 bench profiled --only fbgemm-hbm,ours-hbm,ours-host10-zc --runs 1 --profile /tmp/prof
     part 70 bench ragged --only fbgemm-hbm,ours-hbm,ours-hbm-eager --runs 5 --ragged
     part 70 bench device_ids --only fbgemm-hbm,ours-hbm,ours-hbm-eager --runs 5 --ids-on-device
     part 600 collection
