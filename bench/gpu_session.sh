@@ -11,12 +11,13 @@
 #                                          the GPU tests; the table whole in HBM (FBGEMM, ours with CUDA graphs
 #                                          and without, torch ops); tier 0 = 10% over host memory and over the
 #                                          log store (FBGEMM's UVM cache, ours zero-copy with CUDA graphs and
-#                                          without, with copies, over SSD with prefetch); zero-copy's move kernel
-#                                          by launch shape, each way and both at once; the update kernel and a
-#                                          queued plan by their kernels' number of programs, the draw by its
-#                                          chunks; FBGEMM's, ours-hbm's and ours-host10-zc's kernels a step
-#                                          (torch.profiler); the whole table with ragged bags, and with ids on
-#                                          the device; the collection bench; as time allows
+#                                          without, with copies, over SSD with prefetch; their stacks); the
+#                                          update kernel by its number of programs and the draw by its chunks;
+#                                          FBGEMM's, ours-hbm's and ours-host10-zc's kernels a step
+#                                          (torch.profiler); a queued plan by the assign kernel's programs; the
+#                                          whole table with ragged bags, and with ids on the device; the
+#                                          collection bench; as time allows (zero-copy's moves, measured at
+#                                          bf6f7a3: `moves` alone)
 #
 # and, where time is left, one of the parts alone:
 #
@@ -125,10 +126,9 @@ case "$step" in
     part 90 bench hbm --only fbgemm-hbm,ours-hbm,ours-hbm-eager,torch-ops --runs 5
     part 180 bench cached --only fbgemm-uvm10,ours-host10-zc,ours-host10-zc-eager,ours-host10,ours-ssd10 \
       --ssd-path /tmp --stacks /tmp/prof
-    part 45 kernels moves --moves --reps 10
     part 60 kernels kernels --warps 1 --tiles 16 --update-programs 0,8,16,32,64 --reps 10
-    part 45 kernels plan --plan --update-programs 0,8,16,32,64 --reps 10
     part 50 bench profiled --only fbgemm-hbm,ours-hbm,ours-host10-zc --runs 1 --profile /tmp/prof
+    part 45 kernels plan --plan --update-programs 0,8,16,32,64 --reps 10
     part 70 bench ragged --only fbgemm-hbm,ours-hbm,ours-hbm-eager --runs 5 --ragged
     part 70 bench device_ids --only fbgemm-hbm,ours-hbm,ours-hbm-eager --runs 5 --ids-on-device
     part 600 collection
