@@ -491,8 +491,8 @@ def place(ids, num_unique, num_rows, index, found, chosen, rows, guess) -> Place
         _place_kernel[(blocks,)](ids, num_unique, n, num_rows, found, chosen, *state, ends, blocks, out.slots,
                                  out.valid.view(torch.uint8), out.fresh.view(torch.uint8), out.xfer, out.miss_slots,
                                  out.miss_victims, out.needs[0], out.needs[1], out.victims, out.dirty_slots,
-                                 out.needs[2], out.leaves,
-                                 rows if guess else ids, width, guess, out.guessed if guess else ids,
+                                 out.needs[2], out.leaves, rows if guess else ids, width, guess,
+                                 out.guessed if guess else ids,
                                  GUESS=guess > 0, COLS=min(16, triton.next_power_of_2(width)), BLOCK=_BLOCK)
     return out
 

@@ -50,11 +50,11 @@ class ZeroCopy:
     # -- the moves ------------------------------------------------------------------------------
     def move(self, plan, queued: bool = False) -> None:
         """A plan's rows moved (queued: a queued plan's, whose lists are whole and whose totals
-        stay on the device, plan.placed.xfer[:KINDS]; else the lists are cut to the totals). First the dirty rows lingering in overflow slots are
-        written down (one may be a miss of this batch, read back next); then each miss's slot has
-        its dirty victim written down and the miss read into it, by one kernel, both ways of the
-        bus at once (moves.swap_rows); misses never written below are marked for the tier to draw
-        (DeviceTier.draw_marked)."""
+        stay on the device, plan.placed.xfer[:KINDS]; else the lists are cut to the totals). First
+        the dirty rows lingering in overflow slots are written down (one may be a miss of this
+        batch, read back next); then each miss's slot has its dirty victim written down and the
+        miss read into it, by one kernel, both ways of the bus at once (moves.swap_rows); misses
+        never written below are marked for the tier to draw (DeviceTier.draw_marked)."""
         tier = self.tier
         pool, totals = tier.pool.rows, plan.placed.xfer if queued else None
         fresh, dirty = plan_kernels.FRESH, plan_kernels.DIRTY
