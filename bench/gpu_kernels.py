@@ -32,6 +32,7 @@ new batch of the workload each call, by the assign kernel's number of programs
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import os
@@ -43,6 +44,20 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from workload import BatchSource, Workload  # noqa: E402
+
+
+@contextlib.contextmanager
+def constants(module, **values):
+    """The module's constants (a launch shape, a cap: what this script sweeps) set to values
+    inside the block, as they were after it."""
+    before = {name: getattr(module, name) for name in values}
+    try:
+        for name, value in values.items():
+            setattr(module, name, value)
+        yield
+    finally:
+        for name, value in before.items():
+            setattr(module, name, value)
 
 
 def timed(fn, reps: int, dev: torch.device) -> float:
@@ -114,29 +129,21 @@ def main(argv=None) -> int:
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu (a check of the script)"
     print(f"device: {name}; torch {torch.__version__}; {n} ids, {u} distinct; pool "
           f"{a.rows} x {width}; median of {a.reps} calls, microseconds")
-    defaults = (pooling.FORWARD_WARPS, pooling.FORWARD_TILE, pooling.UPDATE_WARPS, pooling.UPDATE_TILE)
     results = []
-    try:
-        for warps, tile in itertools.product(map(int, a.warps.split(",")), map(int, a.tiles.split(","))):
-            pooling.FORWARD_WARPS = pooling.UPDATE_WARPS = warps
-            pooling.FORWARD_TILE = pooling.UPDATE_TILE = tile
+    for warps, tile in itertools.product(map(int, a.warps.split(",")), map(int, a.tiles.split(","))):
+        with constants(pooling, FORWARD_WARPS=warps, UPDATE_WARPS=warps, FORWARD_TILE=tile, UPDATE_TILE=tile):
             fwd = timed(lambda: pooling.forward(pool, w.dim, slots, unique, inverse, offsets, None, 0, -1), a.reps, dev)
             bwd = timed(lambda: pooling.backward_update(pool, dirty, w.dim, slots, unique, count, inverse, offsets,
                                                         None, 0, -1, -1, grad, None, opt, 1, False), a.reps, dev)
-            results.append({"warps": warps, "max_tile": tile, "forward_us": fwd, "backward_update_us": bwd})
-            print(f"warps {warps}  max tile {tile:2d}:  forward {fwd:8.1f} us   backward+update {bwd:8.1f} us",
-                  flush=True)
-    finally:
-        pooling.FORWARD_WARPS, pooling.FORWARD_TILE, pooling.UPDATE_WARPS, pooling.UPDATE_TILE = defaults
+        results.append({"warps": warps, "max_tile": tile, "forward_us": fwd, "backward_update_us": bwd})
+        print(f"warps {warps}  max tile {tile:2d}:  forward {fwd:8.1f} us   backward+update {bwd:8.1f} us",
+              flush=True)
     sms = multiprocessors(dev)
-    by_programs, programs_default = [], pooling.UPDATE_PROGRAMS
+    by_programs = []
     for per_sm in map(int, a.update_programs.split(",")):
-        pooling.UPDATE_PROGRAMS = PerMultiprocessor(per_sm) if per_sm else None
-        try:
+        with constants(pooling, UPDATE_PROGRAMS=PerMultiprocessor(per_sm) if per_sm else None):
             bwd = timed(lambda: pooling.backward_update(pool, dirty, w.dim, slots, unique, count, inverse, offsets,
                                                         None, 0, -1, -1, grad, None, opt, 1, False), a.reps, dev)
-        finally:
-            pooling.UPDATE_PROGRAMS = programs_default
         by_programs.append({"update_programs": per_sm * sms or None, "backward_update_us": bwd})
         print(f"update programs {'one per occurrence' if not per_sm else f'{per_sm} x {sms} = {per_sm * sms}':>20}:  "
               f"backward+update {bwd:8.1f} us", flush=True)
@@ -170,22 +177,18 @@ def draw_by_chunks(a, dev, pool, unique, n: int, dim: int) -> list:
     init = RowInit(dim, 0, 0.0, 0.01, 7, -1)
     slots = torch.empty(n, dtype=torch.int64, device=dev)
     reset = timed(lambda: index.held.copy_(held), a.reps, dev)
-    defaults, out = (plan_kernels.DRAW_CHUNK, plan_kernels.DRAW_PROGRAMS), []
-    try:
-        for label, chunk, cap in (("one id a program", 1, None), ("8 ids a program, 32 per SM", 8,
-                                                                  PerMultiprocessor(32)),
-                                  ("64 ids a program, 32 per SM", 64, PerMultiprocessor(32))):
-            plan_kernels.DRAW_CHUNK, plan_kernels.DRAW_PROGRAMS = chunk, cap
+    out = []
 
-            def draw():
-                index.held.copy_(held)
-                plan_kernels.draw(ids, count, index, pool, init, slots)
+    def draw():
+        index.held.copy_(held)
+        plan_kernels.draw(ids, count, index, pool, init, slots)
 
+    for label, chunk, cap in (("one id a program", 1, None), ("8 ids a program, 32 per SM", 8, PerMultiprocessor(32)),
+                              ("64 ids a program, 32 per SM", 64, PerMultiprocessor(32))):
+        with constants(plan_kernels, DRAW_CHUNK=chunk, DRAW_PROGRAMS=cap):
             us = timed(draw, a.reps, dev) - reset
-            out.append({"draw": label, "us": us})
-            print(f"draw {label:>27}:  {us:8.1f} us (the held bits' reset, {reset:.1f} us, taken off)", flush=True)
-    finally:
-        plan_kernels.DRAW_CHUNK, plan_kernels.DRAW_PROGRAMS = defaults
+        out.append({"draw": label, "us": us})
+        print(f"draw {label:>27}:  {us:8.1f} us (the held bits' reset, {reset:.1f} us, taken off)", flush=True)
     return out
 
 
@@ -203,10 +206,9 @@ def sweep_plan(a) -> int:
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu (a check of the script)"
     print(f"device: {name}; torch {torch.__version__}; tier 0 of {a.rows // 10} slots, batches of "
           f"{batches[0].unique.numel()} ids; a queued plan and its commit, median of {a.reps} calls, microseconds")
-    results, default = [], plan_kernels.ASSIGN_PROGRAMS
-    try:
-        for per_sm in map(int, a.update_programs.split(",")):
-            plan_kernels.ASSIGN_PROGRAMS = PerMultiprocessor(per_sm) if per_sm else None
+    results = []
+    for per_sm in map(int, a.update_programs.split(",")):
+        with constants(plan_kernels, ASSIGN_PROGRAMS=PerMultiprocessor(per_sm) if per_sm else None):
             index = SetIndex(a.rows // 10, "lru", dev)
             index.grow(batches[0].unique.numel())  # (a queued plan's room: see SetIndex.plan_queued)
             left = iter(batches)
@@ -219,11 +221,9 @@ def sweep_plan(a) -> int:
                 plan()
 
             us = timed(plan, a.reps, dev)
-            results.append({"assign_programs": per_sm * sms or None, "plan_us": us})
-            print(f"assign programs {'one per position' if not per_sm else f'{per_sm} x {sms} = {per_sm * sms}':>20}:  "
-                  f"plan + commit {us:8.1f} us", flush=True)
-    finally:
-        plan_kernels.ASSIGN_PROGRAMS = default
+        results.append({"assign_programs": per_sm * sms or None, "plan_us": us})
+        print(f"assign programs {'one per position' if not per_sm else f'{per_sm} x {sms} = {per_sm * sms}':>20}:  "
+              f"plan + commit {us:8.1f} us", flush=True)
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"device": name, "rows": a.rows, "results": results}, f, indent=1)
@@ -273,23 +273,21 @@ def sweep_moves(a) -> int:
 
     print(f"device: {name}; torch {torch.__version__}; {n} rows of {width} floats ({mb:.1f} MB) each way, host "
           f"rows {host_rows} x {width}; median of {a.reps} calls, microseconds (GB/s)")
-    default = (moves.MOVE_ROWS, moves.MOVE_WARPS)
     results = []
     try:
         for shape in a.move_shapes.split(","):
-            moves.MOVE_ROWS, moves.MOVE_WARPS = map(int, shape.split("x"))
-            got = {what: timed(fn, a.reps, dev) for what, fn in (("read", read), ("write", write), ("both", both),
-                                                                  ("swap", swap))}
+            rows, warps = map(int, shape.split("x"))
+            with constants(moves, MOVE_ROWS=rows, MOVE_WARPS=warps):
+                got = {what: timed(fn, a.reps, dev) for what, fn in (("read", read), ("write", write), ("both", both),
+                                                                      ("swap", swap))}
             one_way_each = got["read"] + got["write"]
-            results.append({"rows_per_program": moves.MOVE_ROWS, "warps": moves.MOVE_WARPS, **{
-                f"{k}_us": v for k, v in got.items()}})
-            print(f"rows {moves.MOVE_ROWS:3d} x warps {moves.MOVE_WARPS}:  host->device {got['read']:8.1f} us "
+            results.append({"rows_per_program": rows, "warps": warps, **{f"{k}_us": v for k, v in got.items()}})
+            print(f"rows {rows:3d} x warps {warps}:  host->device {got['read']:8.1f} us "
                   f"({mb / got['read'] / 1e-3:5.1f})   device->host {got['write']:8.1f} us "
                   f"({mb / got['write'] / 1e-3:5.1f})   both at once {got['both']:8.1f} us, swapped "
                   f"{got['swap']:8.1f} us (both, swap / (read + write): {got['both'] / one_way_each:.2f}, "
                   f"{got['swap'] / one_way_each:.2f})", flush=True)
     finally:
-        moves.MOVE_ROWS, moves.MOVE_WARPS = default
         if unmap is not None:
             unmap()
     if a.json:
