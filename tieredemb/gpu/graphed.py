@@ -139,6 +139,7 @@ class _Input:
         self.scratch = scratch  # where the added bag's row goes in the block, in floats: its last row
         self.bags = Bags(offsets, None, mode, pad if exclude_padding else -1, pad, out_at)
         self.out_at_given = None  # (the host's out_at last copied in)
+        self.offsets_given = None  # (the host's bag boundaries last copied in: fixed bags give the same each batch)
         self.scalars = None  # the backward's step-dependent scalars (pooling.step_scalars)
         self.pinned: list = [None, None]
         self.turn = 0
@@ -366,8 +367,8 @@ class StepGraphs:
         """A part's ids (host ones checked), offsets and out_at copied into its buffers, on the
         current stream. From the host through one of two pinned blocks, taken in turn: a block
         whose last copy has not run yet is left alone and a new one taken (no wait; the caller's
-        tensors are free to change at once). out_at (the same from batch to batch for one shape)
-        only when it changed."""
+        tensors are free to change at once). Host offsets and out_at (each the same from batch
+        to batch for fixed bags, and for one shape) only when they changed."""
         n, given = part.ids.numel(), len(part.offsets)
         if inp.out_at is not None and (inp.out_at_given is None or not np.array_equal(inp.out_at_given,
                                                                                       part.out_at.numpy())):
@@ -396,11 +397,14 @@ class StepGraphs:
             ids, offsets = torch.empty_like(inp.ids), torch.empty_like(inp.offsets)
         checked_ids(part.ids, inp.tier.num_embeddings, pin=on_gpu, out=ids[:n])
         ids.numpy()[n:] = inp.drop
-        o = offsets.numpy()
-        np.copyto(o[:given], part.offsets.numpy(), casting="unsafe")
-        o[given] = o[given - 1]
         inp.ids.copy_(ids, non_blocking=True)
-        inp.offsets.copy_(offsets, non_blocking=True)
+        bounds = part.offsets.numpy()
+        if inp.offsets_given is None or not np.array_equal(inp.offsets_given, bounds):
+            o = offsets.numpy()
+            np.copyto(o[:given], bounds, casting="unsafe")
+            o[given] = o[given - 1]
+            inp.offsets.copy_(offsets, non_blocking=True)
+            inp.offsets_given = bounds.copy()
         if on_gpu:
             copied.record()
 
