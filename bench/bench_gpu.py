@@ -80,6 +80,7 @@ TARGETS = {"ours-hbm": ("fbgemm-hbm", 1.0), "ours-hbm-eager": ("fbgemm-hbm", 1.0
            "ours-host10-zc-pf2": ("fbgemm-uvm10", 1.0), "ours-ssd10": ("fbgemm-uvm10", 0.5)}
 PROFILED_STEPS = 5
 SAMPLED_STEPS = 30
+CPROFILED_STEPS = 30
 
 
 def prefetched(name: str) -> bool:
@@ -215,7 +216,8 @@ def ragged(source: BatchSource, i: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def run_system(name: str, w: Workload, source: BatchSource, a, dev: torch.device) -> dict:
     on_gpu = dev.type == "cuda"
-    profiled = (PROFILED_STEPS if a.profile else 0) + (SAMPLED_STEPS if a.stacks else 0)
+    profiled = ((PROFILED_STEPS if a.profile else 0) + (SAMPLED_STEPS if a.stacks else 0)
+                + (CPROFILED_STEPS if a.cprofile else 0))
     counted = COUNTED_STEPS if on_gpu else 0
     batches = [ragged(source, i) if a.ragged else source.batch(i)
                for i in range(a.warmup + a.runs * w.batches + counted + profiled)]
@@ -266,6 +268,8 @@ def measure(name, what, step, module, stream, grad, w: Workload, a, dev: torch.d
             out["graphs"] = graphs.stats()
     if a.stacks:
         out["stacks"] = sample_steps(name, step, stream, SAMPLED_STEPS, grad, dev, a.stacks)
+    if a.cprofile:
+        out["cprofile"] = cprofile_steps(name, step, stream, CPROFILED_STEPS, grad, dev, a.cprofile)
     if a.profile:
         try:
             out["profile"] = profile_steps(name, step, stream, PROFILED_STEPS, grad, dev, a.profile)
@@ -367,6 +371,42 @@ def sample_steps(name: str, step, stream, steps: int, grad, dev: torch.device, o
     return {"steps": steps, "wall_ms_per_step": wall * 1e3 / steps, "threads": dict(per_thread), "top": top}
 
 
+def cprofile_steps(name: str, step, stream, steps: int, grad, dev: torch.device, out_dir: str) -> dict:
+    """`steps` more training steps under cProfile, with autograd's backward run on the training
+    thread (torch.autograd.set_multithreading_enabled(False): cProfile sees one thread), so the
+    backward's Python is counted with the forward's: each function's own time (what it calls in
+    C included) and its calls, in out_dir/<name>.cprofile.txt. cProfile's cost per call inflates
+    code of many small calls: a ranking of where the host's time goes, not a timing. Returns the
+    wall time per step and the eight functions of most own time (us a step)."""
+    import cProfile
+    import pstats
+
+    os.makedirs(out_dir, exist_ok=True)
+    synchronize(dev)
+    prof = cProfile.Profile()
+    with torch.autograd.set_multithreading_enabled(False):
+        start = time.perf_counter()
+        prof.enable()
+        train_steps(step, stream, grad, steps)
+        synchronize(dev)
+        prof.disable()
+        wall = time.perf_counter() - start
+    st = pstats.Stats(prof)
+
+    def where(f, line, fn):
+        return fn if f.startswith("~") else f"{os.path.relpath(f)}:{line}({fn})"
+
+    rows = [(where(*k), nc / steps, tt * 1e6 / steps, ct * 1e6 / steps) for k, (_cc, nc, tt, ct, _) in st.stats.items()]
+    lines = [f"{steps} steps, {wall * 1e3 / steps:.3f} ms a step under cProfile"]
+    for title, col in (("own", 2), ("cumulative", 3)):
+        lines.append(f"\nby {title} time: calls a step, own us a step, cumulative us a step, function")
+        lines += [f"{c:8.1f} {tt:9.1f} {ct:9.1f}  {w}" for w, c, tt, ct in sorted(rows, key=lambda r: -r[col])[:50]]
+    with open(os.path.join(out_dir, f"{name}.cprofile.txt"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    top = [(w, tt, c) for w, c, tt, _ in sorted(rows, key=lambda r: -r[2])[:8]]
+    return {"steps": steps, "wall_ms_per_step": wall * 1e3 / steps, "top": top}
+
+
 def tieredemb_loader(module, batches, depth):
     import tieredemb
 
@@ -421,6 +461,9 @@ def main(argv=None) -> int:
     p.add_argument("--stacks", default=None, metavar="DIR",
                    help=f"{SAMPLED_STEPS} more steps of each system with every thread's Python stack sampled: "
                         "DIR/<system>.stacks.txt (where the host's time goes)")
+    p.add_argument("--cprofile", default=None, metavar="DIR",
+                   help=f"{CPROFILED_STEPS} more steps of each system under cProfile, the backward on the training "
+                        "thread: DIR/<system>.cprofile.txt (each function's own host time and calls)")
     p.add_argument("--ids-on-device", action="store_true",
                    help="every system is given its batches' ids and offsets on the device (as a loader that moves "
                         "them ahead gives them), not on the host")
@@ -468,6 +511,10 @@ def main(argv=None) -> int:
         if "stacks" in r:
             for thread, lines in r["stacks"]["top"].items():
                 print(f"{'':18s} stacks of {thread}: " + "; ".join(lines), flush=True)
+        if "cprofile" in r:
+            cp = r["cprofile"]
+            print(f"{'':18s} cProfile: {cp['wall_ms_per_step']:.3f} ms a step; own us a step (calls): "
+                  + "; ".join(f"{where} {us:.0f} ({calls:g})" for where, us, calls in cp["top"]), flush=True)
         if "profile" in r:
             pr = r["profile"]
             print(f"{'':18s} profiled {pr['steps']} steps: {pr['wall_ms_per_step']:.3f} ms a step, kernels "
