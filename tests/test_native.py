@@ -78,6 +78,25 @@ def test_host_ids_for_the_gpu_are_checked_and_narrowed_in_one_pass(src):
         _C.checked_copy(np.arange(3), 10, np.empty(2, np.int32))
 
 
+@pytest.mark.parametrize("threads", [1, 5])
+def test_a_large_host_batch_is_checked_in_ranges_on_the_pool(threads):
+    """checked_copy takes ranges of 16K ids on the pool's threads: the copy is whole, and the id
+    out of range is found and named in any range, the last included, whatever the thread count."""
+    from tieredemb.gpu.checks import checked_ids
+
+    ids = torch.randint(0, 1000, (100_003,), generator=torch.Generator().manual_seed(2))
+    _C.set_num_threads(threads)
+    try:
+        assert torch.equal(checked_ids(ids, 1000, pin=False), ids.to(torch.int32))
+        for at, bad in ((100_002, 1000), (50_000, -7), (3, 5000)):
+            broken = ids.clone()
+            broken[at] = bad
+            with pytest.raises(IndexError, match=rf"^id {bad} out of range \[0, 1000\)$"):
+                checked_ids(broken, 1000, pin=False)
+    finally:
+        _C.set_num_threads(torch.get_num_threads())
+
+
 def test_dedup_of_a_large_batch_with_many_distinct_ids():
     ids = torch.randint(0, 10**9, (300_000,), generator=torch.Generator().manual_seed(1))
     unique, inverse = _C.dedup(ids, 10**9)
