@@ -1,0 +1,187 @@
+"""Where a training step's host time goes, for bench_gpu.py's systems (each a step function
+step(ids, offsets, grad) over a stream of batches): the host's waits for the device counted,
+torch.profiler's kernels and phases, every thread's Python stack sampled, and cProfile with the
+backward on the training thread."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+import trace_steps
+
+
+def synchronize(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def train_steps(step, stream, grad, steps: int) -> int:
+    """`steps` training steps of a system, on the next batches of stream. Returns the ids looked up."""
+    looked = 0
+    for _ in range(steps):
+        ids, offsets = next(stream)[:2]
+        step(ids, offsets, grad)
+        looked += ids.numel()
+    return looked
+
+
+def count_waits(step, stream, grad, steps: int) -> dict:
+    """`steps` more training steps with every wait of the host for the device counted, by thread:
+    the implicit ones torch's sync debug mode warns of (.item(), a copy to pageable host memory,
+    a stream's or the device's synchronize, ...) and Event.synchronize (which it does not see).
+    Not in the timed runs: a warning costs host time. Returns waits per step on the training
+    side (the training thread, and autograd's device thread, which runs a CUDA backward) and on
+    the prefetch worker's thread."""
+    import threading
+    import warnings
+
+    counts = {"training": 0, "other": 0}
+
+    def seen():
+        counts["other" if threading.current_thread().name == "tieredemb-prefetch" else "training"] += 1
+
+    event_sync = torch.cuda.Event.synchronize
+    torch.cuda.Event.synchronize = lambda self: (seen(), event_sync(self))[1]
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = lambda message, *a, **k: seen() if "synchroniz" in str(message) else None
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                train_steps(step, stream, grad, steps)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+    finally:
+        torch.cuda.Event.synchronize = event_sync
+    return {k: v / steps for k, v in counts.items()}
+
+
+def profile_steps(name: str, step, stream, steps: int, grad, dev: torch.device, out_dir: str) -> dict:
+    """`steps` more training steps under torch.profiler: the ops and kernels by device time in
+    out_dir/<name>.txt, a Chrome trace in out_dir/<name>.trace.json; returns the wall time and the
+    kernels' time per step (kernels on several streams may overlap: their sum can pass the wall)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    os.makedirs(out_dir, exist_ok=True)
+    on_gpu = dev.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+    synchronize(dev)
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            ids, offsets = next(stream)[:2]
+            with torch.profiler.record_function(trace_steps.STEP):  # (trace_steps.py splits the trace by it)
+                step(ids, offsets, grad)
+        synchronize(dev)
+        wall = time.perf_counter() - start
+    events = prof.key_averages()
+    sort_by = "self_device_time_total" if on_gpu else "self_cpu_time_total"
+    with open(os.path.join(out_dir, f"{name}.txt"), "w") as f:
+        f.write(events.table(sort_by=sort_by, row_limit=40))
+    trace = os.path.join(out_dir, f"{name}.trace.json")
+    prof.export_chrome_trace(trace)
+    kernels = [e for e in events if e.device_type.name == "CUDA"]
+    kernel_us = sum(e.self_device_time_total for e in kernels)
+    top = sorted(kernels, key=lambda e: e.self_device_time_total, reverse=True)[:8]  # (for the log)
+    return {"steps": steps, "wall_ms_per_step": wall * 1e3 / steps, "kernel_ms_per_step": kernel_us / 1e3 / steps,
+            "phases": trace_steps.summarize(trace),
+            "top_kernels_us_per_step": [(e.key[:60], e.self_device_time_total / steps) for e in top]}
+
+
+def sample_steps(name: str, step, stream, steps: int, grad, dev: torch.device, out_dir: str) -> dict:
+    """`steps` more training steps with every thread's Python stack sampled each half millisecond
+    (autograd runs a CUDA backward on a thread of its own, which cProfile would not see): where
+    the host's time goes, in out_dir/<name>.stacks.txt: each function's share of the samples at
+    the top of a stack (its own time, what it calls in C included) and anywhere in one (its
+    cumulative time), by thread. Returns the wall time per step."""
+    import collections
+    import sys
+    import threading
+
+    os.makedirs(out_dir, exist_ok=True)
+    own, anywhere, per_thread = collections.Counter(), collections.Counter(), collections.Counter()
+    done = threading.Event()
+    names = {}
+
+    def sample():
+        me = threading.get_ident()
+        while not done.wait(0.0005):
+            for tid, frame in sys._current_frames().items():
+                if tid == me:
+                    continue
+                if tid not in names:
+                    names[tid] = next((t.name for t in threading.enumerate() if t.ident == tid), str(tid))
+                per_thread[names[tid]] += 1
+                seen, top = set(), True
+                while frame is not None:
+                    c = frame.f_code
+                    key = f"{os.path.relpath(c.co_filename)}:{c.co_firstlineno}({c.co_name})"
+                    if top:  # (with the line it was on)
+                        own[(names[tid], f"{key} line {frame.f_lineno}")] += 1
+                        top = False
+                    if key not in seen:
+                        anywhere[(names[tid], key)] += 1
+                        seen.add(key)
+                    frame = frame.f_back
+
+    synchronize(dev)
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    start = time.perf_counter()
+    train_steps(step, stream, grad, steps)
+    synchronize(dev)
+    wall = time.perf_counter() - start
+    done.set()
+    sampler.join()
+    total = max(1, sum(per_thread.values()))
+    lines = [f"{steps} steps, {wall * 1e3 / steps:.3f} ms a step while sampled; samples by thread: "
+             + ", ".join(f"{t} {n}" for t, n in per_thread.most_common())]
+    for title, counts in (("own (top of the stack)", own), ("anywhere in the stack", anywhere)):
+        lines.append(f"\n{title}: % of all samples, thread, function")
+        lines += [f"{100 * n / total:6.1f}%  {t:20.20s} {key}" for (t, key), n in counts.most_common(60)]
+    with open(os.path.join(out_dir, f"{name}.stacks.txt"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    top = {}  # (each thread's four busiest lines, for the log: few files come back from a GPU machine)
+    for (t, key), n in own.most_common():
+        if len(top.setdefault(t, [])) < 4:
+            top[t].append(f"{100 * n / total:.1f}% {key}")
+    return {"steps": steps, "wall_ms_per_step": wall * 1e3 / steps, "threads": dict(per_thread), "top": top}
+
+
+def cprofile_steps(name: str, step, stream, steps: int, grad, dev: torch.device, out_dir: str) -> dict:
+    """`steps` more training steps under cProfile, with autograd's backward run on the training
+    thread (torch.autograd.set_multithreading_enabled(False): cProfile sees one thread), so the
+    backward's Python is counted with the forward's: each function's own time (what it calls in
+    C included) and its calls, in out_dir/<name>.cprofile.txt. cProfile's cost per call inflates
+    code of many small calls: a ranking of where the host's time goes, not a timing. Returns the
+    wall time per step and the eight functions of most own time (us a step)."""
+    import cProfile
+    import pstats
+
+    os.makedirs(out_dir, exist_ok=True)
+    synchronize(dev)
+    prof = cProfile.Profile()
+    with torch.autograd.set_multithreading_enabled(False):
+        start = time.perf_counter()
+        prof.enable()
+        train_steps(step, stream, grad, steps)
+        synchronize(dev)
+        prof.disable()
+        wall = time.perf_counter() - start
+    st = pstats.Stats(prof)
+
+    def where(f, line, fn):
+        return fn if f.startswith("~") else f"{os.path.relpath(f)}:{line}({fn})"
+
+    rows = [(where(*k), nc / steps, tt * 1e6 / steps, ct * 1e6 / steps) for k, (_cc, nc, tt, ct, _) in st.stats.items()]
+    lines = [f"{steps} steps, {wall * 1e3 / steps:.3f} ms a step under cProfile"]
+    for title, col in (("own", 2), ("cumulative", 3)):
+        lines.append(f"\nby {title} time: calls a step, own us a step, cumulative us a step, function")
+        lines += [f"{c:8.1f} {tt:9.1f} {ct:9.1f}  {w}" for w, c, tt, ct in sorted(rows, key=lambda r: -r[col])[:50]]
+    with open(os.path.join(out_dir, f"{name}.cprofile.txt"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    top = [(w, tt, c) for w, c, tt, _ in sorted(rows, key=lambda r: -r[2])[:8]]
+    return {"steps": steps, "wall_ms_per_step": wall * 1e3 / steps, "top": top}
