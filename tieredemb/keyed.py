@@ -251,11 +251,9 @@ def check_starts(o: np.ndarray, n: int, what: str = "offsets") -> None:
         return
     if o[0] != 0:
         raise ValueError(f"{what}[0] must be 0 (the first bag starts at the first id), got {int(o[0])}")
-    if len(o) > 1:
-        down = np.flatnonzero(o[1:] < o[:-1])
-        if len(down):
-            k = int(down[0]) + 1
-            raise ValueError(f"{what} must be non-decreasing: {what}[{k}] = {int(o[k])} < "
-                             f"{what}[{k - 1}] = {int(o[k - 1])}")
+    if len(o) > 1 and np.count_nonzero(o[1:] < o[:-1]):  # (a batch's check: count_nonzero is all C)
+        k = int(np.flatnonzero(o[1:] < o[:-1])[0]) + 1
+        raise ValueError(f"{what} must be non-decreasing: {what}[{k}] = {int(o[k])} < "
+                         f"{what}[{k - 1}] = {int(o[k - 1])}")
     if o[-1] > n:
         raise ValueError(f"{what}[-1] = {int(o[-1])} is past the end of input (length {n})")

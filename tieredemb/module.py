@@ -259,23 +259,27 @@ class TieredEmbeddingBag(_TieredBase):
                 from .gpu.checks import check_on_device
 
                 return check_on_device(input, offsets, self.num_embeddings, self.include_last_offset)
-            bounds = self._normalize_offsets(offsets.to("cpu", torch.int64), len(input))
+            bounds, end = self._normalize_offsets(offsets.to("cpu", torch.int64), len(input))
             # (with include_last_offset, ids after the last bag's end belong to no bag: left out, as torch does)
-            return input[:int(bounds[-1])], bounds, None
+            return input if end == len(input) else input[:end], bounds, None
         raise ValueError(f"input must be 1-D (with offsets) or 2-D [B, L], got shape {tuple(input.shape)}")
 
-    def _normalize_offsets(self, offsets: Tensor, n: int) -> Tensor:
-        """torch's offsets -> [B + 1] bag boundaries, checked. In numpy: torch's intra-op
-        threads cost milliseconds per call on a busy machine for these few element-wise ops."""
+    def _normalize_offsets(self, offsets: Tensor, n: int) -> tuple[Tensor, int]:
+        """torch's offsets (int64, on the host) over n ids -> ([B + 1] bag boundaries, the last
+        one), checked. In numpy: torch's intra-op threads cost milliseconds per call on a busy
+        machine for these few element-wise ops."""
         if len(offsets) == 0:
             if self.include_last_offset:
                 raise ValueError("offsets must not be empty with include_last_offset=True")
-            return torch.zeros(1, dtype=torch.int64)
+            return torch.zeros(1, dtype=torch.int64), 0
         o = offsets.numpy()
         check_starts(o, n)
         if self.include_last_offset:
-            return offsets.contiguous()
-        return torch.from_numpy(np.append(o, n))
+            return offsets.contiguous(), int(o[-1])
+        bounds = np.empty(len(o) + 1, dtype=np.int64)
+        bounds[:-1] = o
+        bounds[-1] = n
+        return torch.from_numpy(bounds), n
 
 
 class TieredEmbedding(_TieredBase):
