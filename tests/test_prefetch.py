@@ -427,3 +427,44 @@ def test_tier0_holding_exactly_depth_plus_one_batches_is_enough_to_the_end():
         for ids, offsets in loader:
             emb(ids, offsets).sum().backward()
     assert emb.stats()["prefetch"]["forwards"] == 40 and emb.stats()["tier0"]["misses"] == 400
+
+
+def test_settled_says_when_the_worker_has_nothing_it_may_do():
+    """Prefetcher.settled (what bench_gpu.py waits for between systems' runs): False while the
+    worker makes a batch resident; True once every registered batch is; True also while the
+    worker waits for a backward to release room (it may do nothing else then), and False again
+    once the release lets it go on."""
+    from tieredemb.prefetch import _PLANNING, _RESIDENT
+
+    emb = tieredemb.TieredEmbeddingBag(1000, 4, mode="sum", cache_rows=20, optimizer=tieredemb.SGD(lr=0.1))
+    (p,) = emb._prefetchers()
+    batches = [(torch.arange(10 * k, 10 * k + 10), torch.tensor([0, 5])) for k in range(3)]
+
+    def states():
+        with p.cond:
+            return [q.state for q in p.queue]
+
+    def wait_for(condition):
+        end = time.monotonic() + 30
+        while not condition():
+            assert time.monotonic() < end, f"timed out; states {states()}, room_wait {p.room_wait}"
+            time.sleep(0.001)
+
+    with emb._store.lock:  # (the worker plans under it: held here, the batch stays in planning)
+        emb.prefetch(*batches[0])
+        wait_for(lambda: states() == [_PLANNING])
+        assert not p.settled()
+    wait_for(p.settled)
+    assert states() == [_RESIDENT] and not p.room_wait
+    emb.prefetch(*batches[1])
+    wait_for(p.settled)
+    assert states() == [_RESIDENT, _RESIDENT]
+    emb.prefetch(*batches[2])  # (10 rows more beside 20 pinned: no room in tier 0's 20)
+    wait_for(p.settled)
+    assert states() == [_RESIDENT, _RESIDENT, _PLANNING] and p.room_wait
+    emb(*batches[0]).sum().backward()  # (its 10 rows released: room for the third)
+    wait_for(lambda: states() == [_RESIDENT, _RESIDENT])
+    assert p.settled() and not p.room_wait
+    for ids, offsets in batches[1:]:
+        emb(ids, offsets).sum().backward()
+    assert emb.stats()["prefetch"]["room_waits"] >= 1

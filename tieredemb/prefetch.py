@@ -89,6 +89,7 @@ class Prefetcher:
         self.error: BaseException | None = None
         self.thread: threading.Thread | None = None
         self.stopping = False
+        self.room_wait = False  # the worker waits for a release (room for its batch)
         self.lookahead = 0
         self.phantoms = 0  # advance() calls: batches that count as registered for readiness
         self.windowed: deque[int] = deque()  # sequence numbers of the batches in the tiers' windows
@@ -162,6 +163,15 @@ class Prefetcher:
         """Whether no batch is registered (a forward then makes its own batch resident)."""
         with self.cond:
             return not self.queue
+
+    def settled(self) -> bool:
+        """Whether the worker has nothing it may do now: every batch it may make resident yet is
+        resident (or failed), or it waits for a backward to release room. (Its device work may
+        still be queued.)"""
+        with self.cond:
+            if self.room_wait or self.error is not None:
+                return True
+            return self._next_ready() is None and not any(q.state == _PLANNING for q in self.queue)
 
     def count_forward(self) -> None:
         """Counts a forward that made its batch resident itself, without take() (gpu/graphed.py)."""
@@ -290,13 +300,18 @@ class Prefetcher:
                 return
             with self.cond:
                 self.counters["room_waits"] += 1
-            with room:  # no room: wait for a release (or for p's forward to ask for it). Planned
-                # again only then: each plan on a GPU waits for the device. (A batch collected
-                # under a lock is released at the next residency, without a notify: looked for
-                # every second.)
-                while not room.wait_for(lambda: self.store.releases != releases or p.forced or self.stopping
-                                        or bool(self.store.orphans), timeout=_IDLE_EXIT_S):
-                    pass
+                self.room_wait = True
+            try:
+                with room:  # no room: wait for a release (or for p's forward to ask for it). Planned
+                    # again only then: each plan on a GPU waits for the device. (A batch collected
+                    # under a lock is released at the next residency, without a notify: looked for
+                    # every second.)
+                    while not room.wait_for(lambda: self.store.releases != releases or p.forced or self.stopping
+                                            or bool(self.store.orphans), timeout=_IDLE_EXIT_S):
+                        pass
+            finally:
+                with self.cond:
+                    self.room_wait = False
 
     # -- helpers (cond held) ------------------------------------------------------------------
     def _next_ready(self) -> _Registered | None:
