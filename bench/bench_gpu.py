@@ -8,14 +8,17 @@ runs. The systems are built side by side and their runs interleaved, the order t
 run (A B C, C B A, ...): the device machines are shared, and their speed drifts over tens of
 seconds (on an H200 on 2026-11-27, one pair run one after the other gave ours-hbm 1.56x FBGEMM,
 and again with the order swapped 0.68x), so each ratio is printed both as the ratio of the medians
-(the target's) and paired (the median of run-by-run ratios, each pair a few seconds apart). A
-prefetching system's worker fills its pipeline while the others run, as it would between two runs
-of its own. --apart: one system at a time, each closed before the next is built (less memory; no
-paired ratios). Batches are made on the host, in pinned memory (as a torch DataLoader with
-pin_memory=True gives them: a copy from pageable memory may wait for the device, and would slow
-the peers' steps for want of a loader option; --pageable-batches gives them pageable), and each
-system moves them to the device as it needs, inside the timed step; with --ids-on-device every
-system is given them on the GPU (ours then checks them there, gpu/checks.py).
+(the target's) and paired (the median of run-by-run ratios, each pair a few seconds apart). Before
+each build and each timed run, every prefetching system's worker is let finish what it may do now,
+so its background work falls in no other system's run; its own runs end the same way, inside their
+time, so that each holds its worker's work of exactly its batches. After each round of runs the
+rates so far are printed and saved (a run cut short keeps them). --apart: one system at a time,
+each closed before the next is built (less memory; no paired ratios). Batches are made on the
+host, in pinned memory (as a torch DataLoader with pin_memory=True gives them: a copy from
+pageable memory may wait for the device, and would slow the peers' steps for want of a loader
+option; --pageable-batches gives them pageable), and each system moves them to the device as it
+needs, inside the timed step; with --ids-on-device every system is given them on the GPU (ours
+then checks them there, gpu/checks.py).
 
 Systems:
   fbgemm-hbm     FBGEMM TBE, the table in HBM (EmbeddingLocation.DEVICE), EXACT_ROWWISE_ADAGRAD
@@ -37,8 +40,8 @@ Systems:
                  and the tier's own stream while the training thread computes
 
 Also the device index alone: lookups and plan+commit (inserts) per second for a batch of 1M ids.
-Printed: lookups/s, the ratio to each FBGEMM figure, peak GPU memory (each system's own, building
-and warming up), the host's waits for the device per batch (every system's, counted over 5 more
+Printed: lookups/s, the ratio to each FBGEMM figure, peak GPU memory (each system's own: building,
+warming up or in a timed run), the host's waits for the device per batch (every system's, counted over 5 more
 steps under torch's sync debug mode: on the training side, and on a prefetch worker's thread), and
 the targets. --json for the record. --stacks DIR and --cprofile DIR: where the host's time goes
 (host_time.py). --profile DIR: after the timed runs, each system trains 5 more batches under
@@ -194,15 +197,16 @@ def make_batches(source: BatchSource, a, dev: torch.device) -> list:
 
 class System:
     """One system built and warmed up on its pass over the batches, its timed runs' rates kept.
-    gpu_bytes: the GPU memory it took at its peak, building and warming up (the systems built
-    before it, idle, are in the baseline)."""
+    gpu_bytes: the GPU memory it took at its peak: building and warming up (the systems built
+    before it, idle, in the baseline), or in a timed run (what it held after warming up, plus
+    the most the run allocated beyond what was allocated when it began)."""
 
     def __init__(self, name: str, w: Workload, batches: list, a, dev: torch.device):
         self.name, self.w, self.a, self.dev = name, w, a, dev
-        on_gpu = dev.type == "cuda"
-        if on_gpu:
+        self.on_gpu = dev.type == "cuda"
+        if self.on_gpu:
             torch.cuda.reset_peak_memory_stats(dev)
-        before = torch.cuda.memory_allocated(dev) if on_gpu else 0
+        before = torch.cuda.memory_allocated(dev) if self.on_gpu else 0
         self.step, self.what = build(name, w, a, dev)
         self.module = getattr(self.step, "module", None)
         self.loader = None
@@ -211,19 +215,44 @@ class System:
             self.loader = tieredemb_loader(self.module, batches, depth=2) if prefetched(name) else None
             self.stream = iter(self.loader if self.loader is not None else batches)
             train_steps(self.step, self.stream, self.grad, a.warmup)
+            self.settle()
         except BaseException:
             self.close()
             raise
-        self.gpu_bytes = (torch.cuda.max_memory_allocated(dev) - before) if on_gpu else 0
+        self.held = (torch.cuda.memory_allocated(dev) - before) if self.on_gpu else 0
+        self.gpu_bytes = (torch.cuda.max_memory_allocated(dev) - before) if self.on_gpu else 0
         self.rates: list[float] = []
 
     def timed_run(self) -> None:
-        """One timed run of w.batches steps, the device synchronized around it."""
+        """One timed run of w.batches steps, the device synchronized around it. A prefetching
+        system begins it settled (see settle) and ends it settled, inside the time: each run then
+        holds the work of exactly w.batches batches, its worker's included."""
         synchronize(self.dev)
+        if self.on_gpu:
+            torch.cuda.reset_peak_memory_stats(self.dev)
+            base = torch.cuda.memory_allocated(self.dev)
         start = time.perf_counter()
         looked = train_steps(self.step, self.stream, self.grad, self.w.batches)
+        self.settle()
         synchronize(self.dev)
         self.rates.append(looked / (time.perf_counter() - start))
+        if self.on_gpu:
+            self.gpu_bytes = max(self.gpu_bytes, self.held + torch.cuda.max_memory_allocated(self.dev) - base)
+
+    def settle(self, cap_s: float = 10.0) -> None:
+        """Waits until a prefetching system's worker has nothing it may do now (every batch it
+        may make resident is, or it waits for a release: Prefetcher.settled), then for the
+        device: its background work then falls in no other system's timed run (nor in a later
+        system's peak memory). Past cap_s it says so and goes on."""
+        if self.loader is None:
+            return
+        end = time.perf_counter() + cap_s
+        while not all(p.settled() for p in self.module._prefetchers()):
+            if time.perf_counter() > end:
+                print(f"{self.name}: its prefetch worker did not settle in {cap_s} s", file=sys.stderr)
+                break
+            time.sleep(0.0002)
+        synchronize(self.dev)
 
     def report(self) -> dict:
         """The timed runs' figures, then the host's waits, the tier's counters and what the
@@ -231,7 +260,7 @@ class System:
         name, step, stream, grad, a, dev = self.name, self.step, self.stream, self.grad, self.a, self.dev
         out = {"system": name, "config": self.what, "lookups_per_s": statistics.median(self.rates), "runs": self.rates,
                "gpu_bytes": self.gpu_bytes}
-        if dev.type == "cuda":
+        if self.on_gpu:
             waits = count_waits(step, stream, grad, COUNTED_STEPS)
             out["waits_per_batch"], out["worker_waits_per_batch"] = waits["training"], waits["other"]
         if self.module is not None:
@@ -252,13 +281,18 @@ class System:
         return out
 
     def close(self) -> None:
-        if self.loader is not None:
-            self.loader.close()
-        if self.module is not None:
-            self.module.close()
-        self.step = self.module = None
-        if self.dev.type == "cuda":
-            torch.cuda.empty_cache()
+        """The loader's workers stopped and the module closed (each even if the other fails)."""
+        loader, module, self.loader, self.module, self.step = self.loader, self.module, None, None, None
+        try:
+            if loader is not None:
+                loader.close()
+        finally:
+            try:
+                if module is not None:
+                    module.close()
+            finally:
+                if self.on_gpu:
+                    torch.cuda.empty_cache()
 
 
 def run_group(names: list, w: Workload, batches: list, a, dev: torch.device, tmp: str, results: dict,
@@ -266,39 +300,68 @@ def run_group(names: list, w: Workload, batches: list, a, dev: torch.device, tmp
     """The systems of names built side by side and their timed runs interleaved, the order
     turned round each run (A B, B A, ...): a drift of a shared machine's speed then falls on
     every system alike, and run k of one system sits beside run k of the others (the paired
-    ratios). A system that fails is closed and recorded; the others go on. report(name) prints
-    and saves each system's results once they are in results."""
+    ratios). Before each build and each timed run, the prefetching systems' workers settle. A
+    system that fails is closed and recorded; the others go on. report(name) prints and saves
+    a system's results once they are in results (or its failure in failed); after each round of
+    runs, the rates so far are saved and printed (a part stopped by its time limit keeps them)."""
     systems = {}
+
+    def fail(name, e):
+        traceback.print_exc()
+        failed[name] = f"{type(e).__name__}: {e}"
+        system = systems.pop(name, None)
+        if system is not None:
+            try:
+                system.close()
+            except Exception as closing:
+                failed[name] += f"; then closing it: {type(closing).__name__}: {closing}"
+        report(name)
+
+    def settle_all():
+        for system in systems.values():
+            system.settle()
+
     try:
         for name in names:
             a.ssd_dir = os.path.join(tmp, name)
+            settle_all()
             try:
                 systems[name] = System(name, w, batches, a, dev)
             except ImportError as e:
                 print(f"{name}: skipped ({e})", file=sys.stderr)
             except Exception as e:  # (the other systems still run, and the JSON keeps what failed)
-                traceback.print_exc()
-                failed[name] = f"{type(e).__name__}: {e}"
+                fail(name, e)
         for k in range(a.runs):
             for name in list(systems)[::1 if k % 2 == 0 else -1]:
+                settle_all()
                 try:
                     systems[name].timed_run()
                 except Exception as e:
-                    traceback.print_exc()
-                    failed[name] = f"{type(e).__name__}: {e}"
-                    systems.pop(name).close()
+                    fail(name, e)
+            for name, system in systems.items():
+                results[name] = {"system": name, "partial_runs": system.rates}
+            report(None)
+            print(f"run {k + 1}/{a.runs}: " + ", ".join(f"{name} {system.rates[-1] / 1e6:.1f}"
+                                                     for name, system in systems.items()) + " M lookups/s", flush=True)
         for name in list(systems):
             try:
                 results[name] = systems[name].report()
             except Exception as e:
-                traceback.print_exc()
-                failed[name] = f"{type(e).__name__}: {e}"
-            finally:
-                systems.pop(name).close()
+                results.pop(name, None)
+                fail(name, e)
+                continue
+            system = systems.pop(name)
+            try:
+                system.close()
+            except Exception as e:
+                failed[name] = f"closing it: {type(e).__name__}: {e}"
             report(name)
     finally:
-        for system in systems.values():
-            system.close()
+        for name in list(systems):  # (an interrupted group: its rates so far stay in results)
+            try:
+                systems.pop(name).close()
+            except Exception:
+                traceback.print_exc()
 
 
 def tieredemb_loader(module, batches, depth):
@@ -389,7 +452,7 @@ def main(argv=None) -> int:
 
     def report(name):
         write_json(a.json, dev, w, results, failed)  # (after each system: a later one may not finish)
-        if name in results:
+        if "lookups_per_s" in results.get(name, {}):
             print_result(results[name], a)
 
     for group in ([n] for n in names) if a.apart else [names]:
@@ -400,7 +463,7 @@ def main(argv=None) -> int:
                + (", ragged bags" if a.ragged else ""))
     print(f"\ndevice: {device_name(dev)}; torch {torch.__version__}; batches given {batches}")
     for ours, (peer, target) in TARGETS.items():
-        if ours in results and peer in results:
+        if "lookups_per_s" in results.get(ours, {}) and "lookups_per_s" in results.get(peer, {}):
             ratio = results[ours]["lookups_per_s"] / results[peer]["lookups_per_s"]
             mine, theirs = results[ours]["runs"], results[peer]["runs"]
             paired = (f", paired {statistics.median(x / y for x, y in zip(mine, theirs)):.2f}x"
