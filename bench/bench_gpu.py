@@ -468,7 +468,8 @@ def main(argv=None) -> int:
             mine, theirs = results[ours]["runs"], results[peer]["runs"]
             paired = (f", paired {statistics.median(x / y for x, y in zip(mine, theirs)):.2f}x"
                       if not a.apart and len(mine) == len(theirs) else "")
-            print(f"{ours} / {peer}: {ratio:.2f}x{paired} (target >= {target}x: {'met' if ratio >= target else 'NOT met'})")
+            verdict = "met" if ratio >= target else "NOT met"
+            print(f"{ours} / {peer}: {ratio:.2f}x{paired} (target >= {target}x: {verdict})")
     idx = None
     if dev.type == "cuda":
         idx = index_speed(dev, a)
@@ -479,7 +480,8 @@ def main(argv=None) -> int:
 
 def print_result(r: dict, a) -> None:
     name = r["system"]
-    print(f"{name:18s} {r['lookups_per_s'] / 1e6:8.1f} M lookups/s  (runs {', '.join(f'{x / 1e6:.1f}' for x in r['runs'])})"
+    runs = ", ".join(f"{x / 1e6:.1f}" for x in r["runs"])
+    print(f"{name:18s} {r['lookups_per_s'] / 1e6:8.1f} M lookups/s  (runs {runs})"
           f"  GPU {r['gpu_bytes'] / 2**30:5.2f} GiB"
           + (f"  waits/batch {r['waits_per_batch']:.1f} (+{r['worker_waits_per_batch']:.1f} on the prefetch worker)"
              if "waits_per_batch" in r else "")
