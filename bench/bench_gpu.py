@@ -458,10 +458,10 @@ def main(argv=None) -> int:
     for group in ([n] for n in names) if a.apart else [names]:
         with tempfile.TemporaryDirectory(dir=a.ssd_path) as tmp:
             run_group(group, w, batches, a, dev, tmp, results, failed, report)
-    batches = (("on the device" if a.ids_on_device else
-                "on the host, " + ("pageable" if a.pageable_batches or dev.type != "cuda" else "pinned"))
-               + (", ragged bags" if a.ragged else ""))
-    print(f"\ndevice: {device_name(dev)}; torch {torch.__version__}; batches given {batches}")
+    fed = (("on the device" if a.ids_on_device else
+            "on the host, " + ("pageable" if a.pageable_batches or dev.type != "cuda" else "pinned"))
+           + (", ragged bags" if a.ragged else ""))
+    print(f"\ndevice: {device_name(dev)}; torch {torch.__version__}; batches given {fed}")
     for ours, (peer, target) in TARGETS.items():
         if "lookups_per_s" in results.get(ours, {}) and "lookups_per_s" in results.get(peer, {}):
             ratio = results[ours]["lookups_per_s"] / results[peer]["lookups_per_s"]

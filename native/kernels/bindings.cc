@@ -133,8 +133,9 @@ void check_argmax(const PoolingArgs& a, int64_t argmax_size) {
 // batch's check and its narrowing for the device, one read of the ids): IndexError naming the
 // first id out of range (out is written whatever the ids: on an error, the caller's to discard).
 // A batch's ids come from memory, not cache (a loader made them a while ago), and one core reads
-// memory at a fraction of what several do: the pool's threads take ranges of kGrain ids (a
-// batch of the 164K ids on 10 of them; 244 us on one core of the H200 machine, 2026-11-27).
+// memory at a fraction of what several do: the pool's threads take ranges of kGrain ids (the
+// issue's 164K ids on 10 of them). On the H200 machine, 2026-11-27, that batch cold from pinned
+// memory: 160.6 us on one thread, 68.6 us on 16.
 template <class In, class Out>
 Status checked_copy(const In* ids, int64_t n, int64_t num_embeddings, Out* out) {
   constexpr int64_t kGrain = 16384;
@@ -147,7 +148,8 @@ Status checked_copy(const In* ids, int64_t n, int64_t num_embeddings, Out* out) 
     for (int64_t start = begin; start < end; start += kBlock) {
       const int64_t stop = std::min(end, start + kBlock);
       for (int64_t i = start; i < stop; ++i) out[i] = static_cast<Out>(ids[i]);
-      for (int64_t i = start; i < stop; ++i) mine = std::max(mine, static_cast<uint64_t>(static_cast<int64_t>(ids[i])));
+      for (int64_t i = start; i < stop; ++i)
+        mine = std::max(mine, static_cast<uint64_t>(static_cast<int64_t>(ids[i])));
     }
     uint64_t seen = largest.load(std::memory_order_relaxed);
     while (mine > seen && !largest.compare_exchange_weak(seen, mine, std::memory_order_relaxed)) {

@@ -370,8 +370,7 @@ class StepGraphs:
         tensors are free to change at once). Host offsets and out_at (each the same from batch
         to batch for fixed bags, and for one shape) only when they changed."""
         n, given = part.ids.numel(), len(part.offsets)
-        if inp.out_at is not None and (inp.out_at_given is None or not np.array_equal(inp.out_at_given,
-                                                                                      part.out_at.numpy())):
+        if inp.out_at is not None and _changed(inp.out_at_given, part.out_at.numpy()):
             inp.out_at_given = part.out_at.numpy().copy()
             copy_to(inp.out_at, torch.from_numpy(np.append(inp.out_at_given, inp.scratch)))
         if part.check is not None:
@@ -399,8 +398,7 @@ class StepGraphs:
         ids.numpy()[n:] = inp.drop
         inp.ids.copy_(ids, non_blocking=True)
         bounds = part.offsets.numpy()
-        if inp.offsets_given is None or inp.offsets_given.shape != bounds.shape or np.count_nonzero(
-                inp.offsets_given != bounds):  # (not np.array_equal: its Python layers cost more than the compare)
+        if _changed(inp.offsets_given, bounds):
             o = offsets.numpy()
             np.copyto(o[:given], bounds, casting="unsafe")
             o[given] = o[given - 1]
@@ -526,6 +524,12 @@ class StepGraphs:
                     inp.table.step = step
         finally:
             flight.land()
+
+
+def _changed(last: np.ndarray | None, now: np.ndarray) -> bool:
+    """Whether host values now differ from the last copied to the device (None: none yet). Not
+    np.array_equal: its Python layers cost more than the compare, once a step."""
+    return last is None or last.shape != now.shape or bool(np.count_nonzero(last != now))
 
 
 class _Held:
