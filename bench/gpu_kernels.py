@@ -10,7 +10,7 @@ grid's stride apart). Last, the whole table's residency (plan_kernels.draw: rows
 drawn in place, 40 % of the batch's here) as one id a program and as chunks of 8 and of 64.
 
 With --moves, instead: zero-copy's moves (tieredemb/gpu/moves.py) under each launch shape (rows
-a program moves, warps): --move-rows rows of dim 128 + 1 read from host rows pinned and mapped
+a program moves, warps, the most words of a row moved at once): --move-rows rows of dim 128 + 1 read from host rows pinned and mapped
 into the device (as a zero-copy table's) into a device pool (move_rows), as many written from
 the pool into the host rows, both at once on two streams (the rows disjoint), and both by the
 swap kernel a zero-copy residency uses (swap_rows: each slot's victim out, then its miss in, by
@@ -100,8 +100,9 @@ def main(argv=None) -> int:
     p.add_argument("--plan-warmup", type=int, default=40, help="--plan: batches planned before the timed ones")
     p.add_argument("--move-rows", type=int, default=20_000, help="--moves: rows moved each way a call")
     p.add_argument("--move-host-rows", type=int, default=2_000_000, help="--moves: host rows (at most --rows)")
-    p.add_argument("--move-shapes", default="16x4,16x8,32x4,32x8,64x4,64x8,8x2,16x2",
-                   help="--moves: the launch shapes tried, rows per program x warps")
+    p.add_argument("--move-shapes", default="16x4x64,64x4x64,16x4x256,8x4x256,4x4x256,16x8x256,32x8x256",
+                   help="--moves: the launch shapes tried, rows per program x warps x the most words of a row "
+                        "a program moves at once (moves.MOVE_COLS; left out: its default)")
     a = p.parse_args(argv)
     if a.device == "cuda" and not torch.cuda.is_available():
         print("gpu_kernels: no CUDA device here (--device cpu checks the script)", file=sys.stderr)
@@ -276,13 +277,14 @@ def sweep_moves(a) -> int:
     results = []
     try:
         for shape in a.move_shapes.split(","):
-            rows, warps = map(int, shape.split("x"))
-            with constants(moves, MOVE_ROWS=rows, MOVE_WARPS=warps):
+            rows, warps, cols = (list(map(int, shape.split("x"))) + [moves.MOVE_COLS])[:3]
+            with constants(moves, MOVE_ROWS=rows, MOVE_WARPS=warps, MOVE_COLS=cols):
                 got = {what: timed(fn, a.reps, dev) for what, fn in (("read", read), ("write", write), ("both", both),
                                                                       ("swap", swap))}
             one_way_each = got["read"] + got["write"]
-            results.append({"rows_per_program": rows, "warps": warps, **{f"{k}_us": v for k, v in got.items()}})
-            print(f"rows {rows:3d} x warps {warps}:  host->device {got['read']:8.1f} us "
+            results.append({"rows_per_program": rows, "warps": warps, "cols": cols,
+                            **{f"{k}_us": v for k, v in got.items()}})
+            print(f"rows {rows:3d} x warps {warps} x cols {cols:3d}:  host->device {got['read']:8.1f} us "
                   f"({mb / got['read'] / 1e-3:5.1f})   device->host {got['write']:8.1f} us "
                   f"({mb / got['write'] / 1e-3:5.1f})   both at once {got['both']:8.1f} us, swapped "
                   f"{got['swap']:8.1f} us (both, swap / (read + write): {got['both'] / one_way_each:.2f}, "

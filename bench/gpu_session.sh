@@ -14,10 +14,10 @@
 #                                          without, with copies, over SSD with prefetch; their stacks); the
 #                                          update kernel by its number of programs and the draw by its chunks;
 #                                          FBGEMM's, ours-hbm's and ours-host10-zc's kernels a step
-#                                          (torch.profiler); a queued plan by the assign kernel's programs; the
-#                                          whole table with ragged bags, and with ids on the device; the
-#                                          collection bench; as time allows (zero-copy's moves, measured at
-#                                          bf6f7a3: `moves` alone)
+#                                          (torch.profiler); a queued plan by the assign kernel's programs;
+#                                          zero-copy's moves by launch shape (rows, warps, words of a row at
+#                                          once); the whole table with ragged bags, and with ids on the device;
+#                                          the collection bench
 #
 # and, where time is left, one of the parts alone:
 #
@@ -133,6 +133,7 @@ case "$step" in
     part 60 kernels kernels --warps 1 --tiles 16 --update-programs 0,8,16,32,64 --reps 10
     part 50 bench profiled --only fbgemm-hbm,ours-hbm,ours-host10-zc --runs 1 --profile /tmp/prof
     part 45 kernels plan --plan --update-programs 0,8,16,32,64 --reps 10
+    part 45 kernels moves --moves --reps 10
     part 70 bench ragged --only fbgemm-hbm,ours-hbm,ours-hbm-eager --runs 9 --ragged
     part 70 bench device_ids --only fbgemm-hbm,ours-hbm,ours-hbm-eager --runs 9 --ids-on-device
     part 600 collection

@@ -632,9 +632,13 @@ def test_the_device_dedup_gives_the_distinct_ids_inverse_and_grouping(dtype, n):
     assert torch.equal(start[:u], torch.searchsorted(ids.long()[order], expect)) and (start[u:] == n).all()
 
 
-@pytest.mark.parametrize("width", [7, 32, 129])
-def test_the_move_kernel_copies_rows_and_notes_them_written(width):
+@pytest.mark.parametrize("width,cols", [(7, 64), (32, 64), (129, 64), (129, 256)])
+def test_the_move_kernel_copies_rows_and_notes_them_written(width, cols, monkeypatch):
+    from tieredemb.gpu import moves
     from tieredemb.gpu.moves import WROTE, move_rows
+
+    monkeypatch.setattr(moves, "MOVE_COLS", cols)  # (256: a row of 129 words in one round, not three)
+    assert moves._launch_args(width)["COLS"] == min(cols, 1 << (width - 1).bit_length())
 
     g = torch.Generator().manual_seed(width)
     src, dst = torch.randn(50, width, generator=g), torch.randn(60, width, generator=g)
@@ -656,11 +660,15 @@ def test_the_move_kernel_copies_rows_and_notes_them_written(width):
     assert torch.equal(dst[5], src[4]) and torch.equal(dst[torch.arange(60) != 5], before[torch.arange(60) != 5])
 
 
-@pytest.mark.parametrize("width", [5, 129])
-def test_the_swap_kernel_writes_each_slots_victim_down_before_reading_its_miss_in(width):
+@pytest.mark.parametrize("width,cols", [(5, 64), (129, 64), (129, 256)])
+def test_the_swap_kernel_writes_each_slots_victim_down_before_reading_its_miss_in(width, cols, monkeypatch):
     """Each miss's slot: its dirty victim (if any) written down to the host rows first, noted
     WROTE; then the miss read in where its host row was ever written (counted), else marked."""
+    from tieredemb.gpu import moves
     from tieredemb.gpu.moves import WROTE, swap_rows
+
+    monkeypatch.setattr(moves, "MOVE_COLS", cols)  # (256: a row of 129 words in one round, not three)
+    assert moves._launch_args(width)["COLS"] == min(cols, 1 << (width - 1).bit_length())
     from tieredemb.tiers.rowstore import DEFERRED_MARK
 
     g = torch.Generator().manual_seed(3)

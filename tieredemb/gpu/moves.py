@@ -28,10 +28,12 @@ import triton.language as tl
 
 from . import launch_turn
 
-# Launch shape: rows a program moves, warps per program. Not yet measured on a GPU (the H200's
-# profile, seventeenth session: 390 us each way a step at these, as two kernels); module
-# constants, so that bench/gpu_kernels.py --moves can try others.
-MOVE_ROWS, MOVE_WARPS = 16, 4
+# Launch shape: rows a program moves, warps per program, and the most words of a row a program
+# moves at once (a row of 129 words at 64: three rounds, the last of one word a row, each round's
+# reads over the bus waited for before its writes). Rows and warps measured on an H200 (twenty-first
+# session: 16 x 4 within a few % of the best); the words not yet. Module constants, so that
+# bench/gpu_kernels.py --moves can try others.
+MOVE_ROWS, MOVE_WARPS, MOVE_COLS = 16, 4, 64
 WROTE = 2  # written[id] of a row the device wrote down and the host has not yet been told of (1: told)
 
 
@@ -96,7 +98,7 @@ def _swap_kernel(pool_ptr, slots_ptr, victims_ptr, host_ptr, ids_ptr, n, count_p
 
 
 def _launch_args(width: int) -> dict:
-    return dict(ROWS=MOVE_ROWS, COLS=min(64, triton.next_power_of_2(width)), num_warps=MOVE_WARPS)
+    return dict(ROWS=MOVE_ROWS, COLS=min(MOVE_COLS, triton.next_power_of_2(width)), num_warps=MOVE_WARPS)
 
 
 def move_rows(src: torch.Tensor, src_rows: torch.Tensor, dst: torch.Tensor, dst_rows: torch.Tensor, *,
