@@ -294,7 +294,8 @@ class System:
         if a.stacks:
             out["stacks"] = sample_steps(name, step, stream, SAMPLED_STEPS, grad, dev, a.stacks)
         if a.cprofile:
-            out["cprofile"] = cprofile_steps(name, step, stream, CPROFILED_STEPS, grad, dev, a.cprofile)
+            out["cprofile"] = cprofile_steps(name, step, stream, CPROFILED_STEPS, grad, dev, a.cprofile,
+                                             self.module._prefetchers() if self.loader is not None else ())
         if a.profile:
             try:
                 out["profile"] = profile_steps(name, step, stream, PROFILED_STEPS, grad, dev, a.profile)
@@ -447,7 +448,8 @@ def main(argv=None) -> int:
                         "DIR/<system>.stacks.txt (where the host's time goes)")
     p.add_argument("--cprofile", default=None, metavar="DIR",
                    help=f"{CPROFILED_STEPS} more steps of each system under cProfile, the backward on the training "
-                        "thread: DIR/<system>.cprofile.txt (each function's own host time and calls)")
+                        "thread: DIR/<system>.cprofile.txt (each function's own host time and calls); a prefetching "
+                        "system's worker too, by its thread's CPU time: DIR/<system>.worker.cprofile.txt")
     p.add_argument("--ids-on-device", action="store_true",
                    help="every system is given its batches' ids and offsets on the device (as a loader that moves "
                         "them ahead gives them), not on the host")
@@ -522,6 +524,11 @@ def print_result(r: dict, a) -> None:
         cp = r["cprofile"]
         print(f"{'':18s} cProfile: {cp['wall_ms_per_step']:.3f} ms a step; own us a step (calls): "
               + "; ".join(f"{where} {us:.0f} ({calls:g})" for where, us, calls in cp["top"]), flush=True)
+        if "worker" in cp:
+            wk = cp["worker"]
+            print(f"{'':18s} prefetch worker: {wk['wall_ms']:.3f} ms wall, {wk['cpu_ms']:.3f} ms CPU a residency; "
+                  "own CPU us a residency (calls): "
+                  + "; ".join(f"{where} {us:.0f} ({calls:g})" for where, us, calls in wk["top"]), flush=True)
     if "profile" in r:
         pr = r["profile"]
         print(f"{'':18s} profiled {pr['steps']} steps: {pr['wall_ms_per_step']:.3f} ms a step, kernels "

@@ -10,8 +10,9 @@ grid's stride apart). Last, the whole table's residency (plan_kernels.draw: rows
 drawn in place, 40 % of the batch's here) as one id a program and as chunks of 8 and of 64.
 
 With --moves, instead: zero-copy's moves (tieredemb/gpu/moves.py) under each launch shape (rows
-a program moves, warps, the most words of a row moved at once): --move-rows rows of dim 128 + 1 read from host rows pinned and mapped
-into the device (as a zero-copy table's) into a device pool (move_rows), as many written from
+a program moves, warps, the most words of a row moved at once): --move-rows rows of dim 128 + 1
+read from host rows pinned and mapped into the device (as a zero-copy table's) into a device
+pool (move_rows), as many written from
 the pool into the host rows, both at once on two streams (the rows disjoint), and both by the
 swap kernel a zero-copy residency uses (swap_rows: each slot's victim out, then its miss in, by
 one program). Whether the bus's two directions overlap, and whether the swap gets that: before

@@ -120,16 +120,17 @@ part() {  # part CAP COMMAND...: one part of `first`, its outcome in $OUT/first.
   echo "first: exit $rc after $SECONDS s" | log first
 }
 case "$step" in
-  first)  # (what comes back: first.log, each part's JSON, prof.tgz: the hbm systems' cProfiles, the cached
-          # systems' stacks, three profiles; bench_gpu.py interleaves the systems' runs, whose 20 batches take
-          # tens of milliseconds: many runs cost little and steady the paired ratios; the cached systems warm up
-          # on 80 batches: tier 0 = 10 % fills in about 50, and until then a miss evicts nothing (ours, 2026-11-27:
-          # 143K evictions in the first 20-batch run after 20 warm-up batches, 430K a run once full)
+  first)  # (what comes back: first.log, each part's JSON, prof.tgz: the hbm and cached systems' cProfiles
+          # (the prefetch worker's by its thread's CPU time), the cached systems' stacks, three profiles;
+          # bench_gpu.py interleaves the systems' runs, whose 20 batches take tens of milliseconds: many runs
+          # cost little and steady the paired ratios; the cached systems warm up on 80 batches: tier 0 = 10 %
+          # fills in about 50, and until then a miss evicts nothing (ours, 2026-11-27: 143K evictions in the
+          # first 20-batch run after 20 warm-up batches, 430K a run once full)
     rm -rf /tmp/prof
     part 170 tests test_gpu -v --durations=15 tests/test_gpu.py --deselect tests/test_gpu.py::test_the_cpu_tensor_tests_pass_in_a_child
     part 90 bench hbm --only fbgemm-hbm,ours-hbm,ours-hbm-eager,torch-ops --runs 15 --cprofile /tmp/prof
     part 180 bench cached --only fbgemm-uvm10,ours-host10-zc,ours-host10-zc-eager,ours-host10,ours-ssd10 --runs 7 \
-      --warmup 80 --ssd-path /tmp --stacks /tmp/prof
+      --warmup 80 --ssd-path /tmp --stacks /tmp/prof --cprofile /tmp/prof
     part 60 kernels kernels --warps 1 --tiles 16 --update-programs 0,8,16,32,64 --reps 10
     part 50 bench profiled --only fbgemm-hbm,ours-hbm,ours-host10-zc --runs 1 --profile /tmp/prof
     part 45 kernels plan --plan --update-programs 0,8,16,32,64 --reps 10

@@ -6,6 +6,7 @@ backward on the training thread."""
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import torch
@@ -151,37 +152,102 @@ def sample_steps(name: str, step, stream, steps: int, grad, dev: torch.device, o
     return {"steps": steps, "wall_ms_per_step": wall * 1e3 / steps, "threads": dict(per_thread), "top": top}
 
 
-def cprofile_steps(name: str, step, stream, steps: int, grad, dev: torch.device, out_dir: str) -> dict:
+def cprofile_steps(name: str, step, stream, steps: int, grad, dev: torch.device, out_dir: str,
+                   prefetchers: list = ()) -> dict:
     """`steps` more training steps under cProfile, with autograd's backward run on the training
     thread (torch.autograd.set_multithreading_enabled(False): cProfile sees one thread), so the
     backward's Python is counted with the forward's: each function's own time (what it calls in
     C included) and its calls, in out_dir/<name>.cprofile.txt. cProfile's cost per call inflates
     code of many small calls: a ranking of where the host's time goes, not a timing. Returns the
-    wall time per step and the eight functions of most own time (us a step)."""
+    wall time per step and the eight functions of most own time (us a step).
+
+    prefetchers (a prefetching system's: module._prefetchers()): their workers' residencies of
+    those steps' batches (Prefetcher._make_resident, on each worker's thread) are profiled too,
+    by the thread's CPU time (time.thread_time: a wait for the GIL, for a lock, or asleep on the
+    device counts nothing; a spin on it counts), in out_dir/<name>.worker.cprofile.txt, with the
+    residencies' wall and CPU time a batch: their gap is the worker's waiting."""
     import cProfile
-    import pstats
 
     os.makedirs(out_dir, exist_ok=True)
     synchronize(dev)
     prof = cProfile.Profile()
-    with torch.autograd.set_multithreading_enabled(False):
-        start = time.perf_counter()
-        prof.enable()
-        train_steps(step, stream, grad, steps)
-        synchronize(dev)
-        prof.disable()
-        wall = time.perf_counter() - start
-    st = pstats.Stats(prof)
+    workers = _WorkerProfiles(prefetchers)
+    try:
+        with torch.autograd.set_multithreading_enabled(False):
+            start = time.perf_counter()
+            prof.enable()
+            train_steps(step, stream, grad, steps)
+            synchronize(dev)
+            prof.disable()
+            wall = time.perf_counter() - start
+    finally:
+        workers.restore()
+    head = f"{steps} steps, {wall * 1e3 / steps:.3f} ms a step under cProfile"
+    rows = _write_profile(os.path.join(out_dir, f"{name}.cprofile.txt"), head, [prof], steps, "step")
+    out = {"steps": steps, "wall_ms_per_step": wall * 1e3 / steps,
+           "top": [(w, tt, c) for w, c, tt, _ in sorted(rows, key=lambda r: -r[2])[:8]]}
+    if workers.calls:
+        n = workers.calls
+        head = (f"{n} residencies on the prefetch worker: {workers.wall * 1e3 / n:.3f} ms wall, "
+                f"{workers.cpu * 1e3 / n:.3f} ms of the thread's CPU time each, under cProfile (by CPU time)")
+        rows = _write_profile(os.path.join(out_dir, f"{name}.worker.cprofile.txt"), head, workers.profiles, n,
+                              "residency")
+        out["worker"] = {"residencies": n, "wall_ms": workers.wall * 1e3 / n, "cpu_ms": workers.cpu * 1e3 / n,
+                         "top": [(w, tt, c) for w, c, tt, _ in sorted(rows, key=lambda r: -r[2])[:8]]}
+    return out
+
+
+class _WorkerProfiles:
+    """Each prefetcher's _make_resident wrapped (on the instance, until restore()) to run under a
+    cProfile of its own timed by time.thread_time, its wall and CPU time added up."""
+
+    def __init__(self, prefetchers):
+        import cProfile
+
+        self.profiles, self.patched = [], []
+        self.calls, self.wall, self.cpu = 0, 0.0, 0.0
+        lock = threading.Lock()
+        for p in prefetchers:
+            prof, make_resident = cProfile.Profile(timer=time.thread_time), p._make_resident
+
+            def profiled(batch, window, prof=prof, make_resident=make_resident):
+                wall, cpu = time.perf_counter(), time.thread_time()
+                prof.enable()
+                try:
+                    return make_resident(batch, window)
+                finally:
+                    prof.disable()
+                    with lock:
+                        self.calls += 1
+                        self.wall += time.perf_counter() - wall
+                        self.cpu += time.thread_time() - cpu
+            p._make_resident = profiled
+            self.profiles.append(prof)
+            self.patched.append(p)
+
+    def restore(self) -> None:
+        for p in self.patched:
+            del p._make_resident  # (the class's again)
+
+
+def _write_profile(path: str, head: str, profiles: list, per: int, unit: str) -> list:
+    """The profiles' functions, by own and by cumulative time (us a `unit`, of which there were
+    `per`), written to path under head. Returns the rows: (function, calls, own us, cumulative
+    us), each a unit."""
+    import pstats
+
+    st = pstats.Stats(profiles[0])
+    for prof in profiles[1:]:
+        st.add(prof)
 
     def where(f, line, fn):
         return fn if f.startswith("~") else f"{os.path.relpath(f)}:{line}({fn})"
 
-    rows = [(where(*k), nc / steps, tt * 1e6 / steps, ct * 1e6 / steps) for k, (_cc, nc, tt, ct, _) in st.stats.items()]
-    lines = [f"{steps} steps, {wall * 1e3 / steps:.3f} ms a step under cProfile"]
+    rows = [(where(*k), nc / per, tt * 1e6 / per, ct * 1e6 / per) for k, (_cc, nc, tt, ct, _) in st.stats.items()]
+    lines = [head]
     for title, col in (("own", 2), ("cumulative", 3)):
-        lines.append(f"\nby {title} time: calls a step, own us a step, cumulative us a step, function")
+        lines.append(f"\nby {title} time: calls a {unit}, own us a {unit}, cumulative us a {unit}, function")
         lines += [f"{c:8.1f} {tt:9.1f} {ct:9.1f}  {w}" for w, c, tt, ct in sorted(rows, key=lambda r: -r[col])[:50]]
-    with open(os.path.join(out_dir, f"{name}.cprofile.txt"), "w") as f:
+    with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
-    top = [(w, tt, c) for w, c, tt, _ in sorted(rows, key=lambda r: -r[2])[:8]]
-    return {"steps": steps, "wall_ms_per_step": wall * 1e3 / steps, "top": top}
+    return rows
