@@ -97,7 +97,9 @@ def sample_steps(name: str, step, stream, steps: int, grad, dev: torch.device, o
     (autograd runs a CUDA backward on a thread of its own, which cProfile would not see): where
     the host's time goes, in out_dir/<name>.stacks.txt: each function's share of the samples at
     the top of a stack (its own time, what it calls in C included) and anywhere in one (its
-    cumulative time), by thread. Returns the wall time per step."""
+    cumulative time), by thread. Returns the wall time per step. The sampler is a Python thread:
+    it samples when it gets the GIL, mostly as some thread lets it go (a torch op, a wait), so the
+    lines that do are over-counted; cprofile_steps' worker profile is by each thread's CPU time."""
     import collections
     import sys
     import threading
