@@ -666,10 +666,10 @@ def test_the_swap_kernel_writes_each_slots_victim_down_before_reading_its_miss_i
     WROTE; then the miss read in where its host row was ever written (counted), else marked."""
     from tieredemb.gpu import moves
     from tieredemb.gpu.moves import WROTE, swap_rows
+    from tieredemb.tiers.rowstore import DEFERRED_MARK
 
     monkeypatch.setattr(moves, "MOVE_COLS", cols)  # (256: a row of 129 words in one round, not three)
     assert moves._launch_args(width)["COLS"] == min(cols, 1 << (width - 1).bit_length())
-    from tieredemb.tiers.rowstore import DEFERRED_MARK
 
     g = torch.Generator().manual_seed(3)
     host, pool = torch.randn(40, width, generator=g), torch.randn(20, width, generator=g)
