@@ -84,7 +84,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import trace_steps  # noqa: E402
 from host_time import (count_waits, cprofile_steps, profile_steps, sample_steps, synchronize,  # noqa: E402
                        train_steps)
-from workload import BatchSource, Workload  # noqa: E402
+from workload import BatchSource, Workload, store_every_row  # noqa: E402
 
 SYSTEMS = ("fbgemm-hbm", "fbgemm-uvm10", "torch-ops", "torch-sparse", "ours-hbm", "ours-hbm-eager", "ours-host10",
            "ours-host10-zc", "ours-host10-zc-eager",
@@ -174,23 +174,6 @@ def build(name: str, w: Workload, a, dev: torch.device):
     return step, (f"TieredEmbeddingBag cache_rows={cache}" + (", log store" if kw else "")
                   + (", cuda_graphs=False" if name.endswith("-eager") else "")
                   + (", zero_copy" if zero_copy else "") + (", prefetch depth 2" if prefetched(name) else ""))
-
-
-def store_every_row(emb, chunk: int = 1 << 20) -> None:
-    """Writes every row of a new table below tier 0 as it reads (its initial values, optimizer
-    state and all): the table is the same, every row of it now stored. So each miss reads its row
-    from below, as each of FBGEMM's UVM cache misses reads its row from the table it initialized
-    in host memory. A new table's misses are otherwise rows never stored, drawn on the device with
-    nothing read: for hundreds of batches it runs ever slower as the rows written back come to be
-    read again (measured on an H200, 2026-11-27: zero-copy 161 M lookups/s in the first run after
-    warming up, 107 M in the third, 90.6 M in the fortieth, with the same misses and writes a run)."""
-    store = emb._store  # (whole rows, weights and state, each read once: write_rows reads them again)
-    for start in range(0, emb.num_embeddings, chunk):
-        ids = torch.arange(start, min(start + chunk, emb.num_embeddings))
-        store.write(ids, store.read(ids))
-    stored = store.bottom.stats()["rows_stored"]
-    if stored != emb.num_embeddings:
-        raise RuntimeError(f"store_every_row: {stored} rows stored below tier 0, expected {emb.num_embeddings}")
 
 
 def ragged(source: BatchSource, i: int) -> tuple[torch.Tensor, torch.Tensor]:

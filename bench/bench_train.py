@@ -40,7 +40,8 @@ from typing import Callable
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from workload import QUICK, BatchSource, Workload, add_workload_args, upstream_grad, workload_flags, workload_from_args  # noqa: E402
+from workload import (QUICK, BatchSource, Workload, add_workload_args, store_every_row, upstream_grad,  # noqa: E402
+                      workload_flags, workload_from_args)
 
 FP32 = 4
 SYSTEMS = ("fbgemm", "torch", "tieredemb-full", "tieredemb-cached")
@@ -154,12 +155,7 @@ def build_tieredemb(cached: bool) -> Callable[[Workload, argparse.Namespace, tor
         )
 
         if a.preinit:
-            # Every row written once, untimed, as FBGEMM and torch fill theirs at construction:
-            # then no first-touch initialization (nor its page faults) falls in the timed steps.
-            chunk = 1 << 14  # small, so the temporaries stay out of the peak RSS
-            for start in range(0, w.rows, chunk):
-                ids = torch.arange(start, min(w.rows, start + chunk))
-                emb.write_rows(ids, emb.read_rows(ids))
+            store_every_row(emb, chunk=1 << 14)  # (small chunks: the temporaries stay out of the peak RSS)
             emb.flush()
             emb.reset_stats()
 
