@@ -11,7 +11,8 @@
 #                                          the GPU tests; the table whole in HBM (FBGEMM, ours with CUDA graphs
 #                                          and without, torch ops); tier 0 = 10% over host memory and over the
 #                                          log store (FBGEMM's UVM cache, ours zero-copy with CUDA graphs and
-#                                          without, with copies, over SSD with prefetch; their stacks); the
+#                                          without, with copies, over SSD with prefetch; their stacks); zero-copy
+#                                          again with its moves a row at once (--move-shape 16x4x256); the
 #                                          update kernel by its number of programs and the draw by its chunks;
 #                                          FBGEMM's, ours-hbm's and ours-host10-zc's kernels a step
 #                                          (torch.profiler); a queued plan by the assign kernel's programs;
@@ -131,6 +132,7 @@ case "$step" in
     part 90 bench hbm --only fbgemm-hbm,ours-hbm,ours-hbm-eager,torch-ops --runs 15 --cprofile /tmp/prof
     part 180 bench cached --only fbgemm-uvm10,ours-host10-zc,ours-host10-zc-eager,ours-host10,ours-ssd10 --runs 7 \
       --warmup 80 --ssd-path /tmp --stacks /tmp/prof --cprofile /tmp/prof
+    part 90 bench cached_cols256 --only fbgemm-uvm10,ours-host10-zc --runs 9 --warmup 80 --move-shape 16x4x256
     part 60 kernels kernels --warps 1 --tiles 16 --update-programs 0,8,16,32,64 --reps 10
     part 50 bench profiled --only fbgemm-hbm,ours-hbm,ours-host10-zc --runs 1 --profile /tmp/prof
     part 45 kernels plan --plan --update-programs 0,8,16,32,64 --reps 10
