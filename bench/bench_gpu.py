@@ -190,7 +190,7 @@ def make_batches(source: BatchSource, a, dev: torch.device) -> list:
     the host (a DataLoader's pin_memory=True), pageable, or on the device."""
     w, on_gpu = source.workload, dev.type == "cuda"
     profiled = ((PROFILED_STEPS if a.profile else 0) + (SAMPLED_STEPS if a.stacks else 0)
-                + (CPROFILED_STEPS if a.cprofile else 0))
+                + (2 * CPROFILED_STEPS if a.cprofile else 0))  # (cProfile's pass, then a prefetch worker's)
     counted = COUNTED_STEPS if on_gpu else 0
     batches = [ragged(source, i) if a.ragged else source.batch(i)
                for i in range(a.warmup + a.runs * w.batches + counted + profiled)]

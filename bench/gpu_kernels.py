@@ -11,9 +11,9 @@ drawn in place, 40 % of the batch's here) as one id a program and as chunks of 8
 
 With --moves, instead: zero-copy's moves (tieredemb/gpu/moves.py) under each launch shape (rows
 a program moves, warps, the most words of a row moved at once): --move-rows rows of dim 128 + 1
-read from host rows pinned and mapped into the device (as a zero-copy table's) into a device
-pool (move_rows), as many written from
-the pool into the host rows, both at once on two streams (the rows disjoint), and both by the
+(or of each of --move-widths words: whether rows that start on a 128-byte line move faster) read
+from host rows pinned and mapped into the device (as a zero-copy table's) into a device pool
+(move_rows), as many written from the pool into the host rows, both at once on two streams (the rows disjoint), and both by the
 swap kernel a zero-copy residency uses (swap_rows: each slot's victim out, then its miss in, by
 one program). Whether the bus's two directions overlap, and whether the swap gets that: before
 it, a zero-copy step moved its rows by two launches one after the other (390 us each on the H200).
@@ -101,6 +101,9 @@ def main(argv=None) -> int:
     p.add_argument("--plan-warmup", type=int, default=40, help="--plan: batches planned before the timed ones")
     p.add_argument("--move-rows", type=int, default=20_000, help="--moves: rows moved each way a call")
     p.add_argument("--move-host-rows", type=int, default=2_000_000, help="--moves: host rows (at most --rows)")
+    p.add_argument("--move-widths", default="129",
+                   help="--moves: words a row, comma-separated (129: dim 128 and row-wise Adagrad's accumulator; "
+                        "128 or 160: every row starting on a 128-byte line)")
     p.add_argument("--move-shapes", default="16x4x64,64x4x64,16x4x256,8x4x256,4x4x256,16x8x256,32x8x256",
                    help="--moves: the launch shapes tried, rows per program x warps x the most words of a row "
                         "a program moves at once (moves.MOVE_COLS; left out: its default)")
@@ -234,11 +237,29 @@ def sweep_plan(a) -> int:
 
 def sweep_moves(a) -> int:
     """--moves: see the module's docstring."""
+    results = []
+    for width in map(int, a.move_widths.split(",")):
+        results += _sweep_moves_of_width(a, width)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"device": _device_name(torch.device(a.device)), "rows_moved": a.move_rows, "results": results},
+                      f, indent=1)
+    return 0
+
+
+def _device_name(dev: torch.device) -> str:
+    return torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu (a check of the script)"
+
+
+def _sweep_moves_of_width(a, width: int) -> list:
+    """The launch shapes of --move-shapes, moving rows of width words (each row at width * 4
+    bytes from the last: 129, a row of dim 128 and row-wise Adagrad's accumulator, starts 4 bytes
+    further into a 128-byte line than the row before it; 128 and 160 start every row on one)."""
     from tieredemb.gpu import hostmap, moves
     from tieredemb.tiers.pools import reserve_host_rows
 
     dev = torch.device(a.device)
-    width, n = 129, a.move_rows  # (dim 128 and row-wise Adagrad's accumulator)
+    n = a.move_rows
     host_rows = min(a.rows, a.move_host_rows)  # (pinning makes every page memory: about 1 GB a 2M rows)
     store = argparse.Namespace(rows=reserve_host_rows(host_rows, width, populate_rows=0))  # (as a HostStore's rows)
     unmap = hostmap.pin_and_map(store, store.rows, dev) if dev.type == "cuda" else None
@@ -248,12 +269,10 @@ def sweep_moves(a) -> int:
     read_ids, write_ids = picked[:n], picked[n:]
     read_slots, write_slots = torch.randperm(4 * n, device=dev)[:2 * n].split(n)
     side = torch.cuda.Stream(dev) if dev.type == "cuda" else None
-    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu (a check of the script)"
     mb = n * width * 4 / 1e6
 
     def read():
         moves.move_rows(store.rows, read_ids, pool, read_slots)
-
     def write():
         moves.move_rows(pool, write_slots, store.rows, write_ids)
 
@@ -273,7 +292,7 @@ def sweep_moves(a) -> int:
         read()
         torch.cuda.current_stream(dev).wait_stream(side)
 
-    print(f"device: {name}; torch {torch.__version__}; {n} rows of {width} floats ({mb:.1f} MB) each way, host "
+    print(f"device: {_device_name(dev)}; torch {torch.__version__}; {n} rows of {width} floats ({mb:.1f} MB) each way, host "
           f"rows {host_rows} x {width}; median of {a.reps} calls, microseconds (GB/s)")
     results = []
     try:
@@ -283,7 +302,7 @@ def sweep_moves(a) -> int:
                 got = {what: timed(fn, a.reps, dev) for what, fn in (("read", read), ("write", write), ("both", both),
                                                                       ("swap", swap))}
             one_way_each = got["read"] + got["write"]
-            results.append({"rows_per_program": rows, "warps": warps, "cols": cols,
+            results.append({"width": width, "rows_per_program": rows, "warps": warps, "cols": cols,
                             **{f"{k}_us": v for k, v in got.items()}})
             print(f"rows {rows:3d} x warps {warps} x cols {cols:3d}:  host->device {got['read']:8.1f} us "
                   f"({mb / got['read'] / 1e-3:5.1f})   device->host {got['write']:8.1f} us "
@@ -293,10 +312,7 @@ def sweep_moves(a) -> int:
     finally:
         if unmap is not None:
             unmap()
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"device": name, "rows_moved": n, "width": width, "results": results}, f, indent=1)
-    return 0
+    return results
 
 
 if __name__ == "__main__":

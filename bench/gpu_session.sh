@@ -12,13 +12,14 @@
 #                                          and without, torch ops); tier 0 = 10% over host memory and over the
 #                                          log store (FBGEMM's UVM cache, ours zero-copy with CUDA graphs and
 #                                          without, with copies, over SSD with prefetch; their stacks); zero-copy
-#                                          again with its moves a row at once (--move-shape 16x4x256); the
+#                                          again with its moves in 64 words at once (--move-shape 16x4x64, the
+#                                          default before the twenty-fifth session); the
 #                                          update kernel by its number of programs and the draw by its chunks;
 #                                          FBGEMM's, ours-hbm's and ours-host10-zc's kernels a step
 #                                          (torch.profiler); a queued plan by the assign kernel's programs;
 #                                          zero-copy's moves by launch shape (rows, warps, words of a row at
-#                                          once); the whole table with ragged bags, and with ids on the device;
-#                                          the collection bench
+#                                          once) and by row width; the whole table with ragged bags, and with
+#                                          ids on the device; the collection bench
 #
 # and, where time is left, one of the parts alone:
 #
@@ -132,11 +133,11 @@ case "$step" in
     part 90 bench hbm --only fbgemm-hbm,ours-hbm,ours-hbm-eager,torch-ops --runs 15 --cprofile /tmp/prof
     part 180 bench cached --only fbgemm-uvm10,ours-host10-zc,ours-host10-zc-eager,ours-host10,ours-ssd10 --runs 7 \
       --warmup 80 --ssd-path /tmp --stacks /tmp/prof --cprofile /tmp/prof
-    part 90 bench cached_cols256 --only fbgemm-uvm10,ours-host10-zc --runs 9 --warmup 80 --move-shape 16x4x256
+    part 90 bench cached_cols64 --only fbgemm-uvm10,ours-host10-zc --runs 9 --warmup 80 --move-shape 16x4x64
     part 60 kernels kernels --warps 1 --tiles 16 --update-programs 0,8,16,32,64 --reps 10
     part 50 bench profiled --only fbgemm-hbm,ours-hbm,ours-host10-zc --runs 1 --profile /tmp/prof
     part 45 kernels plan --plan --update-programs 0,8,16,32,64 --reps 10
-    part 45 kernels moves --moves --reps 10
+    part 45 kernels moves --moves --reps 10 --move-widths 129,128,160 --move-shapes 16x4x64,16x4x256,4x4x256
     part 70 bench ragged --only fbgemm-hbm,ours-hbm,ours-hbm-eager --runs 9 --ragged
     part 70 bench device_ids --only fbgemm-hbm,ours-hbm,ours-hbm-eager --runs 9 --ids-on-device
     part 600 collection

@@ -157,74 +157,84 @@ def sample_steps(name: str, step, stream, steps: int, grad, dev: torch.device, o
 def cprofile_steps(name: str, step, stream, steps: int, grad, dev: torch.device, out_dir: str,
                    prefetchers: list = ()) -> dict:
     """`steps` more training steps under cProfile, with autograd's backward run on the training
-    thread (torch.autograd.set_multithreading_enabled(False): cProfile sees one thread), so the
-    backward's Python is counted with the forward's: each function's own time (what it calls in
-    C included) and its calls, in out_dir/<name>.cprofile.txt. cProfile's cost per call inflates
-    code of many small calls: a ranking of where the host's time goes, not a timing. Returns the
-    wall time per step and the eight functions of most own time (us a step).
+    thread (torch.autograd.set_multithreading_enabled(False)), so the backward's Python is counted
+    with the forward's: each function's own time (what it calls in C included) and its calls, in
+    out_dir/<name>.cprofile.txt. cProfile's cost per call inflates code of many small calls: a
+    ranking of where the host's time goes, not a timing. (From Python 3.12 on, cProfile hears every
+    thread's calls, a prefetch worker's too.) Returns the wall time per step and the eight
+    functions of most own time (us a step).
 
-    prefetchers (a prefetching system's: module._prefetchers()): their workers' residencies of
-    those steps' batches (Prefetcher._make_resident, on each worker's thread) are profiled too,
-    by the thread's CPU time (time.thread_time: a wait for the GIL, for a lock, or asleep on the
-    device counts nothing; a spin on it counts), in out_dir/<name>.worker.cprofile.txt, with the
-    residencies' wall and CPU time a batch: their gap is the worker's waiting."""
+    prefetchers (a prefetching system's: module._prefetchers()): then `steps` steps more, with
+    their workers' residencies of those steps' batches (Prefetcher._make_resident, on each
+    worker's thread) profiled, by the thread's CPU time (time.thread_time: a wait for the GIL, for
+    a lock, or asleep on the device counts nothing; a spin on it counts), in
+    out_dir/<name>.worker.cprofile.txt, with the residencies' wall and CPU time a batch: their gap
+    is the worker's waiting. A pass of its own, the training thread unprofiled, and by the profile
+    module (sys.setprofile: its own thread only), not cProfile: Python allows one cProfile at a
+    time from 3.12 on ("Another profiling tool is already active"), and that one hears every
+    thread. The profile module costs more a call than cProfile (its times inflate more)."""
     import cProfile
 
     os.makedirs(out_dir, exist_ok=True)
     synchronize(dev)
     prof = cProfile.Profile()
-    workers = _WorkerProfiles(prefetchers)
-    try:
-        with torch.autograd.set_multithreading_enabled(False):
-            start = time.perf_counter()
-            prof.enable()
+    with torch.autograd.set_multithreading_enabled(False):
+        start = time.perf_counter()
+        prof.enable()
+        try:
             train_steps(step, stream, grad, steps)
             synchronize(dev)
+        finally:
             prof.disable()
-            wall = time.perf_counter() - start
-    finally:
-        workers.restore()
+        wall = time.perf_counter() - start
     head = f"{steps} steps, {wall * 1e3 / steps:.3f} ms a step under cProfile"
     rows = _write_profile(os.path.join(out_dir, f"{name}.cprofile.txt"), head, [prof], steps, "step")
     out = {"steps": steps, "wall_ms_per_step": wall * 1e3 / steps,
            "top": [(w, tt, c) for w, c, tt, _ in sorted(rows, key=lambda r: -r[2])[:8]]}
-    if workers.calls:
+    if prefetchers:
+        workers = _WorkerProfiles(prefetchers)
+        try:
+            train_steps(step, stream, grad, steps)
+            synchronize(dev)
+        finally:
+            workers.restore()
         n = workers.calls
-        head = (f"{n} residencies on the prefetch worker: {workers.wall * 1e3 / n:.3f} ms wall, "
-                f"{workers.cpu * 1e3 / n:.3f} ms of the thread's CPU time each, under cProfile (by CPU time)")
-        rows = _write_profile(os.path.join(out_dir, f"{name}.worker.cprofile.txt"), head, workers.profiles, n,
-                              "residency")
-        out["worker"] = {"residencies": n, "wall_ms": workers.wall * 1e3 / n, "cpu_ms": workers.cpu * 1e3 / n,
-                         "top": [(w, tt, c) for w, c, tt, _ in sorted(rows, key=lambda r: -r[2])[:8]]}
+        if n:
+            head = (f"{n} residencies on the prefetch worker: {workers.wall * 1e3 / n:.3f} ms wall, "
+                    f"{workers.cpu * 1e3 / n:.3f} ms of the thread's CPU time each, under the profile module "
+                    "(by CPU time)")
+            rows = _write_profile(os.path.join(out_dir, f"{name}.worker.cprofile.txt"), head, workers.profiles, n,
+                                  "residency")
+            out["worker"] = {"residencies": n, "wall_ms": workers.wall * 1e3 / n, "cpu_ms": workers.cpu * 1e3 / n,
+                             "top": [(w, tt, c) for w, c, tt, _ in sorted(rows, key=lambda r: -r[2])[:8]]}
     return out
 
 
 class _WorkerProfiles:
     """Each prefetcher's _make_resident wrapped (on the instance, until restore()) to run under a
-    cProfile of its own timed by time.thread_time, its wall and CPU time added up."""
+    profile.Profile (that thread's calls only) timed by time.thread_time, its wall and CPU time
+    added up."""
 
     def __init__(self, prefetchers):
-        import cProfile
+        import profile
 
         self.profiles, self.patched = [], []
         self.calls, self.wall, self.cpu = 0, 0.0, 0.0
         lock = threading.Lock()
         for p in prefetchers:
-            prof, make_resident = cProfile.Profile(timer=time.thread_time), p._make_resident
-
-            def profiled(batch, window, prof=prof, make_resident=make_resident):
+            def profiled(batch, window, make_resident=p._make_resident):
+                # (a profile.Profile a residency: one run twice fails its own check, "Bad call")
+                prof = profile.Profile(timer=time.thread_time)
                 wall, cpu = time.perf_counter(), time.thread_time()
-                prof.enable()
                 try:
-                    return make_resident(batch, window)
+                    return prof.runcall(make_resident, batch, window)
                 finally:
-                    prof.disable()
                     with lock:
                         self.calls += 1
                         self.wall += time.perf_counter() - wall
                         self.cpu += time.thread_time() - cpu
+                        self.profiles.append(prof)
             p._make_resident = profiled
-            self.profiles.append(prof)
             self.patched.append(p)
 
     def restore(self) -> None:
@@ -243,9 +253,10 @@ def _write_profile(path: str, head: str, profiles: list, per: int, unit: str) ->
         st.add(prof)
 
     def where(f, line, fn):
-        return fn if f.startswith("~") else f"{os.path.relpath(f)}:{line}({fn})"
+        return fn if f.startswith("~") or not f else f"{os.path.relpath(f)}:{line}({fn})"  # ('': profile's builtins)
 
-    rows = [(where(*k), nc / per, tt * 1e6 / per, ct * 1e6 / per) for k, (_cc, nc, tt, ct, _) in st.stats.items()]
+    rows = [(where(*k), nc / per, tt * 1e6 / per, ct * 1e6 / per) for k, (_cc, nc, tt, ct, _) in st.stats.items()
+            if k[2] != "setprofile" and not k[2].startswith("profile:0(")]  # (the profile module's own frames)
     lines = [head]
     for title, col in (("own", 2), ("cumulative", 3)):
         lines.append(f"\nby {title} time: calls a {unit}, own us a {unit}, cumulative us a {unit}, function")

@@ -29,11 +29,14 @@ import triton.language as tl
 from . import launch_turn
 
 # Launch shape: rows a program moves, warps per program, and the most words of a row a program
-# moves at once (a row of 129 words at 64: three rounds, the last of one word a row, each round's
-# reads over the bus waited for before its writes). Rows and warps measured on an H200 (twenty-first
-# session: 16 x 4 within a few % of the best); the words not yet. Module constants, so that
-# bench/gpu_kernels.py --moves can try others.
-MOVE_ROWS, MOVE_WARPS, MOVE_COLS = 16, 4, 64
+# moves at once. Rows and warps measured on an H200 (twenty-first session: 16 x 4 within a few % of
+# the best). Words: 256, a row of 129 words in one round; at 64 it took three, the last of one word
+# a row, each round's reads over the bus waited for before its writes. On an H100 (twenty-fifth
+# session, 20K rows of 129 words each way) 256 took 255 us host->device against 314 at 64, 313
+# device->host against 354, the swap 512 against 566; 226 registers a thread, no spill (32 rows
+# spill). Module constants, so that bench/gpu_kernels.py --moves and bench_gpu.py --move-shape can
+# try others.
+MOVE_ROWS, MOVE_WARPS, MOVE_COLS = 16, 4, 256
 WROTE = 2  # written[id] of a row the device wrote down and the host has not yet been told of (1: told)
 
 
