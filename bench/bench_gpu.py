@@ -406,7 +406,8 @@ def index_speed(dev: torch.device, a) -> dict:
 
 
 def main(argv=None) -> int:
-    from tieredemb.gpu import moves
+    from gpu_kernels import move_shape
+    from tieredemb.gpu import PerMultiprocessor, moves
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--only", default=",".join(SYSTEMS), help="systems to run, comma-separated")
     p.add_argument("--rows", type=int, default=10_000_000)
@@ -447,16 +448,21 @@ def main(argv=None) -> int:
                         "side with their runs interleaved (then no paired ratios)")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                    help="cpu: a check of this script where there is no GPU (FBGEMM's GPU TBE skipped)")
-    p.add_argument("--move-shape", default=None, metavar="RxWxC",
-                   help="zero-copy's move kernels launched with R rows a program, W warps, C words of a row at once "
-                        "(moves.MOVE_ROWS, MOVE_WARPS, MOVE_COLS), for the whole run (default: theirs, "
-                        f"{moves.MOVE_ROWS}x{moves.MOVE_WARPS}x{moves.MOVE_COLS})")
+    p.add_argument("--move-shape", default=None, metavar="RxWxC[xP]",
+                   help="zero-copy's move kernels launched with R rows a program, W warps, C words of a row at once, "
+                        "P programs per multiprocessor (0: a program a block of rows) for the whole run "
+                        "(moves.MOVE_ROWS, MOVE_WARPS, MOVE_COLS, MOVE_PROGRAMS; default: theirs, "
+                        f"{'x'.join(map(str, move_shape(f'{moves.MOVE_ROWS}x{moves.MOVE_WARPS}', moves)))})")
     a = p.parse_args(argv)
     if a.move_shape is not None:
-        shape = a.move_shape.split("x")
-        if len(shape) != 3 or not all(x.isdigit() and int(x) > 0 and int(x) & (int(x) - 1) == 0 for x in shape):
-            p.error(f"--move-shape {a.move_shape!r}: three powers of two, RxWxC (as 16x4x256)")
-        moves.MOVE_ROWS, moves.MOVE_WARPS, moves.MOVE_COLS = map(int, shape)
+        try:
+            rows, warps, cols, per_sm = move_shape(a.move_shape, moves)
+        except ValueError as e:
+            p.error(str(e))
+        if not all(x > 0 and x & (x - 1) == 0 for x in (rows, warps, cols)):
+            p.error(f"--move-shape {a.move_shape!r}: R, W and C must be powers of two")
+        moves.MOVE_ROWS, moves.MOVE_WARPS, moves.MOVE_COLS = rows, warps, cols
+        moves.MOVE_PROGRAMS = PerMultiprocessor(per_sm) if per_sm else None
     if a.device == "cuda" and not torch.cuda.is_available():
         print("bench_gpu: no CUDA device here; run it on a GPU machine (or --device cpu to check the script)",
               file=sys.stderr)

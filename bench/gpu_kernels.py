@@ -10,13 +10,16 @@ grid's stride apart). Last, the whole table's residency (plan_kernels.draw: rows
 drawn in place, 40 % of the batch's here) as one id a program and as chunks of 8 and of 64.
 
 With --moves, instead: zero-copy's moves (tieredemb/gpu/moves.py) under each launch shape (rows
-a program moves, warps, the most words of a row moved at once): --move-rows rows of dim 128 + 1
-(or of each of --move-widths words: whether rows that start on a 128-byte line move faster) read
-from host rows pinned and mapped into the device (as a zero-copy table's) into a device pool
-(move_rows), as many written from the pool into the host rows, both at once on two streams (the rows disjoint), and both by the
-swap kernel a zero-copy residency uses (swap_rows: each slot's victim out, then its miss in, by
-one program). Whether the bus's two directions overlap, and whether the swap gets that: before
-it, a zero-copy step moved its rows by two launches one after the other (390 us each on the H200).
+a program moves, warps, the most words of a row moved at once, programs per multiprocessor):
+--move-rows rows of dim 128 + 1 (or of each of --move-widths words: whether rows that start on a
+128-byte line move faster) read from host rows pinned and mapped into the device (as a zero-copy
+table's) into a device pool (move_rows), as many written from the pool into the host rows, both
+at once on two streams (the rows disjoint), and both by the swap kernel a zero-copy residency
+uses (swap_rows: each slot's victim out, then its miss in, by one program); last, the swap as a
+queued residency launches it, its lists as long as a batch's ids and the count on the device
+(programs with nothing to do included). Whether the bus's two directions overlap, and whether
+the swap gets that: before it, a zero-copy step moved its rows by two launches one after the
+other (390 us each on the H200).
 
     python bench/gpu_kernels.py
     python bench/gpu_kernels.py --rows 1000000 --reps 20 --json $OUT/kernels.json
@@ -100,13 +103,22 @@ def main(argv=None) -> int:
     p.add_argument("--plan", action="store_true", help="instead: a queued plan, by the assign kernel's programs")
     p.add_argument("--plan-warmup", type=int, default=40, help="--plan: batches planned before the timed ones")
     p.add_argument("--move-rows", type=int, default=20_000, help="--moves: rows moved each way a call")
-    p.add_argument("--move-host-rows", type=int, default=2_000_000, help="--moves: host rows (at most --rows)")
+    p.add_argument("--move-host-rows", default="2000000",
+                   help="--moves: host rows (at most --rows), comma-separated (pinning makes every page memory: "
+                        "about 1 GB a 2M rows)")
+    p.add_argument("--move-alloc", default="register",
+                   help="--moves: how the host rows are allocated, comma-separated: register (a HostStore's rows, "
+                        "pinned and mapped as a zero-copy table's) or pinned (torch's pinned memory)")
     p.add_argument("--move-widths", default="129",
                    help="--moves: words a row, comma-separated (129: dim 128 and row-wise Adagrad's accumulator; "
                         "128 or 160: every row starting on a 128-byte line)")
-    p.add_argument("--move-shapes", default="16x4x64,64x4x64,16x4x256,8x4x256,4x4x256,16x8x256,32x8x256",
+    p.add_argument("--move-shapes", default="16x4x64x0,16x4x64x8,16x4x256x0,16x4x256x8,4x4x256x8,4x4x256x32",
                    help="--moves: the launch shapes tried, rows per program x warps x the most words of a row "
-                        "a program moves at once (moves.MOVE_COLS; left out: its default)")
+                        "a program moves at once (moves.MOVE_COLS) x programs per multiprocessor (moves.MOVE_PROGRAMS; "
+                        "0: a program a block of rows); the last two left out: moves' own")
+    p.add_argument("--move-lists", type=int, default=163840,
+                   help="--moves: the lists' length in the queued swap (a batch's ids: as long as its distinct ids "
+                        "may be), --move-rows of them counted")
     a = p.parse_args(argv)
     if a.device == "cuda" and not torch.cuda.is_available():
         print("gpu_kernels: no CUDA device here (--device cpu checks the script)", file=sys.stderr)
@@ -238,8 +250,11 @@ def sweep_plan(a) -> int:
 def sweep_moves(a) -> int:
     """--moves: see the module's docstring."""
     results = []
-    for width in map(int, a.move_widths.split(",")):
-        results += _sweep_moves_of_width(a, width)
+    for host_rows, alloc, width in itertools.product(map(int, a.move_host_rows.split(",")), a.move_alloc.split(","),
+                                                     map(int, a.move_widths.split(","))):
+        if alloc not in ("register", "pinned"):
+            raise SystemExit(f"gpu_kernels: --move-alloc {alloc!r}: register or pinned")
+        results += _sweep_moves_of(a, min(a.rows, host_rows), alloc, width)
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"device": _device_name(torch.device(a.device)), "rows_moved": a.move_rows, "results": results},
@@ -247,22 +262,39 @@ def sweep_moves(a) -> int:
     return 0
 
 
+def move_shape(shape: str, moves) -> tuple:
+    """RxWxC[xP] (C and P left out: moves' own): rows a program, warps, words of a row at once,
+    programs per multiprocessor (0: a program a block of rows)."""
+    own = moves.MOVE_PROGRAMS.count if moves.MOVE_PROGRAMS is not None else 0
+    parts = shape.split("x")
+    if not 2 <= len(parts) <= 4 or not all(x.isdigit() for x in parts):
+        raise ValueError(f"move shape {shape!r}: RxWxC[xP], as 16x4x64x8")
+    return tuple(map(int, parts + [str(moves.MOVE_COLS), str(own)][len(parts) - 2:]))
+
+
 def _device_name(dev: torch.device) -> str:
     return torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu (a check of the script)"
 
 
-def _sweep_moves_of_width(a, width: int) -> list:
+def _sweep_moves_of(a, host_rows: int, alloc: str, width: int) -> list:
     """The launch shapes of --move-shapes, moving rows of width words (each row at width * 4
     bytes from the last: 129, a row of dim 128 and row-wise Adagrad's accumulator, starts 4 bytes
-    further into a 128-byte line than the row before it; 128 and 160 start every row on one)."""
-    from tieredemb.gpu import hostmap, moves
+    further into a 128-byte line than the row before it; 128 and 160 start every row on one)
+    between the device and host_rows host rows (how many: whether the GPU's reach into a larger
+    range of host memory costs it), allocated as alloc: "register", a HostStore's rows (huge
+    pages where they fit) pinned and mapped by hostmap.pin_and_map, as a zero-copy table's; or
+    "pinned", torch's pinned memory (cudaHostAlloc), which a kernel reads through the same address."""
+    from tieredemb.gpu import PerMultiprocessor, hostmap, moves
     from tieredemb.tiers.pools import reserve_host_rows
 
     dev = torch.device(a.device)
     n = a.move_rows
-    host_rows = min(a.rows, a.move_host_rows)  # (pinning makes every page memory: about 1 GB a 2M rows)
-    store = argparse.Namespace(rows=reserve_host_rows(host_rows, width, populate_rows=0))  # (as a HostStore's rows)
-    unmap = hostmap.pin_and_map(store, store.rows, dev) if dev.type == "cuda" else None
+    unmap = None
+    if alloc == "pinned" and dev.type == "cuda":
+        store = argparse.Namespace(rows=torch.zeros(host_rows, width, pin_memory=True))
+    else:
+        store = argparse.Namespace(rows=reserve_host_rows(host_rows, width, populate_rows=0))  # (a HostStore's rows)
+        unmap = hostmap.pin_and_map(store, store.rows, dev) if dev.type == "cuda" else None
     pool = torch.randn(4 * n, width, device=dev)
     g = torch.Generator().manual_seed(0)
     picked = torch.randperm(host_rows, generator=g)[:2 * n].to(dev)  # (distinct: reads and writes disjoint)
@@ -273,6 +305,7 @@ def _sweep_moves_of_width(a, width: int) -> list:
 
     def read():
         moves.move_rows(store.rows, read_ids, pool, read_slots)
+
     def write():
         moves.move_rows(pool, write_slots, store.rows, write_ids)
 
@@ -280,6 +313,16 @@ def _sweep_moves_of_width(a, width: int) -> list:
 
     def swap():
         moves.swap_rows(pool, read_slots, write_ids, store.rows, read_ids, mark=0, written=written, found=found)
+
+    # as a queued residency swaps them: lists as long as the batch's ids, the count on the device
+    longer = max(a.move_lists - n, 0)
+    queued = [torch.cat([t, torch.full((longer,), -1, dtype=t.dtype, device=dev)])
+              for t in (read_slots, write_ids, read_ids)]
+    count = torch.tensor([n], device=dev)
+
+    def swap_queued():
+        moves.swap_rows(pool, queued[0], queued[1], store.rows, queued[2], mark=0, written=written, found=found,
+                        count=count)
 
     def both():
         if side is None:
@@ -292,23 +335,26 @@ def _sweep_moves_of_width(a, width: int) -> list:
         read()
         torch.cuda.current_stream(dev).wait_stream(side)
 
-    print(f"device: {_device_name(dev)}; torch {torch.__version__}; {n} rows of {width} floats ({mb:.1f} MB) each way, host "
-          f"rows {host_rows} x {width}; median of {a.reps} calls, microseconds (GB/s)")
+    print(f"device: {_device_name(dev)}; torch {torch.__version__}; {n} rows of {width} floats ({mb:.1f} MB) each way, "
+          f"host rows {host_rows} x {width} ({alloc}); median of {a.reps} calls, microseconds (GB/s)")
     results = []
     try:
         for shape in a.move_shapes.split(","):
-            rows, warps, cols = (list(map(int, shape.split("x"))) + [moves.MOVE_COLS])[:3]
-            with constants(moves, MOVE_ROWS=rows, MOVE_WARPS=warps, MOVE_COLS=cols):
+            rows, warps, cols, per_sm = move_shape(shape, moves)
+            with constants(moves, MOVE_ROWS=rows, MOVE_WARPS=warps, MOVE_COLS=cols,
+                           MOVE_PROGRAMS=PerMultiprocessor(per_sm) if per_sm else None):
                 got = {what: timed(fn, a.reps, dev) for what, fn in (("read", read), ("write", write), ("both", both),
-                                                                      ("swap", swap))}
+                                                                      ("swap", swap), ("swap_queued", swap_queued))}
             one_way_each = got["read"] + got["write"]
-            results.append({"width": width, "rows_per_program": rows, "warps": warps, "cols": cols,
+            results.append({"width": width, "host_rows": host_rows, "alloc": alloc, "rows_per_program": rows,
+                            "warps": warps, "cols": cols, "programs_per_sm": per_sm,
                             **{f"{k}_us": v for k, v in got.items()}})
-            print(f"rows {rows:3d} x warps {warps} x cols {cols:3d}:  host->device {got['read']:8.1f} us "
-                  f"({mb / got['read'] / 1e-3:5.1f})   device->host {got['write']:8.1f} us "
-                  f"({mb / got['write'] / 1e-3:5.1f})   both at once {got['both']:8.1f} us, swapped "
-                  f"{got['swap']:8.1f} us (both, swap / (read + write): {got['both'] / one_way_each:.2f}, "
-                  f"{got['swap'] / one_way_each:.2f})", flush=True)
+            print(f"rows {rows:3d} x warps {warps} x cols {cols:3d} x programs {per_sm or 'a block':>7}:  host->device "
+                  f"{got['read']:7.1f} us ({mb / got['read'] / 1e-3:5.1f})   device->host {got['write']:7.1f} us "
+                  f"({mb / got['write'] / 1e-3:5.1f})   both at once {got['both']:7.1f} us, swapped "
+                  f"{got['swap']:7.1f} us (both, swap / (read + write): {got['both'] / one_way_each:.2f}, "
+                  f"{got['swap'] / one_way_each:.2f}); swapped as queued (lists of {n + longer}) "
+                  f"{got['swap_queued']:7.1f} us", flush=True)
     finally:
         if unmap is not None:
             unmap()

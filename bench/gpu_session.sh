@@ -12,14 +12,16 @@
 #                                          and without, torch ops); tier 0 = 10% over host memory and over the
 #                                          log store (FBGEMM's UVM cache, ours zero-copy with CUDA graphs and
 #                                          without, with copies, over SSD with prefetch; their stacks); zero-copy
-#                                          again with its moves in 64 words at once (--move-shape 16x4x64, the
-#                                          default before the twenty-fifth session); the
-#                                          update kernel by its number of programs and the draw by its chunks;
-#                                          FBGEMM's, ours-hbm's and ours-host10-zc's kernels a step
-#                                          (torch.profiler); a queued plan by the assign kernel's programs;
-#                                          zero-copy's moves by launch shape (rows, warps, words of a row at
-#                                          once) and by row width; the whole table with ragged bags, and with
-#                                          ids on the device; the collection bench
+#                                          again with a move program a block of rows (--move-shape 16x4x64x0,
+#                                          as before the twenty-fifth session), and with 256 words of a row at
+#                                          once (16x4x256x8); the update kernel by its number of programs and the
+#                                          draw by its chunks; FBGEMM's, ours-hbm's and ours-host10-zc's kernels
+#                                          a step (torch.profiler); a queued plan by the assign kernel's
+#                                          programs; zero-copy's moves by launch shape (rows, warps, words of a
+#                                          row at once, programs), by row width, by the host rows' number (1M,
+#                                          10M) and allocation (registered, as ours, or torch's pinned memory);
+#                                          the whole table with ragged bags, and with ids on the device; the
+#                                          collection bench
 #
 # and, where time is left, one of the parts alone:
 #
@@ -46,7 +48,9 @@
 # assembles them into /tmp/site (if a piece is missing, it installs the wheels that are whole, and
 # the FBGEMM systems print "skipped"). What setup found is at the head of the log.
 #
-# Few files come back from a call: each step leaves a log, a JSON and at most one archive under $OUT.
+# Few files come back from a call (eight: the twenty-fifth session's `first` left twelve, and four
+# did not come back): each step leaves a log, a JSON and at most one archive under $OUT; `first`
+# leaves its log and one archive, first.tgz, of every part's JSON and of the profiles.
 # A step that hangs is stopped before the call's limit (LIMIT seconds) with every thread's stack in
 # its log (SIGABRT; SIGKILL 15 s later if that does not end it).
 set -euo pipefail
@@ -64,7 +68,8 @@ mkdir -p "$OUT"
 
 STOP=$LIMIT  # a part is stopped at min(its cap, STOP - the seconds since this script started)
 LOG=  # where every log goes (first: one file, since few come back), else $OUT/NAME.log
-[ "$step" = first ] && LOG=$OUT/first.log
+JSONS=$OUT  # where each part's JSON goes (first: /tmp/json, archived into first.tgz at the end)
+[ "$step" = first ] && LOG=$OUT/first.log && JSONS=/tmp/json && rm -rf /tmp/json && mkdir -p /tmp/json
 log() { tee ${LOG:+-a} "${LOG:-$OUT/$1.log}"; }
 setup() {
   if [ -f /root/w/assemble.sh ] && [ ! -d /tmp/site ] && ! bash /root/w/assemble.sh /root/w /tmp/site; then
@@ -87,7 +92,13 @@ setup() {
   done
   "$PY" -c 'import sys, torch, triton, numpy; print("gpu_session: python", sys.version.split()[0], "torch",
     torch.__version__, "triton", triton.__version__, "numpy", numpy.__version__)' || true
-  nvidia-smi --query-gpu=name,memory.used,memory.total,utilization.gpu --format=csv || true
+  nvidia-smi --query-gpu=name,memory.used,memory.total,utilization.gpu,pcie.link.gen.current,pcie.link.width.current \
+    --format=csv || true
+  # (where the GPU sits against the CPUs and their memory: host rows on the far NUMA node cross the
+  # link between sockets on their way over the bus; FBGEMM's UVM cache ran at 86-120 M lookups/s from
+  # process to process on one H100 machine, 2026-11-27)
+  nvidia-smi topo -m 2>/dev/null | head -4 || true
+  lscpu 2>/dev/null | grep -i "numa" || true
 }
 setup 2>&1 | log setup
 if [ -d /tmp/site ]; then
@@ -96,15 +107,15 @@ fi
 
 bench() {  # bench NAME ARGS...: bench_gpu.py with a log and a JSON under $OUT
   local name=$1; shift
-  timeout -k 15 -s ABRT "$(budget "$LIMIT")" "$PY" bench/bench_gpu.py "$@" --json "$OUT/$name.json" 2>&1 | log "$name"
+  timeout -k 15 -s ABRT "$(budget "$LIMIT")" "$PY" bench/bench_gpu.py "$@" --json "$JSONS/$name.json" 2>&1 | log "$name"
 }
 kernels() {  # kernels NAME ARGS...: gpu_kernels.py (kernels alone, by launch shape) with a log and a JSON
   local name=$1; shift
-  timeout -k 15 -s ABRT "$(budget "$LIMIT")" "$PY" bench/gpu_kernels.py "$@" --json "$OUT/$name.json" 2>&1 | log "$name"
+  timeout -k 15 -s ABRT "$(budget "$LIMIT")" "$PY" bench/gpu_kernels.py "$@" --json "$JSONS/$name.json" 2>&1 | log "$name"
 }
 collection() {  # bench_collection.py on the GPU, quick, with a log and a JSON
   timeout -k 15 -s ABRT "$(budget "$LIMIT")" "$PY" bench/bench_collection.py --device cuda --quick \
-    --json "$OUT/collection.json" 2>&1 | log collection
+    --json "$JSONS/collection.json" 2>&1 | log collection
 }
 tests() {  # tests NAME ARGS...: pytest with a log under $OUT
   local name=$1; shift
@@ -122,7 +133,7 @@ part() {  # part CAP COMMAND...: one part of `first`, its outcome in $OUT/first.
   echo "first: exit $rc after $SECONDS s" | log first
 }
 case "$step" in
-  first)  # (what comes back: first.log, each part's JSON, prof.tgz: the hbm and cached systems' cProfiles
+  first)  # (what comes back: first.log and first.tgz: each part's JSON, and the hbm and cached systems' cProfiles
           # (the prefetch worker's by its thread's CPU time), the cached systems' stacks, three profiles;
           # bench_gpu.py interleaves the systems' runs, whose 20 batches take tens of milliseconds: many runs
           # cost little and steady the paired ratios; the cached systems warm up on 80 batches: tier 0 = 10 %
@@ -133,15 +144,17 @@ case "$step" in
     part 90 bench hbm --only fbgemm-hbm,ours-hbm,ours-hbm-eager,torch-ops --runs 15 --cprofile /tmp/prof
     part 180 bench cached --only fbgemm-uvm10,ours-host10-zc,ours-host10-zc-eager,ours-host10,ours-ssd10 --runs 7 \
       --warmup 80 --ssd-path /tmp --stacks /tmp/prof --cprofile /tmp/prof
-    part 90 bench cached_cols64 --only fbgemm-uvm10,ours-host10-zc --runs 9 --warmup 80 --move-shape 16x4x64
+    part 80 bench cached_a_block --only fbgemm-uvm10,ours-host10-zc --runs 9 --warmup 80 --move-shape 16x4x64x0
+    part 80 bench cached_cols256 --only fbgemm-uvm10,ours-host10-zc --runs 9 --warmup 80 --move-shape 16x4x256x8
     part 60 kernels kernels --warps 1 --tiles 16 --update-programs 0,8,16,32,64 --reps 10
     part 50 bench profiled --only fbgemm-hbm,ours-hbm,ours-host10-zc --runs 1 --profile /tmp/prof
     part 45 kernels plan --plan --update-programs 0,8,16,32,64 --reps 10
-    part 45 kernels moves --moves --reps 10 --move-widths 129,128,160 --move-shapes 16x4x64,16x4x256,4x4x256
+    part 70 kernels moves --moves --reps 10 --move-widths 129,160 --move-host-rows 1000000,10000000 \
+      --move-alloc register,pinned --move-shapes 16x4x64x0,16x4x64x8,16x4x256x8
     part 70 bench ragged --only fbgemm-hbm,ours-hbm,ours-hbm-eager --runs 9 --ragged
     part 70 bench device_ids --only fbgemm-hbm,ours-hbm,ours-hbm-eager --runs 9 --ids-on-device
     part 600 collection
-    { [ -d /tmp/prof ] && tar czf "$OUT/prof.tgz" -C /tmp prof; } || true ;;
+    tar czf "$OUT/first.tgz" -C /tmp json $([ -d /tmp/prof ] && echo prof) || true ;;
   tests) tests test_gpu tests/test_gpu.py --deselect tests/test_gpu.py::test_the_cpu_tensor_tests_pass_in_a_child ;;
   interpreted)
     par=$("$PY" -c 'import xdist; print("-n 8")' 2>/dev/null || true)

@@ -256,7 +256,7 @@ def _write_profile(path: str, head: str, profiles: list, per: int, unit: str) ->
         return fn if f.startswith("~") or not f else f"{os.path.relpath(f)}:{line}({fn})"  # ('': profile's builtins)
 
     rows = [(where(*k), nc / per, tt * 1e6 / per, ct * 1e6 / per) for k, (_cc, nc, tt, ct, _) in st.stats.items()
-            if k[2] != "setprofile" and not k[2].startswith("profile:0(")]  # (the profile module's own frames)
+            if k[2] != "setprofile" and k[:2] != ("profile", 0)]  # (the profile module's own frames)
     lines = [head]
     for title, col in (("own", 2), ("cumulative", 3)):
         lines.append(f"\nby {title} time: calls a {unit}, own us a {unit}, cumulative us a {unit}, function")

@@ -632,13 +632,16 @@ def test_the_device_dedup_gives_the_distinct_ids_inverse_and_grouping(dtype, n):
     assert torch.equal(start[:u], torch.searchsorted(ids.long()[order], expect)) and (start[u:] == n).all()
 
 
-@pytest.mark.parametrize("width,cols", [(7, 64), (32, 64), (129, 64), (129, 256)])
-def test_the_move_kernel_copies_rows_and_notes_them_written(width, cols, monkeypatch):
-    from tieredemb.gpu import moves
+@pytest.mark.parametrize("width,cols,per_sm", [(7, 64, 8), (32, 64, None), (129, 64, 1), (129, 256, 8)])
+def test_the_move_kernel_copies_rows_and_notes_them_written(width, cols, per_sm, monkeypatch):
+    from tieredemb.gpu import PerMultiprocessor, moves
     from tieredemb.gpu.moves import WROTE, move_rows
 
     monkeypatch.setattr(moves, "MOVE_COLS", cols)  # (256: a row of 129 words in one round, not three)
     assert moves._launch_args(width)["COLS"] == min(cols, 1 << (width - 1).bit_length())
+    # (per_sm None: a program a block of 16 rows; 1: one program takes every block, on CPU tensors)
+    monkeypatch.setattr(moves, "MOVE_PROGRAMS", per_sm and PerMultiprocessor(per_sm))
+    assert moves._grid(45, torch.device("cpu")) == (1 if per_sm == 1 else 3,)
 
     g = torch.Generator().manual_seed(width)
     src, dst = torch.randn(50, width, generator=g), torch.randn(60, width, generator=g)
@@ -660,16 +663,19 @@ def test_the_move_kernel_copies_rows_and_notes_them_written(width, cols, monkeyp
     assert torch.equal(dst[5], src[4]) and torch.equal(dst[torch.arange(60) != 5], before[torch.arange(60) != 5])
 
 
-@pytest.mark.parametrize("width,cols", [(5, 64), (129, 64), (129, 256)])
-def test_the_swap_kernel_writes_each_slots_victim_down_before_reading_its_miss_in(width, cols, monkeypatch):
+@pytest.mark.parametrize("width,cols,per_sm", [(5, 64, None), (129, 64, 1), (129, 256, 8)])
+def test_the_swap_kernel_writes_each_slots_victim_down_before_reading_its_miss_in(width, cols, per_sm, monkeypatch):
     """Each miss's slot: its dirty victim (if any) written down to the host rows first, noted
     WROTE; then the miss read in where its host row was ever written (counted), else marked."""
-    from tieredemb.gpu import moves
+    from tieredemb.gpu import PerMultiprocessor, moves
     from tieredemb.gpu.moves import WROTE, swap_rows
     from tieredemb.tiers.rowstore import DEFERRED_MARK
 
     monkeypatch.setattr(moves, "MOVE_COLS", cols)  # (256: a row of 129 words in one round, not three)
     assert moves._launch_args(width)["COLS"] == min(cols, 1 << (width - 1).bit_length())
+    # (per_sm None: a program a block of 16 rows; 1: one program takes every block, on CPU tensors)
+    monkeypatch.setattr(moves, "MOVE_PROGRAMS", per_sm and PerMultiprocessor(per_sm))
+    assert moves._grid(18, torch.device("cpu")) == (1 if per_sm == 1 else 2,)
 
     g = torch.Generator().manual_seed(3)
     host, pool = torch.randn(40, width, generator=g), torch.randn(20, width, generator=g)
@@ -700,6 +706,13 @@ def test_the_swap_kernel_writes_each_slots_victim_down_before_reading_its_miss_i
               count=torch.tensor([2]))
     assert torch.equal(pool[slots[:2]], host[ids[:2]]) and int(found) == 2
     assert torch.equal(pool[slots[2:4]].view(torch.int32), before[slots[2:4]].view(torch.int32))
+    # a count that ends in the second block of 16: the entries before it only
+    before = pool.clone()
+    swap_rows(pool, slots, None, host, ids, mark=DEFERRED_MARK, written=written, found=found,
+              count=torch.tensor([17]))
+    took = slots[:17] >= 0
+    assert slots[17] >= 0 and torch.equal(pool[slots[:17][took]], host[ids[:17][took]])
+    assert torch.equal(pool[slots[17]].view(torch.int32), before[slots[17]].view(torch.int32))
     with pytest.raises(ValueError, match="host rows of 4 words swapped with rows of"):
         swap_rows(pool, slots, None, host[:, :4], ids, mark=DEFERRED_MARK, written=written, found=found)
 

@@ -50,8 +50,8 @@ def programs(items: int, cap, device: torch.device) -> int:
     """A grid for a kernel whose programs take its items a grid's stride apart, launched on
     device: one program per item (cap None), at most cap of them (a positive int), or at most so
     many per multiprocessor (a PerMultiprocessor): pooling.UPDATE_PROGRAMS,
-    plan_kernels.ASSIGN_PROGRAMS and DRAW_PROGRAMS, rowinit.INIT_PROGRAMS. ValueError naming a cap
-    that is none of these."""
+    plan_kernels.ASSIGN_PROGRAMS and DRAW_PROGRAMS, rowinit.INIT_PROGRAMS, moves.MOVE_PROGRAMS.
+    ValueError naming a cap that is none of these."""
     if cap is None:
         return items
     if isinstance(cap, PerMultiprocessor):

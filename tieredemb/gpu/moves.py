@@ -26,78 +26,89 @@ import torch
 import triton
 import triton.language as tl
 
-from . import launch_turn
+from . import PerMultiprocessor, launch_turn, programs
 
-# Launch shape: rows a program moves, warps per program, and the most words of a row a program
-# moves at once. Rows and warps measured on an H200 (twenty-first session: 16 x 4 within a few % of
-# the best). Words: 256, a row of 129 words in one round; at 64 it took three, the last of one word
-# a row, each round's reads over the bus waited for before its writes. On an H100 (twenty-fifth
-# session, 20K rows of 129 words each way) 256 took 255 us host->device against 314 at 64, 313
-# device->host against 354, the swap 512 against 566; 226 registers a thread, no spill (32 rows
-# spill). Module constants, so that bench/gpu_kernels.py --moves and bench_gpu.py --move-shape can
-# try others.
-MOVE_ROWS, MOVE_WARPS, MOVE_COLS = 16, 4, 256
+# Launch shape: rows a program moves, warps per program, the most words of a row a program moves
+# at once, and the programs (gpu.programs), each taking blocks of rows a grid's stride apart. Rows
+# and warps measured on an H200 (twenty-first session: 16 x 4 within a few % of the best). Words:
+# 256 moves a row of 129 words in one round, 64 in three (the last of one word a row); alone, on an
+# H100 (twenty-fifth session, 20K rows of 129 words each way), 256 took 255 us host->device
+# against 314 and swapped them in 512 against 566; but zero-copy's training step ran 3-4 % slower
+# at 256 in both of two calls (82.5 and 82.8 M lookups/s against 85.7 and 85.6 at 64). Then one
+# program a block of rows: a queued residency's lists are as long as the batch's distinct ids may
+# be (163840), its count (~21K misses) on the device, so ~90 % of the programs found nothing to do
+# and left, and at 256 words (226 registers a thread: half the programs resident per
+# multiprocessor) those empty programs drained more slowly. Now a few programs per multiprocessor
+# take the blocks up to the count (not yet timed on a GPU). Module constants, so that
+# bench/gpu_kernels.py --moves and bench_gpu.py --move-shape can try others.
+MOVE_ROWS, MOVE_WARPS, MOVE_COLS = 16, 4, 64
+MOVE_PROGRAMS = PerMultiprocessor(8)
 WROTE = 2  # written[id] of a row the device wrote down and the host has not yet been told of (1: told)
 
 
 @triton.jit(do_not_specialize=["n", "src_from"])
 def _move_kernel(src_ptr, src_rows_ptr, dst_ptr, dst_rows_ptr, n, count_ptr, width, src_from, written_ptr,
                  WRITTEN: tl.constexpr, COUNTED: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr):
-    """Entries ROWS * program onwards, below n (COUNTED: below count[0] too), whose src_rows[i] >=
-    src_from and dst_rows[i] >= 0: dst[dst_rows[i]] = src[src_rows[i]] (int32 words); WRITTEN:
-    written[dst_rows[i]] = WROTE."""
-    i = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    live = i < n
-    if COUNTED:
-        live = live & (i < tl.load(count_ptr))
-    src_row = tl.load(src_rows_ptr + i, mask=live, other=-1)
-    live = live & (src_row >= src_from) & (src_row >= 0)
-    dst_row = tl.load(dst_rows_ptr + i, mask=live, other=-1)
-    live = live & (dst_row >= 0)
-    dst_row = tl.maximum(dst_row, 0)
-    if WRITTEN:
-        tl.store(written_ptr + dst_row, tl.full((ROWS,), 2, tl.uint8), mask=live)  # (WROTE)
-    src = src_ptr + tl.maximum(src_row, 0)[:, None] * width
-    dst = dst_ptr + dst_row[:, None] * width
-    for c0 in range(0, width, COLS):
-        cols = c0 + tl.arange(0, COLS)[None, :]
-        m = live[:, None] & (cols < width)
-        tl.store(dst + cols, tl.load(src + cols, mask=m), mask=m)
+    """Entries below n (COUNTED: below count[0] too), ROWS at a time from ROWS * program on, a
+    grid's stride apart, whose src_rows[i] >= src_from and dst_rows[i] >= 0: dst[dst_rows[i]] =
+    src[src_rows[i]] (int32 words); WRITTEN: written[dst_rows[i]] = WROTE."""
+    end = tl.minimum(n, tl.load(count_ptr)) if COUNTED else n
+    for base in range(tl.program_id(0) * ROWS, end, tl.num_programs(0) * ROWS):
+        i = base + tl.arange(0, ROWS)
+        live = i < end
+        src_row = tl.load(src_rows_ptr + i, mask=live, other=-1)
+        live = live & (src_row >= src_from) & (src_row >= 0)
+        dst_row = tl.load(dst_rows_ptr + i, mask=live, other=-1)
+        live = live & (dst_row >= 0)
+        dst_row = tl.maximum(dst_row, 0)
+        if WRITTEN:
+            tl.store(written_ptr + dst_row, tl.full((ROWS,), 2, tl.uint8), mask=live)  # (WROTE)
+        src = src_ptr + tl.maximum(src_row, 0)[:, None] * width
+        dst = dst_ptr + dst_row[:, None] * width
+        for c0 in range(0, width, COLS):
+            cols = c0 + tl.arange(0, COLS)[None, :]
+            m = live[:, None] & (cols < width)
+            tl.store(dst + cols, tl.load(src + cols, mask=m), mask=m)
 
 
 @triton.jit(do_not_specialize=["n", "mark"])
 def _swap_kernel(pool_ptr, slots_ptr, victims_ptr, host_ptr, ids_ptr, n, count_ptr, width, mark, written_ptr,
                  found_ptr, VICTIMS: tl.constexpr, COUNTED: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr):
-    """Entries ROWS * program onwards, below n (COUNTED: below count[0] too; a slot < 0 takes
-    nothing): slot s = slots[i]'s row written to host row victims[i] where that is >= 0 (VICTIMS;
-    written[victims[i]] = WROTE), then host row ids[i] read into slot s where written[ids[i]] != 0
-    (those added to found[0]), else slot s's first word = mark."""
-    i = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    live = i < n
-    if COUNTED:
-        live = live & (i < tl.load(count_ptr))
-    slot = tl.load(slots_ptr + i, mask=live, other=-1)
-    live = live & (slot >= 0)
-    row_id = tl.load(ids_ptr + i, mask=live, other=0)
-    stored = live & (tl.load(written_ptr + row_id, mask=live, other=0) != 0)
-    tl.atomic_add(found_ptr, tl.sum(stored.to(tl.int64)))
-    if VICTIMS:
-        victim = tl.load(victims_ptr + i, mask=live, other=-1)
-        leaves = live & (victim >= 0)
-        tl.store(written_ptr + tl.maximum(victim, 0), tl.full((ROWS,), 2, tl.uint8), mask=leaves)  # (WROTE)
-    pool = pool_ptr + slot[:, None] * width
-    for c0 in range(0, width, COLS):
-        cols = c0 + tl.arange(0, COLS)[None, :]
-        inside = cols < width
-        coming = tl.load(host_ptr + row_id[:, None] * width + cols, mask=stored[:, None] & inside)
-        if VICTIMS:  # (both loads in flight at once, then both stores)
-            m = leaves[:, None] & inside
-            leaving = tl.load(pool + cols, mask=m)
-            tl.debug_barrier()  # (every thread's read of the slot before any thread's write to it)
-            tl.store(host_ptr + tl.maximum(victim, 0)[:, None] * width + cols, leaving, mask=m)
-        tl.store(pool + cols, coming, mask=stored[:, None] & inside)
-    # (the mark: after the first chunk's barrier, so after every read of the victim's first word)
-    tl.store(pool_ptr + slot * width, tl.full((ROWS,), mark, tl.int32), mask=live & ~stored)
+    """Entries below n (COUNTED: below count[0] too; a slot < 0 takes nothing), ROWS at a time
+    from ROWS * program on, a grid's stride apart: slot s = slots[i]'s row written to host row
+    victims[i] where that is >= 0 (VICTIMS; written[victims[i]] = WROTE), then host row ids[i]
+    read into slot s where written[ids[i]] != 0 (those added to found[0]), else slot s's first
+    word = mark."""
+    end = tl.minimum(n, tl.load(count_ptr)) if COUNTED else n
+    for base in range(tl.program_id(0) * ROWS, end, tl.num_programs(0) * ROWS):
+        i = base + tl.arange(0, ROWS)
+        live = i < end
+        slot = tl.load(slots_ptr + i, mask=live, other=-1)
+        live = live & (slot >= 0)
+        row_id = tl.load(ids_ptr + i, mask=live, other=0)
+        stored = live & (tl.load(written_ptr + row_id, mask=live, other=0) != 0)
+        tl.atomic_add(found_ptr, tl.sum(stored.to(tl.int64)))
+        if VICTIMS:
+            victim = tl.load(victims_ptr + i, mask=live, other=-1)
+            leaves = live & (victim >= 0)
+            tl.store(written_ptr + tl.maximum(victim, 0), tl.full((ROWS,), 2, tl.uint8), mask=leaves)  # (WROTE)
+        pool = pool_ptr + slot[:, None] * width
+        for c0 in range(0, width, COLS):
+            cols = c0 + tl.arange(0, COLS)[None, :]
+            inside = cols < width
+            coming = tl.load(host_ptr + row_id[:, None] * width + cols, mask=stored[:, None] & inside)
+            if VICTIMS:  # (both loads in flight at once, then both stores)
+                m = leaves[:, None] & inside
+                leaving = tl.load(pool + cols, mask=m)
+                tl.debug_barrier()  # (every thread's read of the slot before any thread's write to it)
+                tl.store(host_ptr + tl.maximum(victim, 0)[:, None] * width + cols, leaving, mask=m)
+            tl.store(pool + cols, coming, mask=stored[:, None] & inside)
+        # (the mark: after the first chunk's barrier, so after every read of the victim's first word)
+        tl.store(pool_ptr + slot * width, tl.full((ROWS,), mark, tl.int32), mask=live & ~stored)
+
+
+def _grid(n: int, device: torch.device) -> tuple:
+    return (programs(triton.cdiv(n, MOVE_ROWS), MOVE_PROGRAMS, device),)
 
 
 def _launch_args(width: int) -> dict:
@@ -119,11 +130,10 @@ def move_rows(src: torch.Tensor, src_rows: torch.Tensor, dst: torch.Tensor, dst_
     if src.shape[1] != width:
         raise ValueError(f"rows of {src.shape[1]} words moved into rows of {width}: the widths must match")
     with launch_turn():
-        _move_kernel[(triton.cdiv(n, MOVE_ROWS),)](src.view(torch.int32), src_rows, dst.view(torch.int32), dst_rows, n,
-                                                   dst_rows if count is None else count, width, src_from,
-                                                   dst_rows if written is None else written,
-                                                   WRITTEN=written is not None, COUNTED=count is not None,
-                                                   **_launch_args(width))
+        _move_kernel[_grid(n, dst.device)](src.view(torch.int32), src_rows, dst.view(torch.int32), dst_rows, n,
+                                           dst_rows if count is None else count, width, src_from,
+                                           dst_rows if written is None else written, WRITTEN=written is not None,
+                                           COUNTED=count is not None, **_launch_args(width))
 
 
 def swap_rows(pool: torch.Tensor, slots: torch.Tensor, victims: torch.Tensor | None, host: torch.Tensor,
@@ -144,7 +154,7 @@ def swap_rows(pool: torch.Tensor, slots: torch.Tensor, victims: torch.Tensor | N
     if host.shape[1] != width:
         raise ValueError(f"host rows of {host.shape[1]} words swapped with rows of {width}: the widths must match")
     with launch_turn():
-        _swap_kernel[(triton.cdiv(n, MOVE_ROWS),)](pool.view(torch.int32), slots, slots if victims is None else victims,
-                                                   host.view(torch.int32), ids, n, slots if count is None else count,
-                                                   width, mark, written, found, VICTIMS=victims is not None,
-                                                   COUNTED=count is not None, **_launch_args(width))
+        _swap_kernel[_grid(n, pool.device)](pool.view(torch.int32), slots, slots if victims is None else victims,
+                                            host.view(torch.int32), ids, n, slots if count is None else count, width,
+                                            mark, written, found, VICTIMS=victims is not None,
+                                            COUNTED=count is not None, **_launch_args(width))
