@@ -407,7 +407,7 @@ def index_speed(dev: torch.device, a) -> dict:
 
 def main(argv=None) -> int:
     from gpu_kernels import move_shape
-    from tieredemb.gpu import PerMultiprocessor, moves
+    from tieredemb.gpu import PerMultiprocessor, moves, zerocopy
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--only", default=",".join(SYSTEMS), help="systems to run, comma-separated")
     p.add_argument("--rows", type=int, default=10_000_000)
@@ -453,7 +453,13 @@ def main(argv=None) -> int:
                         "P programs per multiprocessor (0: a program a block of rows) for the whole run "
                         "(moves.MOVE_ROWS, MOVE_WARPS, MOVE_COLS, MOVE_PROGRAMS; default: theirs, "
                         f"{'x'.join(map(str, move_shape(f'{moves.MOVE_ROWS}x{moves.MOVE_WARPS}', moves)))})")
+    p.add_argument("--write-back-inline", action="store_true",
+                   help="zero-copy's swap writes the dirty victims down itself, the lookup waiting for both ways of "
+                        "the bus (zerocopy.WRITE_BACK_APART = False; the default writes them down apart, on a stream "
+                        "of their own)")
     a = p.parse_args(argv)
+    if a.write_back_inline:
+        zerocopy.WRITE_BACK_APART = False
     if a.move_shape is not None:
         try:
             rows, warps, cols, per_sm = move_shape(a.move_shape, moves)

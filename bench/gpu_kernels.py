@@ -15,11 +15,12 @@ a program moves, warps, the most words of a row moved at once, programs per mult
 128-byte line move faster) read from host rows pinned and mapped into the device (as a zero-copy
 table's) into a device pool (move_rows), as many written from the pool into the host rows, both
 at once on two streams (the rows disjoint), and both by the swap kernel a zero-copy residency
-uses (swap_rows: each slot's victim out, then its miss in, by one program); last, the swap as a
+uses (swap_rows: each slot's victim out, then its miss in, by one program); the swap as a
 queued residency launches it, its lists as long as a batch's ids and the count on the device
-(programs with nothing to do included). Whether the bus's two directions overlap, and whether
-the swap gets that: before it, a zero-copy step moved its rows by two launches one after the
-other (390 us each on the H200).
+(programs with nothing to do included); last, the swap with the victims staged in device memory,
+and their write-back apart (zerocopy.WRITE_BACK_APART: the lookup waits for the first only).
+Whether the bus's two directions overlap, and whether the swap gets that: before it, a zero-copy
+step moved its rows by two launches one after the other (390 us each on the H200).
 
     python bench/gpu_kernels.py
     python bench/gpu_kernels.py --rows 1000000 --reps 20 --json $OUT/kernels.json
@@ -284,7 +285,7 @@ def _sweep_moves_of(a, host_rows: int, alloc: str, width: int) -> list:
     range of host memory costs it), allocated as alloc: "register", a HostStore's rows (huge
     pages where they fit) pinned and mapped by hostmap.pin_and_map, as a zero-copy table's; or
     "pinned", torch's pinned memory (cudaHostAlloc), which a kernel reads through the same address."""
-    from tieredemb.gpu import PerMultiprocessor, hostmap, moves
+    from tieredemb.gpu import PerMultiprocessor, hostmap, moves, zerocopy
     from tieredemb.tiers.pools import reserve_host_rows
 
     dev = torch.device(a.device)
@@ -313,6 +314,16 @@ def _sweep_moves_of(a, host_rows: int, alloc: str, width: int) -> list:
 
     def swap():
         moves.swap_rows(pool, read_slots, write_ids, store.rows, read_ids, mark=0, written=written, found=found)
+
+    # the victims staged in device memory (the lookup waits for this), then written down apart
+    staging, order = torch.empty(n, width, device=dev), torch.arange(n, device=dev)
+
+    def swap_staged():
+        moves.swap_rows(pool, read_slots, write_ids, store.rows, read_ids, mark=0, written=written, found=found,
+                        staging=staging)
+
+    def write_back():  # (with as few programs as a zero-copy tier's write-back)
+        moves.move_rows(staging, order, store.rows, write_ids, programs=zerocopy.WRITE_BACK_PROGRAMS)
 
     # as a queued residency swaps them: lists as long as the batch's ids, the count on the device
     longer = max(a.move_lists - n, 0)
@@ -343,8 +354,9 @@ def _sweep_moves_of(a, host_rows: int, alloc: str, width: int) -> list:
             rows, warps, cols, per_sm = move_shape(shape, moves)
             with constants(moves, MOVE_ROWS=rows, MOVE_WARPS=warps, MOVE_COLS=cols,
                            MOVE_PROGRAMS=PerMultiprocessor(per_sm) if per_sm else None):
-                got = {what: timed(fn, a.reps, dev) for what, fn in (("read", read), ("write", write), ("both", both),
-                                                                      ("swap", swap), ("swap_queued", swap_queued))}
+                got = {what: timed(fn, a.reps, dev) for what, fn in (
+                    ("read", read), ("write", write), ("both", both), ("swap", swap), ("swap_queued", swap_queued),
+                    ("swap_staged", swap_staged), ("write_back", write_back))}
             one_way_each = got["read"] + got["write"]
             results.append({"width": width, "host_rows": host_rows, "alloc": alloc, "rows_per_program": rows,
                             "warps": warps, "cols": cols, "programs_per_sm": per_sm,
@@ -354,7 +366,8 @@ def _sweep_moves_of(a, host_rows: int, alloc: str, width: int) -> list:
                   f"({mb / got['write'] / 1e-3:5.1f})   both at once {got['both']:7.1f} us, swapped "
                   f"{got['swap']:7.1f} us (both, swap / (read + write): {got['both'] / one_way_each:.2f}, "
                   f"{got['swap'] / one_way_each:.2f}); swapped as queued (lists of {n + longer}) "
-                  f"{got['swap_queued']:7.1f} us", flush=True)
+                  f"{got['swap_queued']:7.1f} us; staged {got['swap_staged']:7.1f} us, then written down apart "
+                  f"{got['write_back']:7.1f} us", flush=True)
     finally:
         if unmap is not None:
             unmap()

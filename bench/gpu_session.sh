@@ -12,16 +12,17 @@
 #                                          and without, torch ops); tier 0 = 10% over host memory and over the
 #                                          log store (FBGEMM's UVM cache, ours zero-copy with CUDA graphs and
 #                                          without, with copies, over SSD with prefetch; their stacks); zero-copy
-#                                          again with a move program a block of rows (--move-shape 16x4x64x0,
-#                                          as before the twenty-fifth session), and with 256 words of a row at
-#                                          once (16x4x256x8); the update kernel by its number of programs and the
-#                                          draw by its chunks; FBGEMM's, ours-hbm's and ours-host10-zc's kernels
-#                                          a step (torch.profiler); a queued plan by the assign kernel's
-#                                          programs; zero-copy's moves by launch shape (rows, warps, words of a
-#                                          row at once, programs), by row width, by the host rows' number (1M,
-#                                          10M) and allocation (registered, as ours, or torch's pinned memory);
-#                                          the whole table with ragged bags, and with ids on the device; the
-#                                          collection bench
+#                                          again with its victims written down by the swap itself
+#                                          (--write-back-inline), with a move program a block of rows
+#                                          (--move-shape 16x4x64x0): both as before the twenty-fifth session; and
+#                                          with 256 words of a row at once (16x4x256x8); the update kernel by its
+#                                          number of programs and the draw by its chunks; FBGEMM's, ours-hbm's
+#                                          and ours-host10-zc's kernels a step (torch.profiler); a queued plan by
+#                                          the assign kernel's programs; zero-copy's moves by launch shape (rows,
+#                                          warps, words of a row at once, programs), by row width, by the host
+#                                          rows' number (1M, 10M) and allocation (registered, as ours, or
+#                                          torch's pinned memory); the whole table with ragged bags, and with ids
+#                                          on the device; the collection bench
 #
 # and, where time is left, one of the parts alone:
 #
@@ -144,6 +145,7 @@ case "$step" in
     part 90 bench hbm --only fbgemm-hbm,ours-hbm,ours-hbm-eager,torch-ops --runs 15 --cprofile /tmp/prof
     part 180 bench cached --only fbgemm-uvm10,ours-host10-zc,ours-host10-zc-eager,ours-host10,ours-ssd10 --runs 7 \
       --warmup 80 --ssd-path /tmp --stacks /tmp/prof --cprofile /tmp/prof
+    part 80 bench cached_inline --only fbgemm-uvm10,ours-host10-zc --runs 9 --warmup 80 --write-back-inline
     part 80 bench cached_a_block --only fbgemm-uvm10,ours-host10-zc --runs 9 --warmup 80 --move-shape 16x4x64x0
     part 80 bench cached_cols256 --only fbgemm-uvm10,ours-host10-zc --runs 9 --warmup 80 --move-shape 16x4x256x8
     part 60 kernels kernels --warps 1 --tiles 16 --update-programs 0,8,16,32,64 --reps 10

@@ -92,6 +92,9 @@ def main() -> None:
             moves.move_rows(rows, ids, rows, ids, written=written, count=count, src_from=4)
             for victims in (None, ids):
                 moves.swap_rows(rows, ids, victims, rows, ids, mark=5, written=written, found=found, count=count)
+            # (the victims staged in device memory, written down apart: ZeroCopy.write_back)
+            moves.swap_rows(rows, ids, ids, rows, ids, mark=5, written=written, found=found, count=count,
+                            staging=torch.zeros(20, width))
 
     for n in (1, 3000):  # a batch's dedup (n = 1: no scan to read), of device ids and of host ids as int32
         for dtype, sentinel in ((torch.int64, checks.SENTINEL64), (torch.int32, checks.SENTINEL32)):

@@ -36,11 +36,13 @@ def test_every_kernel_compiles_for_an_h100():
                if line.startswith("_init_rows_kernel ") and "'MARKED': True" in line]
     assert len(marking) > 4 and all(int(line.rsplit(" ", 2)[1]) >= 1 for line in marking), marking
     # So must a slot's victim be read by all of a program's threads before any writes its miss over
-    # it (the swap kernel's barriers: its only ones, as it reduces nothing but the count found, a sum
-    # whose own barrier a count above 1 sets apart)
+    # it, whether the victim goes down or to a staging block (the swap kernel's barriers: its only
+    # ones, as it reduces nothing but the count found, a sum whose own barrier a count above 1 sets
+    # apart)
     swapping = [line for line in done.stdout.splitlines()
                 if line.startswith("_swap_kernel ") and "'VICTIMS': True" in line]
     plain = [line for line in done.stdout.splitlines()
              if line.startswith("_swap_kernel ") and "'VICTIMS': False" in line]
-    assert len(swapping) == len(plain) == 6
+    assert len(swapping) == 12 and len(plain) == 6  # (the victims written down, or staged: 6 each)
+    assert sum("'STAGED': True" in line for line in swapping) == 6
     assert min(int(line.rsplit(" ", 2)[1]) for line in swapping) > max(int(line.rsplit(" ", 2)[1]) for line in plain)

@@ -175,7 +175,8 @@ def test_a_table_keeps_its_last_used_shapes_and_captures_a_dropped_one_again():
     assert stats["shapes"] == graphed._MOST_SHAPES and stats["captures"] == len(kinds) + 1
 
 
-def test_a_zero_copy_tables_lookups_replay_graphs_bit_for_bit(monkeypatch):
+@pytest.mark.parametrize("apart", [True, False], ids=["write-back-apart", "write-back-inline"])
+def test_a_zero_copy_tables_lookups_replay_graphs_bit_for_bit(apart, monkeypatch):
     """A zero-copy tier 0 (10 % of the rows here: every batch evicts, dirty rows go down into the
     mapped host rows) replays its lookups as graphs too: the queued residency (plan, moves,
     commit, pins), the pooling, and the update with the release. Outputs, rows, optimizer state,
@@ -185,9 +186,18 @@ def test_a_zero_copy_tables_lookups_replay_graphs_bit_for_bit(monkeypatch):
     pins released), rows written from outside and a flush, and a batch wider than the overflow
     slots whose forward comes while a replayed batch awaits its backward (the tier grows: that
     backward runs its kernels one by one over the new tensors; the shape is captured again). No
-    host store call and no waiting plan while training. Every pin is released at the end."""
+    host store call and no waiting plan while training. Every pin is released at the end. apart:
+    the victims' rows staged and written down after each replay (ZeroCopy.write_back), else by
+    the swap inside the graph."""
+    from tieredemb.gpu import zerocopy
     from tieredemb.gpu.index import SetIndex
     from tieredemb.tiers.host_store import HostStore
+
+    monkeypatch.setattr(zerocopy, "WRITE_BACK_APART", apart)
+    write_backs = []  # (each one's replayed: True after a replay, of the captured residency's)
+    write_back = zerocopy.ZeroCopy.write_back
+    monkeypatch.setattr(zerocopy.ZeroCopy, "write_back", lambda self, pending, replayed=False: (
+        write_backs.append(replayed), write_back(self, pending, replayed))[1])
 
     def batch(seed, bags=10, length=6, rows=NUM):
         g = torch.Generator().manual_seed(seed)
@@ -238,4 +248,5 @@ def test_a_zero_copy_tables_lookups_replay_graphs_bit_for_bit(monkeypatch):
     assert tier.generation == plain.generation == 1  # (the wide batch grew the overflow slots)
     graphs = tier.graphs.stats()
     assert graphs["failed"] is None and graphs["replays"] >= 16
+    assert (write_backs.count(True) >= 8 and False in write_backs) if apart else not write_backs
     print(graphs)

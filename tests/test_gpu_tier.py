@@ -717,6 +717,46 @@ def test_the_swap_kernel_writes_each_slots_victim_down_before_reading_its_miss_i
         swap_rows(pool, slots, None, host[:, :4], ids, mark=DEFERRED_MARK, written=written, found=found)
 
 
+@pytest.mark.parametrize("per_sm,count", [(None, None), (1, 11)])
+def test_a_staged_swap_leaves_the_victims_rows_for_a_write_back_apart(per_sm, count, monkeypatch):
+    """staging=: each victim's row goes to staging row i (noted WROTE at once), the host rows
+    untouched; once move_rows writes the block down (as ZeroCopy.write_back does), host rows,
+    pool, written bits and found count equal the swap that writes the victims down itself. count:
+    the entries from count[0] on neither stage nor read."""
+    from tieredemb.gpu import PerMultiprocessor, moves
+    from tieredemb.gpu.moves import move_rows, swap_rows
+    from tieredemb.tiers.rowstore import DEFERRED_MARK
+
+    monkeypatch.setattr(moves, "MOVE_PROGRAMS", per_sm and PerMultiprocessor(per_sm))
+    width = 129
+    g = torch.Generator().manual_seed(4)
+    host, pool = torch.randn(40, width, generator=g), torch.randn(20, width, generator=g)
+    written = (torch.rand(40, generator=g) < 0.5).to(torch.uint8)
+    order = torch.randperm(40, generator=g)
+    ids, victims = order[:18], torch.where(torch.rand(18, generator=g) < 0.6, order[20:38], -1)
+    slots = torch.randperm(20, generator=g)[:18]
+    slots[5] = -1  # (a slot < 0 takes nothing)
+    counted = None if count is None else torch.tensor([count])
+    want = [host.clone(), pool.clone(), written.clone(), torch.zeros(1, dtype=torch.int64)]
+    swap_rows(want[1], slots, victims, want[0], ids, mark=DEFERRED_MARK, written=want[2], found=want[3],
+              count=counted)
+    host_before, pool_before = host.clone(), pool.clone()
+    staging, found = torch.full((20, width), 7.0), torch.zeros(1, dtype=torch.int64)
+    swap_rows(pool, slots, victims, host, ids, mark=DEFERRED_MARK, written=written, found=found, count=counted,
+              staging=staging)
+    assert torch.equal(host, host_before)  # (nothing written down yet)
+    assert torch.equal(pool.view(torch.int32), want[1].view(torch.int32))
+    assert torch.equal(written, want[2]) and int(found) == int(want[3])
+    out = (slots >= 0) & (victims >= 0) & (torch.arange(18) < (18 if count is None else count))
+    assert out.sum() > 3 and torch.equal(staging[:18][out], pool_before[slots[out]])
+    assert (staging[:18][~out] == 7.0).all() and (staging[18:] == 7.0).all()
+    move_rows(staging, torch.arange(18), host, victims, count=counted)
+    assert torch.equal(host, want[0]) and not torch.equal(host, host_before)
+    with pytest.raises(ValueError, match=r"a staging block of \(10, 129\) for 18 rows of 129 words: too small"):
+        swap_rows(pool, slots, victims, host, ids, mark=DEFERRED_MARK, written=written, found=found,
+                  staging=torch.empty(10, width))
+
+
 def test_a_kernels_programs_are_one_per_item_a_positive_cap_or_so_many_per_multiprocessor():
     from tieredemb.gpu import PerMultiprocessor, programs
 
@@ -735,17 +775,25 @@ def test_a_kernels_programs_are_one_per_item_a_positive_cap_or_so_many_per_multi
 # (prefetch at cache 8: no batch fits beside another, so each is made resident once none is in
 # flight, the same whatever the worker's timing, and every counter can be compared; test_gpu.py's
 # prefetch case at 100 rows cannot: see its _counted_alike)
-@pytest.mark.parametrize("cache_rows, depth, dtype, opt", [(8, 0, torch.float32, "adam"), (64, 0, torch.float32, "rowwise"),
-                                                          (8, 2, torch.float32, "rowwise"), (8, 0, torch.bfloat16, "adam")],
-                         ids=["cache8-adam", "cache64-rowwise", "prefetch-rowwise", "bf16-adam"])
-def test_zero_copy_trains_bit_for_bit_as_the_host_copies(cache_rows, depth, dtype, opt, monkeypatch):
-    """zero_copy: tier 0's kernels read misses from the host rows and write dirty victims into them,
-    and which rows were ever written is known on the device (the host store is not called at all
-    while training); the same outputs, rows, optimizer state and counters as the copies through
-    host blocks, also across rows written from outside and a flush between the batches.
-    (cache 8: overflow slots and lingering rows leaving and coming back.) Without prefetch every
-    residency is queued with no wait (ZeroCopy.residency: its counts on the device)."""
+@pytest.mark.parametrize("cache_rows, depth, dtype, opt, apart",
+                         [(8, 0, torch.float32, "adam", True), (64, 0, torch.float32, "rowwise", True),
+                          (8, 2, torch.float32, "rowwise", True), (8, 0, torch.bfloat16, "adam", True),
+                          (8, 0, torch.float32, "rowwise", False), (8, 2, torch.float32, "adam", False)],
+                         ids=["cache8-adam", "cache64-rowwise", "prefetch-rowwise", "bf16-adam", "inline-rowwise",
+                              "inline-prefetch-adam"])
+def test_zero_copy_trains_bit_for_bit_as_the_host_copies(cache_rows, depth, dtype, opt, apart, monkeypatch):
+    """zero_copy: tier 0's kernels read misses from the host rows and write dirty victims into them
+    (apart: staged, then written down by a launch of their own: ZeroCopy.write_back; else by the
+    swap itself), and which rows were ever written is known on the device (the host store is not
+    called at all while training); the same outputs, rows, optimizer state and counters as the
+    copies through host blocks, also across rows written from outside and a flush between the
+    batches. (cache 8: overflow slots and lingering rows leaving and coming back.) Without
+    prefetch every residency is queued with no wait (ZeroCopy.residency: its counts on the
+    device)."""
+    from tieredemb.gpu import zerocopy
     from tieredemb.tiers.host_store import HostStore
+
+    monkeypatch.setattr(zerocopy, "WRITE_BACK_APART", apart)
 
     def make(zero_copy):
         emb = tieredemb.TieredEmbeddingBag(NUM, D, "sum", optimizer=OPTIMIZERS[opt](), cache_rows=cache_rows, seed=2,
@@ -764,17 +812,21 @@ def test_zero_copy_trains_bit_for_bit_as_the_host_copies(cache_rows, depth, dtyp
     plain_outs += train(plain, data[3:], depth=depth)
     copied = make(True)
     assert copied._store.tier0.zero_copy.rows is copied._store.host_store.rows
-    outs = []
+    outs, write_backs = [], []
     for first, part in ((True, data[:3]), (False, data[3:])):
         with monkeypatch.context() as m:
             for name in ("read_to", "write_from", "locate", "wrote_in_place"):
                 m.setattr(HostStore, name, lambda *a, _n=name, **k: pytest.fail(f"HostStore.{_n} called with zero_copy"))
+            write_back = zerocopy.ZeroCopy.write_back
+            m.setattr(zerocopy.ZeroCopy, "write_back", lambda self, *a, **k: (write_backs.append(1),
+                                                                              write_back(self, *a, **k))[1])
             if depth == 0:  # (the training thread's residencies are queued: no plan waits to read its counts)
                 m.setattr(SetIndex, "_plan", lambda *a, **k: pytest.fail("a zero_copy residency waited for its plan"))
             outs += train(copied, part, depth=depth)
         if first:
             between(copied)
     assert [torch.equal(a, b) for a, b in zip(outs, plain_outs)] == [True] * 6
+    assert (len(write_backs) >= 6) if apart else not write_backs  # (every batch evicts dirty rows here)
     st, st_plain = copied.stats(), plain.stats()
     assert st["store"] == st_plain["store"] and st["store"]["rows_written"] > 0
     assert {k: st["tier0"][k] for k in ("hits", "misses", "bytes_in", "bytes_out")} == \

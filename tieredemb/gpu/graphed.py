@@ -143,6 +143,7 @@ class _Input:
         self.scalars = None  # the backward's step-dependent scalars (pooling.step_scalars)
         self.pinned: list = [None, None]
         self.turn = 0
+        self.write_back = None  # a zero-copy residency's victims' write-back, queued after each replay (ZeroCopy)
 
 
 class _Shape:
@@ -336,6 +337,8 @@ class StepGraphs:
                 shape.batches, shape.out, shape.saved = shape.forward.replay(shape.pools_held)
                 for inp, waited in zip(shape.inputs, waits):
                     if inp.queued:
+                        if inp.write_back is not None:
+                            inp.tier.zero_copy.write_back(inp.write_back, replayed=True)
                         inp.tier.zero_copy.graphed_admitted(inp.ids.numel(), waited)
                         inp.table._store.count_held()
                     else:
@@ -443,8 +446,9 @@ class StepGraphs:
         batches, saved = [], []
         for inp in shape.inputs:
             deduped = device_dedup(inp.ids, inp.drop)
-            if inp.queued:  # (pinned until the backward's release)
+            if inp.queued:  # (pinned until the backward's release; its victims' write-back queued after each replay)
                 slots = inp.tier.zero_copy.queued_work(deduped.unique, deduped.count, True, captured=True)
+                inp.write_back = inp.tier.zero_copy.take_captured()
             else:
                 slots = inp.tier.draw(deduped.unique, deduped.count)
             batch = _Batch(deduped.unique, deduped.inverse, deduped.count, deduped.groups, slots)

@@ -405,14 +405,17 @@ class DeviceTier:
         index updates and row copies), and after what was queued on every stream batches were
         computed on (their backwards' updates: a flush, read or write from the default stream
         while training runs on a side stream must see them), before it reads or writes the index
-        or the pool. A stream is known once a batch computed on it was released: a flush from
-        another thread while the first batch on a new stream is in flight does not wait for it."""
+        or the pool, and after zero-copy's write-backs (before the host rows are read). A stream
+        is known once a batch computed on it was released: a flush from another thread while the
+        first batch on a new stream is in flight does not wait for it."""
         if self.stream is not None:
             current = torch.cuda.current_stream(self.device)
             current.wait_stream(self.stream)
             for computed in list(self._computed_on):
                 if computed != current:
                     current.wait_stream(computed)
+            if self.zero_copy is not None:  # (the victims' rows written down apart: in the host rows)
+                self.zero_copy.after_write_backs(current)
 
     def lookup(self, ids: torch.Tensor) -> np.ndarray:
         """Each id's slot here, or -1 (TableStore reads the rest from the store below: told first

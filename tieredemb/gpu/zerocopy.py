@@ -6,7 +6,17 @@ Which host rows were ever written is kept on the device too (a uint8 per id), an
 are counted there; the store is told of both later, in one pass (settle). A residency of host ids
 then needs nothing from the host but the plan's counts, so it is queued with no wait at all
 (ZeroCopy.residency), and a lookup's whole device work can be captured as a CUDA graph
-(gpu/graphed.py calls room_for_graph, queued_work, graphed_admitted and graphed_released).
+(gpu/graphed.py calls room_for_graph, queued_work, take_captured, write_back, graphed_admitted and
+graphed_released).
+
+The dirty victims' rows are written down apart (WRITE_BACK_APART): the swap puts them in a
+staging block in device memory as it reads the misses in, and their write over the bus is queued
+on a stream of its own (write_back), beside the batch's lookup and backward, where the swap
+made the lookup wait for both directions. The next residency waits for it before its moves (a
+row written down may be its miss; the staging block may be reused), and so does anything that
+reads the host rows (DeviceTier._after_residencies). The price: a staging block as large as the
+residency's lists, in device memory, until its write-back is done (a captured residency's, in
+its graph's memory, for as long as the graph is kept).
 """
 
 from __future__ import annotations
@@ -16,8 +26,18 @@ import contextlib
 import torch
 
 from ..tiers.rowstore import DEFERRED_MARK
-from . import hostmap, moves, plan_kernels, to_device
+from . import PerMultiprocessor, hostmap, moves, plan_kernels, to_device
 from .index import SetIndex
+
+# Whether the victims' rows are written down apart (see above), or by the swap itself, both ways
+# of the bus at once before the lookup goes on. Not yet timed end to end on a GPU (twenty-fifth
+# session): the moves alone, on an H100, read 20K rows of 129 words in 237-314 us and swapped them
+# both ways in 415-566. A module constant, so that bench_gpu.py --write-back-inline can time the other.
+WRITE_BACK_APART = True
+# The write-back's programs: few, as it runs beside the batch's lookup and backward and takes a
+# multiprocessor's room from them for as long as it runs; a store to the host rows does not wait for
+# the bus, so a few programs keep it busy (not yet timed on a GPU).
+WRITE_BACK_PROGRAMS = PerMultiprocessor(2)
 
 
 class ZeroCopy:
@@ -46,28 +66,77 @@ class ZeroCopy:
         self.moved = [0, 0]
         self.moved_queued = torch.zeros(2, dtype=torch.int64, device=device)
         self.releases_since: list = []  # events after the releases queued since the last queued residency
+        self.side = torch.cuda.Stream(device) if device.type == "cuda" else None  # the write-backs' stream
+        self.landed = None  # an event after the last write-back queued there (None: none yet, or no GPU)
+        self.captured = None  # the write-back a captured residency leaves each replay of it (take_captured)
 
     # -- the moves ------------------------------------------------------------------------------
-    def move(self, plan, queued: bool = False) -> None:
+    def move(self, plan, queued: bool = False, captured: bool = False) -> None:
         """A plan's rows moved (queued: a queued plan's, whose lists are whole and whose totals
         stay on the device, plan.placed.xfer[:KINDS]; else the lists are cut to the totals). First
         the dirty rows lingering in overflow slots are written down (one may be a miss of this
-        batch, read back next); then each miss's slot has its dirty victim written down and the
-        miss read into it, by one kernel, both ways of the bus at once (moves.swap_rows); misses
-        never written below are marked for the tier to draw (DeviceTier.draw_marked)."""
+        batch, read back next); then each miss's slot has its dirty victim written down (or put
+        in a staging block, and written down apart: write_back) and the miss read into it, by one
+        kernel (moves.swap_rows); misses never written below are marked for the tier to draw
+        (DeviceTier.draw_marked). After the write-backs queued before (captured: a residency
+        captured in a graph, whose replays wait for them before: room_for_graph; its write-back
+        is left for take_captured, not queued)."""
         tier = self.tier
         pool, totals = tier.pool.rows, plan.placed.xfer if queued else None
         fresh, dirty = plan_kernels.FRESH, plan_kernels.DIRTY
+        if not captured and self.side is not None:
+            self.after_write_backs(torch.cuda.current_stream(tier.device))
         if queued or plan.lingering:
             moves.move_rows(pool, plan.dirty_slots, self.rows, plan.dirty_ids_device, written=self.written,
                             count=totals[dirty:dirty + 1] if queued else None, src_from=tier.index.capacity)
-        moves.swap_rows(pool, plan.miss_slots, plan.miss_victims, self.rows, plan.miss_ids_device, mark=DEFERRED_MARK,
-                        written=self.written, found=self.found, count=totals[fresh:fresh + 1] if queued else None)
+        count = totals[fresh:fresh + 1] if queued else None
+        victims, n = plan.miss_victims, plan.miss_slots.numel()
+        staging = (torch.empty(n, tier.width, device=tier.device)
+                   if WRITE_BACK_APART and victims is not None and n else None)
+        moves.swap_rows(pool, plan.miss_slots, victims, self.rows, plan.miss_ids_device, mark=DEFERRED_MARK,
+                        written=self.written, found=self.found, count=count, staging=staging)
+        pending = None if staging is None else (staging, torch.arange(n, device=tier.device), victims, count)
+        if captured:
+            self.captured = pending
+        elif pending is not None:
+            self.write_back(pending)
         if queued:  # (counted on the device: read by settle)
             self.moved_queued += totals[fresh:dirty + 1:dirty - fresh]
         else:
             self.moved[0] += plan.num_misses
             self.moved[1] += plan.num_dirty
+
+    def write_back(self, pending: tuple, replayed: bool = False) -> None:
+        """The victims' rows a staged swap left (pending: the staging block, its rows' numbers,
+        the victims' ids, the count on the device or None) written down into the host rows, on
+        the write-backs' stream after the current stream's work so far; `landed` then follows it
+        (on CPU tensors: at once). replayed: pending is a captured residency's (its tensors the
+        graph's, kept with it), after a replay of it."""
+        staging, order, victims, count = pending
+        if self.side is None:
+            moves.move_rows(staging, order, self.rows, victims, count=count, programs=WRITE_BACK_PROGRAMS)
+            return
+        self.side.wait_stream(torch.cuda.current_stream(self.tier.device))
+        with torch.cuda.stream(self.side):
+            moves.move_rows(staging, order, self.rows, victims, count=count, programs=WRITE_BACK_PROGRAMS)
+            landed = torch.cuda.Event()
+            landed.record(self.side)
+        if not replayed:  # (freed by the residency's stream: not reused before the write-back is done)
+            for t in pending:
+                if t is not None:
+                    t.record_stream(self.side)
+        self.landed = landed
+
+    def after_write_backs(self, stream) -> None:
+        """Orders stream after every write-back queued so far (their rows are in the host rows)."""
+        if self.landed is not None:
+            stream.wait_event(self.landed)
+
+    def take_captured(self) -> tuple | None:
+        """The write-back a residency just captured left (None: it left none), for write_back(...,
+        replayed=True) after each replay."""
+        pending, self.captured = self.captured, None
+        return pending
 
     # -- a residency queued without a wait for the device --------------------------------------
     def queues(self, check, allow_overflow: bool) -> bool:
@@ -97,10 +166,10 @@ class ZeroCopy:
 
     def room_for_graph(self, n: int) -> list:
         """Before a replayed queued residency of n ids (under its store's lock, which every other
-        residency takes): residency's grow (then the shape's graphs are stale), and the releases
-        the replay's stream is to wait for, returned (forgotten by graphed_admitted, once the
-        replay is queued after them)."""
-        return self._room(n, forget=False)
+        residency takes): residency's grow (then the shape's graphs are stale), and the events
+        the replay's stream is to wait for, returned: the releases (forgotten by
+        graphed_admitted, once the replay is queued after them) and the last write-back."""
+        return self._room(n, forget=False) + ([self.landed] if self.landed is not None else [])
 
     def _room(self, n: int, forget: bool) -> list:
         """The overflow slots made at least the ids of the batches pinned here and of n more (rare:
@@ -124,13 +193,14 @@ class ZeroCopy:
         """A queued residency's device work on the current stream (the plan, the rows moved, the
         commit; made room for: _room), under index_lock: its slots. Every count stays on the
         device. Also what a captured graph replays (gpu/graphed.py; captured: then every replay's
-        find searches the overflow rows, whatever the host knows of them now): nothing here reads
-        a host value that changes from batch to batch."""
+        find searches the overflow rows, whatever the host knows of them now, and the victims'
+        write-back is left for take_captured): nothing here reads a host value that changes from
+        batch to batch."""
         tier = self.tier
         if captured:
             tier.index.overflow_known = False
         plan = tier.index.plan_queued(unique, num_unique, tier.num_embeddings)
-        self.move(plan, queued=True)
+        self.move(plan, queued=True, captured=captured)
         if tier.draws_misses:
             tier.draw_marked(plan, plan.placed.xfer[plan_kernels.FRESH:plan_kernels.FRESH + 1])
         tier.index.commit_queued(plan, pin)
