@@ -62,15 +62,20 @@ def test_bit_for_bit_from_run_to_run(tiers):
     assert torch.equal(out_a, out_b) and torch.equal(_table(a), _table(b))
 
 
+@pytest.mark.parametrize("apart", [True, False], ids=["write-back-apart", "write-back-inline"])
 @pytest.mark.parametrize("depth", [0, 2], ids=["plain", "prefetch"])
 @pytest.mark.parametrize("cache_rows", [100, 8], ids=["cache", "overflow"])
-def test_zero_copy_trains_bit_for_bit_as_the_host_copies(cache_rows, depth):
+def test_zero_copy_trains_bit_for_bit_as_the_host_copies(cache_rows, depth, apart, monkeypatch):
     """zero_copy: the GPU reads misses from the pinned, mapped host rows and writes dirty victims
-    into them (on the tier's stream, a prefetch worker's too); the same outputs and rows, bit for
-    bit, as the copies through host blocks, and the same counters (the rows' written bits and
-    the store's counters are kept on the device, the store told when it is read); rows read and
-    written by the host between batches, and a flush (each read waits for the device's writes to
-    the host rows)."""
+    into them (on the tier's stream, a prefetch worker's too; apart: staged, then written down on
+    a stream of their own, which the next residency and every read of the host rows wait for);
+    the same outputs and rows, bit for bit, as the copies through host blocks, and the same
+    counters (the rows' written bits and the store's counters are kept on the device, the store
+    told when it is read); rows read and written by the host between batches, and a flush (each
+    read waits for the device's writes to the host rows)."""
+    from tieredemb.gpu import zerocopy
+
+    monkeypatch.setattr(zerocopy, "WRITE_BACK_APART", apart)
     pad = 5 if depth == 0 else None  # (with prefetch: see _counted_alike)
     plain, out_plain = _train("cuda", "sum", cache_rows=cache_rows, depth=depth, padding_idx=pad)
     mapped, out_mapped = _train("cuda", "sum", cache_rows=cache_rows, depth=depth, padding_idx=pad, zero_copy=True)
@@ -111,13 +116,15 @@ def _counted_alike(a, b, depth: int, moved_only: bool) -> None:
 
 @pytest.mark.parametrize("zero_copy", [False, True], ids=["copies", "zero-copy"])
 def test_kernels_capped_at_a_few_programs_train_bit_for_bit_as_one_per_item(monkeypatch, zero_copy):
-    """The update, assign and misses' draw kernels, each capped at 7 programs that take their
-    items (the draw: chunks of rows) 7 apart (pooling.UPDATE_PROGRAMS, plan_kernels.ASSIGN_PROGRAMS,
-    rowinit.INIT_PROGRAMS; by default 32 per multiprocessor), train the same bits as one program
-    per item."""
-    from tieredemb.gpu import plan_kernels, pooling, rowinit
+    """The update, assign, misses' draw and zero-copy's move kernels, each capped at 7 programs
+    that take their items (the draw and the moves: chunks of rows) 7 apart
+    (pooling.UPDATE_PROGRAMS, plan_kernels.ASSIGN_PROGRAMS, rowinit.INIT_PROGRAMS,
+    moves.MOVE_PROGRAMS, zerocopy.WRITE_BACK_PROGRAMS; by default a few per multiprocessor),
+    train the same bits as one program per item (a chunk)."""
+    from tieredemb.gpu import moves, plan_kernels, pooling, rowinit, zerocopy
 
-    caps = ((pooling, "UPDATE_PROGRAMS"), (plan_kernels, "ASSIGN_PROGRAMS"), (rowinit, "INIT_PROGRAMS"))
+    caps = ((pooling, "UPDATE_PROGRAMS"), (plan_kernels, "ASSIGN_PROGRAMS"), (rowinit, "INIT_PROGRAMS"),
+            (moves, "MOVE_PROGRAMS"), (zerocopy, "WRITE_BACK_PROGRAMS"))
     for module, name in caps:
         monkeypatch.setattr(module, name, None)
     plain, out_plain = _train("cuda", "sum", cache_rows=8, zero_copy=zero_copy)
