@@ -464,9 +464,7 @@ def main(argv=None) -> int:
         try:
             rows, warps, cols, per_sm = move_shape(a.move_shape, moves)
         except ValueError as e:
-            p.error(str(e))
-        if not all(x > 0 and x & (x - 1) == 0 for x in (rows, warps, cols)):
-            p.error(f"--move-shape {a.move_shape!r}: R, W and C must be powers of two")
+            p.error(f"--move-shape: {e}")
         moves.MOVE_ROWS, moves.MOVE_WARPS, moves.MOVE_COLS = rows, warps, cols
         moves.MOVE_PROGRAMS = PerMultiprocessor(per_sm) if per_sm else None
     if a.device == "cuda" and not torch.cuda.is_available():

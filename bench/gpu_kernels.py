@@ -250,11 +250,13 @@ def sweep_plan(a) -> int:
 
 def sweep_moves(a) -> int:
     """--moves: see the module's docstring."""
-    results = []
-    for host_rows, alloc, width in itertools.product(map(int, a.move_host_rows.split(",")), a.move_alloc.split(","),
-                                                     map(int, a.move_widths.split(","))):
+    allocs = a.move_alloc.split(",")
+    for alloc in allocs:  # (before any sweep: a bad name stops nothing half done)
         if alloc not in ("register", "pinned"):
             raise SystemExit(f"gpu_kernels: --move-alloc {alloc!r}: register or pinned")
+    results = []
+    for host_rows, alloc, width in itertools.product(map(int, a.move_host_rows.split(",")), allocs,
+                                                     map(int, a.move_widths.split(","))):
         results += _sweep_moves_of(a, min(a.rows, host_rows), alloc, width)
     if a.json:
         with open(a.json, "w") as f:
@@ -264,13 +266,17 @@ def sweep_moves(a) -> int:
 
 
 def move_shape(shape: str, moves) -> tuple:
-    """RxWxC[xP] (C and P left out: moves' own): rows a program, warps, words of a row at once,
-    programs per multiprocessor (0: a program a block of rows)."""
+    """RxWxC[xP] (C and P left out: moves' own): rows a program, warps, words of a row at once
+    (each a power of two), programs per multiprocessor (0: a program a block of rows). ValueError
+    naming a shape that is not one."""
     own = moves.MOVE_PROGRAMS.count if moves.MOVE_PROGRAMS is not None else 0
     parts = shape.split("x")
     if not 2 <= len(parts) <= 4 or not all(x.isdigit() for x in parts):
         raise ValueError(f"move shape {shape!r}: RxWxC[xP], as 16x4x64x8")
-    return tuple(map(int, parts + [str(moves.MOVE_COLS), str(own)][len(parts) - 2:]))
+    got = tuple(map(int, parts + [str(moves.MOVE_COLS), str(own)][len(parts) - 2:]))
+    if not all(x > 0 and x & (x - 1) == 0 for x in got[:3]):
+        raise ValueError(f"move shape {shape!r}: R, W and C must be powers of two")
+    return got
 
 
 def _device_name(dev: torch.device) -> str:

@@ -49,7 +49,7 @@
 # assembles them into /tmp/site (if a piece is missing, it installs the wheels that are whole, and
 # the FBGEMM systems print "skipped"). What setup found is at the head of the log.
 #
-# Few files come back from a call (eight: the twenty-fifth session's `first` left twelve, and four
+# Few files come back from a call (eight: the twenty-fifth session's `first` left eleven, and three
 # did not come back): each step leaves a log, a JSON and at most one archive under $OUT; `first`
 # leaves its log and one archive, first.tgz, of every part's JSON and of the profiles.
 # A step that hangs is stopped before the call's limit (LIMIT seconds) with every thread's stack in

@@ -189,8 +189,7 @@ def cprofile_steps(name: str, step, stream, steps: int, grad, dev: torch.device,
         wall = time.perf_counter() - start
     head = f"{steps} steps, {wall * 1e3 / steps:.3f} ms a step under cProfile"
     rows = _write_profile(os.path.join(out_dir, f"{name}.cprofile.txt"), head, [prof], steps, "step")
-    out = {"steps": steps, "wall_ms_per_step": wall * 1e3 / steps,
-           "top": [(w, tt, c) for w, c, tt, _ in sorted(rows, key=lambda r: -r[2])[:8]]}
+    out = {"steps": steps, "wall_ms_per_step": wall * 1e3 / steps, "top": _top(rows)}
     if prefetchers:
         workers = _WorkerProfiles(prefetchers)
         try:
@@ -206,8 +205,13 @@ def cprofile_steps(name: str, step, stream, steps: int, grad, dev: torch.device,
             rows = _write_profile(os.path.join(out_dir, f"{name}.worker.cprofile.txt"), head, workers.profiles, n,
                                   "residency")
             out["worker"] = {"residencies": n, "wall_ms": workers.wall * 1e3 / n, "cpu_ms": workers.cpu * 1e3 / n,
-                             "top": [(w, tt, c) for w, c, tt, _ in sorted(rows, key=lambda r: -r[2])[:8]]}
+                             "top": _top(rows)}
     return out
+
+
+def _top(rows: list) -> list:
+    """_write_profile's rows' eight functions of most own time: (function, own us, calls)."""
+    return [(w, tt, c) for w, c, tt, _ in sorted(rows, key=lambda r: -r[2])[:8]]
 
 
 class _WorkerProfiles:
