@@ -163,7 +163,7 @@ def build(name: str, w: Workload, a, dev: torch.device):
     zero_copy = name.startswith("ours-host10-zc")
     emb = tieredemb.TieredEmbeddingBag(rows, dim, "sum", cache_rows=cache, device=dev, dtype=getattr(torch, a.dtype),
                                        optimizer=tieredemb.RowWiseAdagrad(lr=lr, eps=eps), zero_copy=zero_copy,
-                                       cuda_graphs=not name.endswith("-eager"), **kw)
+                                       cuda_graphs=not name.endswith("-eager"), row_alignment=a.row_alignment, **kw)
 
     if cache is not None and not a.fresh_table:
         store_every_row(emb)
@@ -173,7 +173,8 @@ def build(name: str, w: Workload, a, dev: torch.device):
     step.module = emb
     return step, (f"TieredEmbeddingBag cache_rows={cache}" + (", log store" if kw else "")
                   + (", cuda_graphs=False" if name.endswith("-eager") else "")
-                  + (", zero_copy" if zero_copy else "") + (", prefetch depth 2" if prefetched(name) else ""))
+                  + (", zero_copy" if zero_copy else "") + (", prefetch depth 2" if prefetched(name) else "")
+                  + (f", row_alignment={a.row_alignment} ({emb.width} words a row)" if a.row_alignment != 4 else ""))
 
 
 def ragged(source: BatchSource, i: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -457,7 +458,12 @@ def main(argv=None) -> int:
                    help="zero-copy's swap writes the dirty victims down itself, the lookup waiting for both ways of "
                         "the bus (zerocopy.WRITE_BACK_APART = False; the default writes them down apart, on a stream "
                         "of their own)")
+    p.add_argument("--row-alignment", type=int, default=4, metavar="BYTES",
+                   help="our rows padded to a whole number of BYTES (TableConfig.row_alignment; 128: each row on a "
+                        "GPU cache line, 160 words a row here, of which zero-copy moves the 129 that hold values)")
     a = p.parse_args(argv)
+    if a.row_alignment < 4 or a.row_alignment & (a.row_alignment - 1):
+        p.error(f"--row-alignment {a.row_alignment}: must be a power of two >= 4 (bytes)")
     if a.write_back_inline:
         zerocopy.WRITE_BACK_APART = False
     if a.move_shape is not None:

@@ -112,7 +112,8 @@ def main(argv=None) -> int:
                         "pinned and mapped as a zero-copy table's) or pinned (torch's pinned memory)")
     p.add_argument("--move-widths", default="129",
                    help="--moves: words a row, comma-separated (129: dim 128 and row-wise Adagrad's accumulator; "
-                        "128 or 160: every row starting on a 128-byte line)")
+                        "128 or 160: every row starting on a 128-byte line), each WORDS or WORDS/WIDTH: the first "
+                        "WORDS of rows WIDTH words apart (129/160: a row_alignment=128 table's, its pad left out)")
     p.add_argument("--move-shapes", default="16x4x64x0,16x4x64x8,16x4x256x0,16x4x256x8,4x4x256x8,4x4x256x32",
                    help="--moves: the launch shapes tried, rows per program x warps x the most words of a row "
                         "a program moves at once (moves.MOVE_COLS) x programs per multiprocessor (moves.MOVE_PROGRAMS; "
@@ -255,9 +256,14 @@ def sweep_moves(a) -> int:
         if alloc not in ("register", "pinned"):
             raise SystemExit(f"gpu_kernels: --move-alloc {alloc!r}: register or pinned")
     results = []
-    for host_rows, alloc, width in itertools.product(map(int, a.move_host_rows.split(",")), allocs,
-                                                     map(int, a.move_widths.split(","))):
-        results += _sweep_moves_of(a, min(a.rows, host_rows), alloc, width)
+    widths = []
+    for item in a.move_widths.split(","):  # (all checked before any sweep)
+        parts = item.split("/")
+        if not (1 <= len(parts) <= 2 and all(x.isdigit() for x in parts)) or not 1 <= int(parts[0]) <= int(parts[-1]):
+            raise SystemExit(f"gpu_kernels: --move-widths {item!r}: WORDS or WORDS/WIDTH, 1 <= WORDS <= WIDTH")
+        widths.append((int(parts[0]), int(parts[-1])))
+    for host_rows, alloc, (words, width) in itertools.product(map(int, a.move_host_rows.split(",")), allocs, widths):
+        results += _sweep_moves_of(a, min(a.rows, host_rows), alloc, width, words)
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"device": _device_name(torch.device(a.device)), "rows_moved": a.move_rows, "results": results},
@@ -283,10 +289,11 @@ def _device_name(dev: torch.device) -> str:
     return torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu (a check of the script)"
 
 
-def _sweep_moves_of(a, host_rows: int, alloc: str, width: int) -> list:
-    """The launch shapes of --move-shapes, moving rows of width words (each row at width * 4
-    bytes from the last: 129, a row of dim 128 and row-wise Adagrad's accumulator, starts 4 bytes
-    further into a 128-byte line than the row before it; 128 and 160 start every row on one)
+def _sweep_moves_of(a, host_rows: int, alloc: str, width: int, words: int) -> list:
+    """The launch shapes of --move-shapes, moving the first words of rows of width words (each
+    row at width * 4 bytes from the last: 129, a row of dim 128 and row-wise Adagrad's
+    accumulator, starts 4 bytes further into a 128-byte line than the row before it; 128 and 160
+    start every row on one; 129 of 160: a row_alignment=128 table's rows, their pad left out)
     between the device and host_rows host rows (how many: whether the GPU's reach into a larger
     range of host memory costs it), allocated as alloc: "register", a HostStore's rows (huge
     pages where they fit) pinned and mapped by hostmap.pin_and_map, as a zero-copy table's; or
@@ -308,28 +315,29 @@ def _sweep_moves_of(a, host_rows: int, alloc: str, width: int) -> list:
     read_ids, write_ids = picked[:n], picked[n:]
     read_slots, write_slots = torch.randperm(4 * n, device=dev)[:2 * n].split(n)
     side = torch.cuda.Stream(dev) if dev.type == "cuda" else None
-    mb = n * width * 4 / 1e6
+    mb = n * words * 4 / 1e6
 
     def read():
-        moves.move_rows(store.rows, read_ids, pool, read_slots)
+        moves.move_rows(store.rows, read_ids, pool, read_slots, words=words)
 
     def write():
-        moves.move_rows(pool, write_slots, store.rows, write_ids)
+        moves.move_rows(pool, write_slots, store.rows, write_ids, words=words)
 
     written, found = torch.ones(host_rows, dtype=torch.uint8, device=dev), torch.zeros(1, dtype=torch.int64, device=dev)
 
     def swap():
-        moves.swap_rows(pool, read_slots, write_ids, store.rows, read_ids, mark=0, written=written, found=found)
+        moves.swap_rows(pool, read_slots, write_ids, store.rows, read_ids, mark=0, written=written, found=found,
+                        words=words)
 
     # the victims staged in device memory (the lookup waits for this), then written down apart
     staging, order = torch.empty(n, width, device=dev), torch.arange(n, device=dev)
 
     def swap_staged():
         moves.swap_rows(pool, read_slots, write_ids, store.rows, read_ids, mark=0, written=written, found=found,
-                        staging=staging)
+                        staging=staging, words=words)
 
     def write_back():  # (with as few programs as a zero-copy tier's write-back)
-        moves.move_rows(staging, order, store.rows, write_ids, programs=zerocopy.WRITE_BACK_PROGRAMS)
+        moves.move_rows(staging, order, store.rows, write_ids, programs=zerocopy.WRITE_BACK_PROGRAMS, words=words)
 
     # as a queued residency swaps them: lists as long as the batch's ids, the count on the device
     longer = max(a.move_lists - n, 0)
@@ -339,7 +347,7 @@ def _sweep_moves_of(a, host_rows: int, alloc: str, width: int) -> list:
 
     def swap_queued():
         moves.swap_rows(pool, queued[0], queued[1], store.rows, queued[2], mark=0, written=written, found=found,
-                        count=count)
+                        count=count, words=words)
 
     def both():
         if side is None:
@@ -352,7 +360,8 @@ def _sweep_moves_of(a, host_rows: int, alloc: str, width: int) -> list:
         read()
         torch.cuda.current_stream(dev).wait_stream(side)
 
-    print(f"device: {_device_name(dev)}; torch {torch.__version__}; {n} rows of {width} floats ({mb:.1f} MB) each way, "
+    of = f"{words} of {width}" if words < width else f"{width}"
+    print(f"device: {_device_name(dev)}; torch {torch.__version__}; {n} rows of {of} floats ({mb:.1f} MB) each way, "
           f"host rows {host_rows} x {width} ({alloc}); median of {a.reps} calls, microseconds (GB/s)")
     results = []
     try:
@@ -364,7 +373,8 @@ def _sweep_moves_of(a, host_rows: int, alloc: str, width: int) -> list:
                     ("read", read), ("write", write), ("both", both), ("swap", swap), ("swap_queued", swap_queued),
                     ("swap_staged", swap_staged), ("write_back", write_back))}
             one_way_each = got["read"] + got["write"]
-            results.append({"width": width, "host_rows": host_rows, "alloc": alloc, "rows_per_program": rows,
+            results.append({"width": width, "words": words, "host_rows": host_rows, "alloc": alloc,
+                            "rows_per_program": rows,
                             "warps": warps, "cols": cols, "programs_per_sm": per_sm,
                             **{f"{k}_us": v for k, v in got.items()}})
             print(f"rows {rows:3d} x warps {warps} x cols {cols:3d} x programs {per_sm or 'a block':>7}:  host->device "

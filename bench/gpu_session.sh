@@ -12,17 +12,19 @@
 #                                          and without, torch ops); tier 0 = 10% over host memory and over the
 #                                          log store (FBGEMM's UVM cache, ours zero-copy with CUDA graphs and
 #                                          without, with copies, over SSD with prefetch; their stacks); zero-copy
-#                                          again with its victims written down by the swap itself
-#                                          (--write-back-inline), with a move program a block of rows
-#                                          (--move-shape 16x4x64x0): both as before the twenty-fifth session; and
-#                                          with 256 words of a row at once (16x4x256x8); the update kernel by its
-#                                          number of programs and the draw by its chunks; FBGEMM's, ours-hbm's
-#                                          and ours-host10-zc's kernels a step (torch.profiler); a queued plan by
-#                                          the assign kernel's programs; zero-copy's moves by launch shape (rows,
-#                                          warps, words of a row at once, programs), by row width, by the host
-#                                          rows' number (1M, 10M) and allocation (registered, as ours, or
-#                                          torch's pinned memory); the whole table with ragged bags, and with ids
-#                                          on the device; the collection bench
+#                                          and the whole table again with rows of 160 words, each on a 128-byte
+#                                          line (--row-alignment 128); zero-copy with its victims written down
+#                                          by the swap itself (--write-back-inline); zero-copy's moves by launch
+#                                          shape (rows, warps, words of a row at once, programs), by row width
+#                                          (129, 160, and 129 of 160: the aligned rows' moves), by the host rows'
+#                                          number (1M, 10M) and allocation (registered, as ours, or torch's
+#                                          pinned memory); zero-copy with a move program a block of rows
+#                                          (--move-shape 16x4x64x0, as before the twenty-fifth session); the
+#                                          update kernel by its number of programs and the draw by its chunks;
+#                                          FBGEMM's, ours-hbm's and ours-host10-zc's kernels a step
+#                                          (torch.profiler); a queued plan by the assign kernel's programs; the
+#                                          whole table with ragged bags, and with ids on the device; the
+#                                          collection bench
 #
 # and, where time is left, one of the parts alone:
 #
@@ -145,14 +147,15 @@ case "$step" in
     part 90 bench hbm --only fbgemm-hbm,ours-hbm,ours-hbm-eager,torch-ops --runs 15 --cprofile /tmp/prof
     part 180 bench cached --only fbgemm-uvm10,ours-host10-zc,ours-host10-zc-eager,ours-host10,ours-ssd10 --runs 7 \
       --warmup 80 --ssd-path /tmp --stacks /tmp/prof --cprofile /tmp/prof
+    part 80 bench cached_aligned --only fbgemm-uvm10,ours-host10-zc --runs 9 --warmup 80 --row-alignment 128
+    part 60 bench hbm_aligned --only fbgemm-hbm,ours-hbm --runs 9 --row-alignment 128
     part 80 bench cached_inline --only fbgemm-uvm10,ours-host10-zc --runs 9 --warmup 80 --write-back-inline
+    part 70 kernels moves --moves --reps 10 --move-widths 129,160,129/160 --move-host-rows 1000000,10000000 \
+      --move-alloc register,pinned --move-shapes 16x4x64x0,16x4x64x8
     part 80 bench cached_a_block --only fbgemm-uvm10,ours-host10-zc --runs 9 --warmup 80 --move-shape 16x4x64x0
-    part 80 bench cached_cols256 --only fbgemm-uvm10,ours-host10-zc --runs 9 --warmup 80 --move-shape 16x4x256x8
     part 60 kernels kernels --warps 1 --tiles 16 --update-programs 0,8,16,32,64 --reps 10
     part 50 bench profiled --only fbgemm-hbm,ours-hbm,ours-host10-zc --runs 1 --profile /tmp/prof
     part 45 kernels plan --plan --update-programs 0,8,16,32,64 --reps 10
-    part 70 kernels moves --moves --reps 10 --move-widths 129,160 --move-host-rows 1000000,10000000 \
-      --move-alloc register,pinned --move-shapes 16x4x64x0,16x4x64x8,16x4x256x8
     part 70 bench ragged --only fbgemm-hbm,ours-hbm,ours-hbm-eager --runs 9 --ragged
     part 70 bench device_ids --only fbgemm-hbm,ours-hbm,ours-hbm-eager --runs 9 --ids-on-device
     part 600 collection

@@ -92,3 +92,49 @@ def test_cuda_graphs_is_a_bool_and_a_cpu_table_captures_nothing():
         tieredemb.TableConfig(100, 4, cuda_graphs=1)
     emb = tieredemb.TieredEmbeddingBag(100, 4, cuda_graphs=True)  # (the default; graphs are for cuda)
     assert emb.config.cuda_graphs and emb._store.tier0.graphs is None
+
+
+def test_rows_are_padded_to_a_whole_number_of_row_alignment_bytes_with_zero_words(tmp_path):
+    for bad in (0, 2, 3, 6, 96, True, "128", 128.0):
+        with pytest.raises(ValueError, match=f"row_alignment must be a power of two >= 4 .*got {bad!r}"):
+            tieredemb.TableConfig(100, 4, row_alignment=bad)
+    rowwise = tieredemb.RowWiseAdagrad(lr=0.1)
+    widths = {a: tieredemb.TableConfig(100, 128, optimizer=rowwise, row_alignment=a).width for a in (4, 8, 64, 128)}
+    assert widths == {4: 129, 8: 130, 64: 144, 128: 160}
+    cfg = tieredemb.TableConfig(100, 8, optimizer=tieredemb.Adam(lr=0.1), row_alignment=128, cache_rows="1KiB",
+                                dtype=torch.bfloat16)
+    assert (cfg.layout.words, cfg.width, cfg.cache_rows) == (4 + 16, 32, 1024 // 128)  # (sizes count the pad)
+    assert cfg.meta()["row_pad"] == 12 and "row_pad" not in tieredemb.TableConfig(100, 8).meta()
+    # training and reading see the weights and the state only; every stored row's pad words stay zero
+    emb = tieredemb.TieredEmbeddingBag(100, 8, "sum", optimizer=rowwise, cache_rows=10, row_alignment=64)
+    ids = torch.randint(0, 100, (60,), generator=torch.Generator().manual_seed(0))
+    for _ in range(3):
+        emb(ids, torch.arange(0, 60, 6)).backward(torch.ones(10, 8))
+    assert emb.read_optimizer_state(torch.arange(100)).shape == (100, 1)
+    assert (emb.read_optimizer_state(ids) > 0).all()
+    emb.flush()
+    raw = emb._store.host_store.rows
+    assert raw.shape == (100, 16) and (raw[:, 9:] == 0).all() and (raw[ids, 8] > 0).all()
+
+
+def test_a_store_reopened_with_another_row_alignment_is_refused_and_an_export_imports_across_alignments(tmp_path):
+    make = lambda a: tieredemb.TieredEmbeddingBag(  # noqa: E731
+        100, 8, "sum", optimizer=tieredemb.Adagrad(lr=0.1), ssd_path=tmp_path / "t", cache_rows=10, row_alignment=a)
+    emb = make(4)
+    ids = torch.arange(0, 100, 3)
+    emb.write_rows(ids, torch.randn(len(ids), 8), torch.rand(len(ids), 8))
+    emb.export_rows(tmp_path / "export")
+    want = torch.cat([emb.read_rows(torch.arange(100)), emb.read_optimizer_state(torch.arange(100))], 1)
+    emb.close()
+    with pytest.raises(ValueError, match="stored width 16 != requested 32"):
+        make(128)
+    padded = make(4)  # (the store as it was)
+    padded.close()
+    padded = tieredemb.TieredEmbeddingBag(100, 8, "sum", optimizer=tieredemb.Adagrad(lr=0.1), cache_rows=10,
+                                          row_alignment=128)
+    assert padded.import_rows(tmp_path / "export") == len(ids)  # (the rows ever written)
+    got = torch.cat([padded.read_rows(torch.arange(100)), padded.read_optimizer_state(torch.arange(100))], 1)
+    assert torch.equal(got, want)
+    other = tieredemb.TieredEmbeddingBag(100, 8, "sum", optimizer=tieredemb.RowWiseAdagrad(lr=0.1), row_alignment=128)
+    with pytest.raises(ValueError, match="exported width less row_pad 16 != this table's 9"):
+        other.import_rows(tmp_path / "export")

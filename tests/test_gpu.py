@@ -62,23 +62,26 @@ def test_bit_for_bit_from_run_to_run(tiers):
     assert torch.equal(out_a, out_b) and torch.equal(_table(a), _table(b))
 
 
-@pytest.mark.parametrize("apart", [True, False], ids=["write-back-apart", "write-back-inline"])
+@pytest.mark.parametrize("apart, align", [(True, 4), (False, 4), (True, 128)],
+                         ids=["write-back-apart", "write-back-inline", "aligned-rows"])
 @pytest.mark.parametrize("depth", [0, 2], ids=["plain", "prefetch"])
 @pytest.mark.parametrize("cache_rows", [100, 8], ids=["cache", "overflow"])
-def test_zero_copy_trains_bit_for_bit_as_the_host_copies(cache_rows, depth, apart, monkeypatch):
+def test_zero_copy_trains_bit_for_bit_as_the_host_copies(cache_rows, depth, apart, align, monkeypatch):
     """zero_copy: the GPU reads misses from the pinned, mapped host rows and writes dirty victims
     into them (on the tier's stream, a prefetch worker's too; apart: staged, then written down on
     a stream of their own, which the next residency and every read of the host rows wait for);
     the same outputs and rows, bit for bit, as the copies through host blocks, and the same
     counters (the rows' written bits and the store's counters are kept on the device, the store
     told when it is read); rows read and written by the host between batches, and a flush (each
-    read waits for the device's writes to the host rows)."""
+    read waits for the device's writes to the host rows). align: the zero-copy table's rows padded
+    to that many bytes (row_alignment; its moves leave the pad out), the copying table's not."""
     from tieredemb.gpu import zerocopy
 
     monkeypatch.setattr(zerocopy, "WRITE_BACK_APART", apart)
     pad = 5 if depth == 0 else None  # (with prefetch: see _counted_alike)
     plain, out_plain = _train("cuda", "sum", cache_rows=cache_rows, depth=depth, padding_idx=pad)
-    mapped, out_mapped = _train("cuda", "sum", cache_rows=cache_rows, depth=depth, padding_idx=pad, zero_copy=True)
+    mapped, out_mapped = _train("cuda", "sum", cache_rows=cache_rows, depth=depth, padding_idx=pad, zero_copy=True,
+                                row_alignment=align)
     assert mapped._store.tier0.zero_copy is not None and mapped.stats()["store"]["rows_written"] > 0
     _counted_alike(mapped, plain, depth, moved_only=True)
     assert torch.equal(out_mapped, out_plain) and torch.equal(_table(mapped), _table(plain))

@@ -198,14 +198,15 @@ def test_a_whole_table_draw_sets_slots_draws_new_rows_once_and_counts_them(chunk
     assert index.drawn.tolist() == [5 + len(new), 11 + u]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_new_whole_table_draws_its_rows_in_one_launch_and_trains_as_the_cpu_engine(dtype):
+@pytest.mark.parametrize("dtype, align", [(torch.float32, 128), (torch.bfloat16, 4)])
+def test_a_new_whole_table_draws_its_rows_in_one_launch_and_trains_as_the_cpu_engine(dtype, align):
     """A whole-table tier 0 over a new table makes a batch resident in one kernel launch (rows
     drawn in place, no torch op, nothing waits): training, stats and rows equal the CPU engine's;
-    a bad id is refused before anything changes; once rows are stored below, misses are read."""
+    a bad id is refused before anything changes; once rows are stored below, misses are read.
+    align: the device table's rows padded to that many bytes (row_alignment), the CPU engine's not."""
     kw = dict(optimizer=tieredemb.RowWiseAdagrad(lr=0.1), seed=5, padding_idx=3, dtype=dtype)
     ref = tieredemb.TieredEmbeddingBag(NUM, D, "sum", **kw)
-    dev = device_tier(tieredemb.TieredEmbeddingBag(NUM, D, "sum", **kw), None)
+    dev = device_tier(tieredemb.TieredEmbeddingBag(NUM, D, "sum", row_alignment=align, **kw), None)
     tier = dev._store.tier0
     assert tier.init_misses_here
     launches = []
@@ -757,6 +758,35 @@ def test_a_staged_swap_leaves_the_victims_rows_for_a_write_back_apart(per_sm, co
                   staging=torch.empty(10, width))
 
 
+@pytest.mark.parametrize("staged", [False, True])
+def test_the_moves_leave_a_rows_pad_words_out(staged):
+    """words=: only each row's first words move, by move_rows and by swap_rows (the victims' rows
+    either way), the rest of every destination row left as it was; words from 1 to the width."""
+    from tieredemb.gpu.moves import move_rows, swap_rows
+    from tieredemb.tiers.rowstore import DEFERRED_MARK
+
+    width, words = 32, 9
+    g = torch.Generator().manual_seed(5)
+    host, pool = torch.randn(40, width, generator=g), torch.randn(20, width, generator=g)
+    written = torch.ones(40, dtype=torch.uint8)
+    order = torch.randperm(40, generator=g)
+    ids, victims, slots = order[:18], order[20:38], torch.randperm(20, generator=g)[:18]
+    want_host, want_pool = host.clone(), pool.clone()
+    want_host[victims, :words] = pool[slots, :words]
+    want_pool[slots, :words] = host[ids, :words]
+    staging = torch.full((18, width), 7.0) if staged else None
+    swap_rows(pool, slots, victims, host, ids, mark=DEFERRED_MARK, written=written,
+              found=torch.zeros(1, dtype=torch.int64), staging=staging, words=words)
+    if staged:
+        assert (staging[:, words:] == 7.0).all()
+        move_rows(staging, torch.arange(18), host, victims, words=words)
+    assert torch.equal(pool, want_pool) and torch.equal(host, want_host)
+    for bad in (0, 33):
+        with pytest.raises(ValueError, match=f"words={bad}: the words of a row moved must be from 1 to the row's 32"):
+            move_rows(pool, slots, host, ids, words=bad)
+    assert torch.equal(host, want_host)
+
+
 def test_a_kernels_programs_are_one_per_item_a_positive_cap_or_so_many_per_multiprocessor():
     from tieredemb.gpu import PerMultiprocessor, programs
 
@@ -775,13 +805,14 @@ def test_a_kernels_programs_are_one_per_item_a_positive_cap_or_so_many_per_multi
 # (prefetch at cache 8: no batch fits beside another, so each is made resident once none is in
 # flight, the same whatever the worker's timing, and every counter can be compared; test_gpu.py's
 # prefetch case at 100 rows cannot: see its _counted_alike)
-@pytest.mark.parametrize("cache_rows, depth, dtype, opt, apart",
-                         [(8, 0, torch.float32, "adam", True), (64, 0, torch.float32, "rowwise", True),
-                          (8, 2, torch.float32, "rowwise", True), (8, 0, torch.bfloat16, "adam", True),
-                          (8, 0, torch.float32, "rowwise", False), (8, 2, torch.float32, "adam", False)],
+@pytest.mark.parametrize("cache_rows, depth, dtype, opt, apart, align",
+                         [(8, 0, torch.float32, "adam", True, 4), (64, 0, torch.float32, "rowwise", True, 4),
+                          (8, 2, torch.float32, "rowwise", True, 4), (8, 0, torch.bfloat16, "adam", True, 4),
+                          (8, 0, torch.float32, "rowwise", False, 4), (8, 2, torch.float32, "adam", False, 4),
+                          (8, 0, torch.float32, "rowwise", True, 128), (8, 0, torch.bfloat16, "adam", False, 64)],
                          ids=["cache8-adam", "cache64-rowwise", "prefetch-rowwise", "bf16-adam", "inline-rowwise",
-                              "inline-prefetch-adam"])
-def test_zero_copy_trains_bit_for_bit_as_the_host_copies(cache_rows, depth, dtype, opt, apart, monkeypatch):
+                              "inline-prefetch-adam", "aligned-rowwise", "aligned-inline-bf16-adam"])
+def test_zero_copy_trains_bit_for_bit_as_the_host_copies(cache_rows, depth, dtype, opt, apart, align, monkeypatch):
     """zero_copy: tier 0's kernels read misses from the host rows and write dirty victims into them
     (apart: staged, then written down by a launch of their own: ZeroCopy.write_back; else by the
     swap itself), and which rows were ever written is known on the device (the host store is not
@@ -789,7 +820,8 @@ def test_zero_copy_trains_bit_for_bit_as_the_host_copies(cache_rows, depth, dtyp
     copies through host blocks, also across rows written from outside and a flush between the
     batches. (cache 8: overflow slots and lingering rows leaving and coming back.) Without
     prefetch every residency is queued with no wait (ZeroCopy.residency: its counts on the
-    device)."""
+    device). align: the zero-copy table's rows padded to that many bytes (row_alignment; the
+    copies' are not), which its moves leave out: the pad words stay zero in the host rows."""
     from tieredemb.gpu import zerocopy
     from tieredemb.tiers.host_store import HostStore
 
@@ -797,7 +829,7 @@ def test_zero_copy_trains_bit_for_bit_as_the_host_copies(cache_rows, depth, dtyp
 
     def make(zero_copy):
         emb = tieredemb.TieredEmbeddingBag(NUM, D, "sum", optimizer=OPTIMIZERS[opt](), cache_rows=cache_rows, seed=2,
-                                           dtype=dtype)
+                                           dtype=dtype, row_alignment=align if zero_copy else 4)
         emb.write_rows(torch.arange(0, NUM, 7), weights()[:len(range(0, NUM, 7))])  # some rows stored, the rest drawn
         return device_tier(emb, cache_rows, zero_copy=zero_copy)
 
@@ -829,9 +861,13 @@ def test_zero_copy_trains_bit_for_bit_as_the_host_copies(cache_rows, depth, dtyp
     assert (len(write_backs) >= 6) if apart else not write_backs  # (every batch evicts dirty rows here)
     st, st_plain = copied.stats(), plain.stats()
     assert st["store"] == st_plain["store"] and st["store"]["rows_written"] > 0
-    assert {k: st["tier0"][k] for k in ("hits", "misses", "bytes_in", "bytes_out")} == \
-        {k: st_plain["tier0"][k] for k in ("hits", "misses", "bytes_in", "bytes_out")}
+    counted = lambda emb, st: {k: st["tier0"][k] // (emb.width * 4 if k.startswith("bytes") else 1)  # noqa: E731
+                               for k in ("hits", "misses", "bytes_in", "bytes_out")}
+    assert counted(copied, st) == counted(plain, st_plain)
     assert torch.equal(rows_and_state(copied).view(torch.int32), rows_and_state(plain).view(torch.int32))
+    words, host_rows = copied.layout.words, copied._store.host_store.rows
+    assert copied.width == (plain.width if align == 4 else 32)  # (9 or 20 words padded to 32)
+    assert (host_rows[:, words:] == 0).all() and (host_rows[:, :words] != 0).any(1).sum() > NUM // 2
 
 
 def test_zero_copy_is_refused_where_no_host_rows_sit_right_below(tmp_path):

@@ -208,12 +208,15 @@ WEIGHT_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 class RowLayout:
     """How a stored row holds its values: `width` 32-bit words, the first weight_words the dim
     weights (float32, or float16 / bfloat16 two to a word: weight d is the 16-bit value at byte
-    2 d, an odd dim's last half-word zero), then the optimizer's float32 state. Tier pools and
-    stores move rows as float32 [n, width] blocks without looking inside."""
+    2 d, an odd dim's last half-word zero), then the optimizer's float32 state (state_width
+    words), then pad words, zero, that make the row a whole number of its alignment (TableConfig's
+    row_alignment). Tier pools and stores move rows as float32 [n, width] blocks without looking
+    inside; a mover may leave the pad words out (`words`: the words before them)."""
 
     dim: int
     dtype: torch.dtype
     state_width: int
+    pad: int = 0
 
     @property
     def code(self) -> int:
@@ -224,8 +227,13 @@ class RowLayout:
         return self.dim if self.dtype == torch.float32 else (self.dim + 1) // 2
 
     @property
-    def width(self) -> int:
+    def words(self) -> int:
+        """The words that hold values: the weights and the state."""
         return self.weight_words + self.state_width
+
+    @property
+    def width(self) -> int:
+        return self.words + self.pad
 
     def weights(self, rows: torch.Tensor) -> torch.Tensor:
         """rows [n, width] -> their weights as float32 [n, dim] (exact)."""
@@ -234,7 +242,7 @@ class RowLayout:
 
     def state(self, rows: torch.Tensor) -> torch.Tensor:
         """rows [n, width] -> their optimizer state, float32 [n, state_width]."""
-        return rows[:, self.weight_words:]
+        return rows[:, self.weight_words:self.words]
 
     def set_weights(self, rows: torch.Tensor, weights: torch.Tensor) -> None:
         """Writes weights (float [n, dim]) into rows [n, width], rounded to the nearest (even) value of dtype."""

@@ -179,16 +179,20 @@ def write_export(directory, chunks, meta: dict) -> int:
 
 def read_export_meta(directory, mine: dict) -> dict:
     """The meta.json of an export at directory, checked against a table's meta (mine): the same
-    rows, dim and row width, else ValueError naming the field."""
+    rows, dim and row width less its padding (rows of any alignment import: the chunks hold the
+    weights and the state), else ValueError naming the field."""
     directory = os.fspath(directory)
     path = os.path.join(directory, "meta.json")
     if not os.path.exists(path):
         raise FileNotFoundError(f"{directory} holds no export (no meta.json): export_rows writes one")
     with open(path) as f:
         meta = json.load(f)
-    for field in ("num_embeddings", "embedding_dim", "width"):
-        if meta[field] != mine[field]:
-            raise ValueError(f"{directory}: exported {field} {meta[field]} != this table's {mine[field]}")
+    words = lambda m: m["width"] - m.get("row_pad", 0)  # noqa: E731
+    for field, ours, theirs in (("num_embeddings", mine["num_embeddings"], meta["num_embeddings"]),
+                                ("embedding_dim", mine["embedding_dim"], meta["embedding_dim"]),
+                                ("width less row_pad", words(mine), words(meta))):
+        if theirs != ours:
+            raise ValueError(f"{directory}: exported {field} {theirs} != this table's {ours}")
     return meta
 
 

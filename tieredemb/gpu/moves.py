@@ -19,6 +19,10 @@ mark and rowinit.init_rows(marked=...) draws it on the device, as the host store
 leave them; a row written down sets written[id] = WROTE. The host learns of those later, in one
 pass (ZeroCopy.settle): a residency then needs nothing from the host but the plan's counts.
 
+Both may move only each row's first words (words=): a table whose rows are padded to a whole
+number of 128-byte lines (TableConfig.row_alignment) moves the words that hold values, each row
+starting on a line, and leaves the pad out.
+
 On CPU tensors (the tests, under TRITON_INTERPRET=1) the "mapped" rows are the host rows
 themselves: the same kernels, the same words.
 """
@@ -50,11 +54,12 @@ WROTE = 2  # written[id] of a row the device wrote down and the host has not yet
 
 
 @triton.jit(do_not_specialize=["n", "src_from"])
-def _move_kernel(src_ptr, src_rows_ptr, dst_ptr, dst_rows_ptr, n, count_ptr, width, src_from, written_ptr,
+def _move_kernel(src_ptr, src_rows_ptr, dst_ptr, dst_rows_ptr, n, count_ptr, width, words, src_from, written_ptr,
                  WRITTEN: tl.constexpr, COUNTED: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr):
     """Entries below n (COUNTED: below count[0] too), ROWS at a time from ROWS * program on, a
-    grid's stride apart, whose src_rows[i] >= src_from and dst_rows[i] >= 0: dst[dst_rows[i]] =
-    src[src_rows[i]] (int32 words); WRITTEN: written[dst_rows[i]] = WROTE."""
+    grid's stride apart, whose src_rows[i] >= src_from and dst_rows[i] >= 0: the first words of
+    dst[dst_rows[i]] = those of src[src_rows[i]] (rows of width int32 words); WRITTEN:
+    written[dst_rows[i]] = WROTE."""
     end = tl.minimum(n, tl.load(count_ptr)) if COUNTED else n
     for base in range(tl.program_id(0) * ROWS, end, tl.num_programs(0) * ROWS):
         i = base + tl.arange(0, ROWS)
@@ -68,21 +73,21 @@ def _move_kernel(src_ptr, src_rows_ptr, dst_ptr, dst_rows_ptr, n, count_ptr, wid
             tl.store(written_ptr + dst_row, tl.full((ROWS,), 2, tl.uint8), mask=live)  # (WROTE)
         src = src_ptr + tl.maximum(src_row, 0)[:, None] * width
         dst = dst_ptr + dst_row[:, None] * width
-        for c0 in range(0, width, COLS):
+        for c0 in range(0, words, COLS):
             cols = c0 + tl.arange(0, COLS)[None, :]
-            m = live[:, None] & (cols < width)
+            m = live[:, None] & (cols < words)
             tl.store(dst + cols, tl.load(src + cols, mask=m), mask=m)
 
 
 @triton.jit(do_not_specialize=["n", "mark"])
-def _swap_kernel(pool_ptr, slots_ptr, victims_ptr, host_ptr, ids_ptr, n, count_ptr, width, mark, written_ptr,
+def _swap_kernel(pool_ptr, slots_ptr, victims_ptr, host_ptr, ids_ptr, n, count_ptr, width, words, mark, written_ptr,
                  found_ptr, staging_ptr, VICTIMS: tl.constexpr, STAGED: tl.constexpr, COUNTED: tl.constexpr,
                  ROWS: tl.constexpr, COLS: tl.constexpr):
     """Entries below n (COUNTED: below count[0] too; a slot < 0 takes nothing), ROWS at a time
     from ROWS * program on, a grid's stride apart: slot s = slots[i]'s row written to host row
     victims[i] where that is >= 0 (VICTIMS; STAGED: to staging row i instead; written[victims[i]]
     = WROTE), then host row ids[i] read into slot s where written[ids[i]] != 0 (those added to
-    found[0]), else slot s's first word = mark."""
+    found[0]), else slot s's first word = mark. Rows of width words, of which the first words move."""
     end = tl.minimum(n, tl.load(count_ptr)) if COUNTED else n
     for base in range(tl.program_id(0) * ROWS, end, tl.num_programs(0) * ROWS):
         i = base + tl.arange(0, ROWS)
@@ -97,9 +102,9 @@ def _swap_kernel(pool_ptr, slots_ptr, victims_ptr, host_ptr, ids_ptr, n, count_p
             leaves = live & (victim >= 0)
             tl.store(written_ptr + tl.maximum(victim, 0), tl.full((ROWS,), 2, tl.uint8), mask=leaves)  # (WROTE)
         pool = pool_ptr + slot[:, None] * width
-        for c0 in range(0, width, COLS):
+        for c0 in range(0, words, COLS):
             cols = c0 + tl.arange(0, COLS)[None, :]
-            inside = cols < width
+            inside = cols < words
             coming = tl.load(host_ptr + row_id[:, None] * width + cols, mask=stored[:, None] & inside)
             if VICTIMS:  # (both loads in flight at once, then both stores)
                 m = leaves[:, None] & inside
@@ -118,37 +123,48 @@ def _grid(n: int, device: torch.device, cap=None) -> tuple:
     return (programs(triton.cdiv(n, MOVE_ROWS), MOVE_PROGRAMS if cap is None else cap, device),)
 
 
-def _launch_args(width: int) -> dict:
-    return dict(ROWS=MOVE_ROWS, COLS=min(MOVE_COLS, triton.next_power_of_2(width)), num_warps=MOVE_WARPS)
+def _launch_args(words: int) -> dict:
+    return dict(ROWS=MOVE_ROWS, COLS=min(MOVE_COLS, triton.next_power_of_2(words)), num_warps=MOVE_WARPS)
+
+
+def _words(words: int | None, width: int) -> int:
+    if words is None:
+        return width
+    if not 1 <= words <= width:
+        raise ValueError(f"words={words}: the words of a row moved must be from 1 to the row's {width}")
+    return words
 
 
 def move_rows(src: torch.Tensor, src_rows: torch.Tensor, dst: torch.Tensor, dst_rows: torch.Tensor, *,
               written: torch.Tensor | None = None, count: torch.Tensor | None = None, src_from: int = 0,
-              programs=None) -> None:
+              programs=None, words: int | None = None) -> None:
     """dst[dst_rows[i]] = src[src_rows[i]] (float32 [*, width] words, the same width; rows int64
     [n], on the device) for each entry whose src_rows[i] >= max(src_from, 0) and dst_rows[i] >= 0
     (the others move nothing). Either side may be host rows mapped into the device
     (gpu/hostmap.py). written (uint8 [rows of dst], on the device): written[dst_rows[i]] = WROTE.
     count (an int64 on the device): only the first count[0] entries move, the lists' length being
     the most there may be (no wait for the count). programs: the launch's cap (gpu.programs;
-    None: MOVE_PROGRAMS). Queued on the current stream."""
+    None: MOVE_PROGRAMS). words: only each row's first words move (a RowLayout's `words`: its pad
+    left out); None: all. Queued on the current stream."""
     n = dst_rows.numel()
     if n == 0:
         return
     width = dst.shape[1]
     if src.shape[1] != width:
         raise ValueError(f"rows of {src.shape[1]} words moved into rows of {width}: the widths must match")
+    words = _words(words, width)
     with launch_turn():
         _move_kernel[_grid(n, dst.device, programs)](src.view(torch.int32), src_rows, dst.view(torch.int32),
                                                      dst_rows, n, dst_rows if count is None else count, width,
-                                                     src_from, dst_rows if written is None else written,
+                                                     words, src_from, dst_rows if written is None else written,
                                                      WRITTEN=written is not None, COUNTED=count is not None,
-                                                     **_launch_args(width))
+                                                     **_launch_args(words))
 
 
 def swap_rows(pool: torch.Tensor, slots: torch.Tensor, victims: torch.Tensor | None, host: torch.Tensor,
               ids: torch.Tensor, *, mark: int, written: torch.Tensor, found: torch.Tensor,
-              count: torch.Tensor | None = None, staging: torch.Tensor | None = None) -> None:
+              count: torch.Tensor | None = None, staging: torch.Tensor | None = None,
+              words: int | None = None) -> None:
     """A residency's misses into their slots (pool: the device rows; host: the host rows, mapped;
     float32 [*, width] words, the same width; slots, victims, ids: int64 [n] on the device): for
     each entry i, pool[slots[i]] written to host[victims[i]] first where victims[i] >= 0 (victims
@@ -159,7 +175,7 @@ def swap_rows(pool: torch.Tensor, slots: torch.Tensor, victims: torch.Tensor | N
     move_rows'. staging (float32 [at least n, width] on the device): the victims' rows go to
     staging[i], not to the host rows (written[victims[i]] = WROTE all the same), for a later
     move_rows(staging, rows i, host, victims) to write down off the critical path (ZeroCopy's
-    write-back). Queued on the current stream."""
+    write-back). words: as move_rows'. Queued on the current stream."""
     n = slots.numel()
     if n == 0:
         return
@@ -168,11 +184,12 @@ def swap_rows(pool: torch.Tensor, slots: torch.Tensor, victims: torch.Tensor | N
         raise ValueError(f"host rows of {host.shape[1]} words swapped with rows of {width}: the widths must match")
     if staging is not None and (staging.shape[1] != width or staging.shape[0] < n):
         raise ValueError(f"a staging block of {tuple(staging.shape)} for {n} rows of {width} words: too small")
+    words = _words(words, width)
     pool_words = pool.view(torch.int32)
     with launch_turn():
         _swap_kernel[_grid(n, pool.device)](pool_words, slots, slots if victims is None else victims,
                                             host.view(torch.int32), ids, n, slots if count is None else count, width,
-                                            mark, written, found, pool_words if staging is None else
+                                            words, mark, written, found, pool_words if staging is None else
                                             staging.view(torch.int32), VICTIMS=victims is not None,
                                             STAGED=staging is not None, COUNTED=count is not None,
-                                            **_launch_args(width))
+                                            **_launch_args(words))

@@ -94,9 +94,10 @@ class DeviceTier:
 
     def __init__(self, num_embeddings: int, width: int, capacity: int | None, policy: str, lower, init,
                  device: torch.device, *, lower_is_store: bool = True, partitions: tuple | None = None,
-                 zero_copy: bool = False, graphs: bool = False):
+                 zero_copy: bool = False, graphs: bool = False, words: int | None = None):
         self.num_embeddings = num_embeddings
         self.width = width
+        self.words = width if words is None else words  # a row's words that hold values (the rest: pad, zero)
         self.device = device
         self.lower = lower
         self.init = init
@@ -540,7 +541,8 @@ def on_cpu_tensors(table, cache_rows: int | None, policy: str = "lru", partition
     st = table._store
     lower = st.tier0.lower
     tier = DeviceTier(table.num_embeddings, table.width, cache_rows, policy, lower, st.init, torch.device("cpu"),
-                      lower_is_store=lower is st.bottom, partitions=partitions, zero_copy=zero_copy, graphs=graphs)
+                      lower_is_store=lower is st.bottom, partitions=partitions, zero_copy=zero_copy, graphs=graphs,
+                      words=table.layout.words)
     st.tier0 = st.tiers[0] = tier
     return table
 

@@ -88,13 +88,14 @@ class ZeroCopy:
             self.after_write_backs(torch.cuda.current_stream(tier.device))
         if queued or plan.lingering:
             moves.move_rows(pool, plan.dirty_slots, self.rows, plan.dirty_ids_device, written=self.written,
-                            count=totals[dirty:dirty + 1] if queued else None, src_from=tier.index.capacity)
+                            count=totals[dirty:dirty + 1] if queued else None, src_from=tier.index.capacity,
+                            words=tier.words)
         count = totals[fresh:fresh + 1] if queued else None
         victims, n = plan.miss_victims, plan.miss_slots.numel()
         staging = (torch.empty(n, tier.width, device=tier.device)
                    if WRITE_BACK_APART and victims is not None and n else None)
         moves.swap_rows(pool, plan.miss_slots, victims, self.rows, plan.miss_ids_device, mark=DEFERRED_MARK,
-                        written=self.written, found=self.found, count=count, staging=staging)
+                        written=self.written, found=self.found, count=count, staging=staging, words=tier.words)
         pending = None if staging is None else (staging, torch.arange(n, device=tier.device), victims, count)
         if captured:
             self.captured = pending
@@ -113,12 +114,13 @@ class ZeroCopy:
         (on CPU tensors: at once). replayed: pending is a captured residency's (its tensors the
         graph's, kept with it), after a replay of it."""
         staging, order, victims, count = pending
+        down = dict(count=count, programs=WRITE_BACK_PROGRAMS, words=self.tier.words)
         if self.side is None:
-            moves.move_rows(staging, order, self.rows, victims, count=count, programs=WRITE_BACK_PROGRAMS)
+            moves.move_rows(staging, order, self.rows, victims, **down)
             return
         self.side.wait_stream(torch.cuda.current_stream(self.tier.device))
         with torch.cuda.stream(self.side):
-            moves.move_rows(staging, order, self.rows, victims, count=count, programs=WRITE_BACK_PROGRAMS)
+            moves.move_rows(staging, order, self.rows, victims, **down)
             landed = torch.cuda.Event()
             landed.record(self.side)
         if not replayed:  # (freed by the residency's stream: not reused before the write-back is done)

@@ -40,12 +40,12 @@ _C.set_num_threads(torch.get_num_threads())
 
 
 def _device_tier0(num_embeddings, width, cache_rows, policy, lower, init, device, lower_is_store, partitions,
-                  zero_copy, graphs):
+                  zero_copy, graphs, words):
     """Tier 0 on a GPU: device-resident (tieredemb.gpu, which needs Triton)."""
     from ..gpu.tier import DeviceTier
 
     return DeviceTier(num_embeddings, width, cache_rows, policy, lower, init, device, lower_is_store=lower_is_store,
-                      partitions=partitions, zero_copy=zero_copy, graphs=graphs)
+                      partitions=partitions, zero_copy=zero_copy, graphs=graphs, words=words)
 
 
 def _ids(t: torch.Tensor) -> torch.Tensor:
@@ -107,11 +107,13 @@ class ResidentBatch:
 class TableStore:
     """The layers of one table. cache_rows: tier 0's capacity (None: the whole table);
     host_rows: the host cache's (None: no host cache); bottom: an SSD store, or None for a
-    HostStore; device: where tier 0 lives."""
+    HostStore; device: where tier 0 lives; words: the words of a row that hold values, the rest
+    its pad (RowLayout; None: all)."""
 
     def __init__(self, *, num_embeddings: int, width: int, init: RowInit, cache_rows: int | None,
                  host_rows: int | None, bottom: RowStore | None, policy: str, device: torch.device,
-                 partitions: tuple | None = None, zero_copy: bool = False, cuda_graphs: bool = False):
+                 partitions: tuple | None = None, zero_copy: bool = False, cuda_graphs: bool = False,
+                 words: int | None = None):
         self.num_embeddings = num_embeddings
         self.width = width
         self.device = device
@@ -130,7 +132,7 @@ class TableStore:
         self.tier0 = (self._host_tier0(num_embeddings, width, cache_rows, policy, lower, partitions) if on_host else
                       _device_tier0(num_embeddings, width, cache_rows, policy, lower, init, device,
                                     lower_is_store=lower is self.bottom, partitions=partitions, zero_copy=zero_copy,
-                                    graphs=cuda_graphs))
+                                    graphs=cuda_graphs, words=words))
         self.tiers.insert(0, self.tier0)
         self.lock = locks.Counted(reentrant=True)
         # Notified whenever pinned rows are released (releases counts them): a residency
@@ -172,7 +174,8 @@ class TableStore:
             return cls(num_embeddings=config.num_embeddings, width=config.width, init=init,
                        cache_rows=config.cache_rows, host_rows=config.host_rows, bottom=bottom,
                        policy=config.policy, device=config.device, partitions=config.partitions,
-                       zero_copy=config.zero_copy, cuda_graphs=config.cuda_graphs and config.device.type == "cuda")
+                       zero_copy=config.zero_copy, cuda_graphs=config.cuda_graphs and config.device.type == "cuda",
+                       words=config.layout.words)
         except BaseException:
             if bottom is not None:
                 bottom.close()
