@@ -82,7 +82,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import trace_steps  # noqa: E402
-from host_time import (count_waits, cprofile_steps, profile_steps, sample_steps, synchronize,  # noqa: E402
+from host_time import (count_waits, cprofile_steps, phase_steps, profile_steps, sample_steps, synchronize,  # noqa: E402
                        train_steps)
 from workload import BatchSource, Workload, store_every_row  # noqa: E402
 
@@ -97,6 +97,7 @@ TARGETS = {"ours-hbm": ("fbgemm-hbm", 1.0), "ours-hbm-eager": ("fbgemm-hbm", 1.0
 PROFILED_STEPS = 5
 SAMPLED_STEPS = 30
 CPROFILED_STEPS = 30
+PHASED_STEPS = 30
 COUNTED_STEPS = 5  # steps after the timed runs whose waits for the device are counted
 
 
@@ -191,7 +192,8 @@ def make_batches(source: BatchSource, a, dev: torch.device) -> list:
     the host (a DataLoader's pin_memory=True), pageable, or on the device."""
     w, on_gpu = source.workload, dev.type == "cuda"
     profiled = ((PROFILED_STEPS if a.profile else 0) + (SAMPLED_STEPS if a.stacks else 0)
-                + (2 * CPROFILED_STEPS if a.cprofile else 0))  # (cProfile's pass, then a prefetch worker's)
+                + (2 * CPROFILED_STEPS if a.cprofile else 0)  # (cProfile's pass, then a prefetch worker's)
+                + (PHASED_STEPS if a.phases else 0))
     counted = COUNTED_STEPS if on_gpu else 0
     batches = [ragged(source, i) if a.ragged else source.batch(i)
                for i in range(a.warmup + a.runs * w.batches + counted + profiled)]
@@ -275,6 +277,8 @@ class System:
             graphs = self.module._store.tier0.graphs
             if graphs is not None:
                 out["graphs"] = graphs.stats()
+        if a.phases and self.module is not None:
+            out["phases"] = phase_steps(self.module, step, stream, PHASED_STEPS, grad, dev)
         if a.stacks:
             out["stacks"] = sample_steps(name, step, stream, SAMPLED_STEPS, grad, dev, a.stacks)
         if a.cprofile:
@@ -432,6 +436,10 @@ def main(argv=None) -> int:
     p.add_argument("--stacks", default=None, metavar="DIR",
                    help=f"{SAMPLED_STEPS} more steps of each system with every thread's Python stack sampled: "
                         "DIR/<system>.stacks.txt (where the host's time goes)")
+    p.add_argument("--phases", action="store_true",
+                   help="30 steps more with each phase of our tables' steps timed where it runs (host_time.PHASES: "
+                        "the plan, its wait, the store's reads and writes, the copies, ...; wall and thread CPU ms "
+                        "a step), unprofiled")
     p.add_argument("--cprofile", default=None, metavar="DIR",
                    help=f"{CPROFILED_STEPS} more steps of each system under cProfile, the backward on the training "
                         "thread: DIR/<system>.cprofile.txt (each function's own host time and calls); a prefetching "
@@ -526,6 +534,13 @@ def print_result(r: dict, a) -> None:
           + (f"  tier-0 hit {r['tier0_hit_rate']:.3f}" if "tier0_hit_rate" in r else "")
           + (f"  graphs {r['graphs']}" if "graphs" in r else "")
           + f"  [{r['config']}]", flush=True)
+    if "phases" in r:
+        ph = r["phases"]
+        print(f"{'':18s} phases: {ph['wall_ms_per_step']:.3f} ms a step; wall / CPU ms a step (calls), inclusive:",
+              flush=True)
+        for thread, got in ph["threads"].items():
+            print(f"{'':18s}   {thread}: " + "; ".join(f"{phase} {t['wall_ms']:.3f} / {t['cpu_ms']:.3f} ({t['calls']:g})"
+                                                  for phase, t in got.items()), flush=True)
     if "stacks" in r:
         for thread, lines in r["stacks"]["top"].items():
             print(f"{'':18s} stacks of {thread}: " + "; ".join(lines), flush=True)

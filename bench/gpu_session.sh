@@ -11,7 +11,8 @@
 #                                          the GPU tests; the table whole in HBM (FBGEMM, ours with CUDA graphs
 #                                          and without, torch ops); tier 0 = 10% over host memory and over the
 #                                          log store (FBGEMM's UVM cache, ours zero-copy with CUDA graphs and
-#                                          without, with copies, over SSD with prefetch; their stacks); zero-copy
+#                                          without, with copies, over SSD with prefetch; their stacks, their
+#                                          profiles and each phase of their steps timed unprofiled); zero-copy
 #                                          and the whole table again with rows of 160 words, each on a 128-byte
 #                                          line (--row-alignment 128); zero-copy with its victims written down
 #                                          by the swap itself (--write-back-inline); zero-copy's moves by launch
@@ -144,9 +145,9 @@ case "$step" in
           # first 20-batch run after 20 warm-up batches, 430K a run once full)
     rm -rf /tmp/prof
     part 170 tests test_gpu -v --durations=15 tests/test_gpu.py --deselect tests/test_gpu.py::test_the_cpu_tensor_tests_pass_in_a_child
-    part 90 bench hbm --only fbgemm-hbm,ours-hbm,ours-hbm-eager,torch-ops --runs 15 --cprofile /tmp/prof
+    part 90 bench hbm --only fbgemm-hbm,ours-hbm,ours-hbm-eager,torch-ops --runs 15 --cprofile /tmp/prof --phases
     part 180 bench cached --only fbgemm-uvm10,ours-host10-zc,ours-host10-zc-eager,ours-host10,ours-ssd10 --runs 7 \
-      --warmup 80 --ssd-path /tmp --stacks /tmp/prof --cprofile /tmp/prof
+      --warmup 80 --ssd-path /tmp --stacks /tmp/prof --cprofile /tmp/prof --phases
     part 80 bench cached_aligned --only fbgemm-uvm10,ours-host10-zc --runs 9 --warmup 80 --row-alignment 128
     part 60 bench hbm_aligned --only fbgemm-hbm,ours-hbm --runs 9 --row-alignment 128
     part 80 bench cached_inline --only fbgemm-uvm10,ours-host10-zc --runs 9 --warmup 80 --write-back-inline

@@ -268,3 +268,91 @@ def _write_profile(path: str, head: str, profiles: list, per: int, unit: str) ->
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
     return rows
+
+
+# A table's steps by phase (phase_steps): (what holds it, its attribute, the phase's name), the
+# outer ones first. What holds it: "module" (the table), "tier" (its tier 0), "index", "pool",
+# "lower" (the layer below tier 0), "zero_copy", or a module of the package by its dotted name.
+PHASES = (
+    ("module", "forward", "forward"),
+    ("tieredemb.kernels", "backward_update", "backward + update"),
+    ("tier", "dedup", "dedup"),
+    ("tier", "resident", "residency"),
+    ("tier", "_plan", "plan"),
+    ("index", "_window_sorted", "plan: window sorted"),
+    ("tieredemb.gpu.plan_kernels", "assign", "plan: assign launch"),
+    ("tieredemb.gpu.plan_kernels", "place", "plan: place launch"),
+    ("tieredemb.gpu.index", "_to_host", "plan: transfer (waits for the device)"),
+    ("lower", "write_from", "store: write victims"),
+    ("lower", "read_to", "store: read misses"),
+    ("pool", "to_host", "rows to host"),
+    ("pool", "from_host", "rows to device"),
+    ("zero_copy", "move", "zero-copy moves"),
+    ("tier", "draw_marked", "draw marked"),
+    ("index", "commit", "commit"),
+)
+
+
+def phase_steps(module, step, stream, steps: int, grad, dev: torch.device) -> dict:
+    """`steps` more training steps with each phase of PHASES that the table has timed wherever it
+    runs (the training thread, a prefetch worker, autograd's device thread): its calls, wall time
+    and the thread's CPU time (time.thread_time: a wait for the device, the GIL or a lock counts no
+    CPU), a step, inclusive of the phases it calls. A wrapper costs about a microsecond a call, so
+    these time the unprofiled step, as cProfile cannot. Phases the table does not have are named
+    under "absent". Returns {"threads": {thread: {phase: {calls, wall_ms, cpu_ms}}}, "absent",
+    "wall_ms_per_step"}."""
+    import importlib
+
+    tier = module._store.tier0
+    holders = {"module": module, "tier": tier, "index": getattr(tier, "index", None), "pool": getattr(tier, "pool", None),
+               "lower": getattr(tier, "lower", None), "zero_copy": getattr(tier, "zero_copy", None)}
+    times: dict = {}
+    lock = threading.Lock()
+
+    def timed(fn, phase):
+        def run(*args, **kwargs):
+            wall, cpu = time.perf_counter(), time.thread_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
+                with lock:
+                    t = times.setdefault(threading.current_thread().name, {}).setdefault(phase, [0, 0.0, 0.0])
+                    t[0], t[1], t[2] = t[0] + 1, t[1] + wall, t[2] + cpu
+        return run
+
+    undo, absent = [], []
+    try:
+        for where, attr, phase in PHASES:
+            try:
+                holder = holders[where] if where in holders else importlib.import_module(where)
+            except ImportError:  # (the GPU modules, where Triton is not installed)
+                holder = None
+            if holder is None or not hasattr(holder, attr):
+                absent.append(phase)
+                continue
+            fn = getattr(holder, attr)
+            if not isinstance(holder, type(importlib)) and not hasattr(holder, "__dict__"):
+                holder = type(holder)  # (an object of __slots__: its class's method, for these steps)
+                fn = timed(getattr(holder, attr), phase)
+                undo.append((holder, attr, getattr(holder, attr)))
+                setattr(holder, attr, lambda *args, _fn=fn, **kwargs: _fn(*args, **kwargs))
+                continue
+            own = isinstance(holder, type(importlib)) or attr in vars(holder)
+            undo.append((holder, attr, fn if own else None))
+            setattr(holder, attr, timed(fn, phase))
+        synchronize(dev)
+        start = time.perf_counter()
+        train_steps(step, stream, grad, steps)
+        synchronize(dev)
+        wall = time.perf_counter() - start
+    finally:
+        for holder, attr, before in reversed(undo):
+            if before is None:
+                delattr(holder, attr)  # (a bound method: the class's again)
+            else:
+                setattr(holder, attr, before)
+    threads = {thread: {phase: {"calls": c / steps, "wall_ms": w * 1e3 / steps, "cpu_ms": u * 1e3 / steps}
+                        for phase, (c, w, u) in sorted(got.items(), key=lambda kv: -kv[1][1])}
+               for thread, got in times.items()}
+    return {"steps": steps, "wall_ms_per_step": wall * 1e3 / steps, "threads": threads, "absent": absent}
