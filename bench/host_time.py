@@ -304,8 +304,7 @@ def phase_steps(module, step, stream, steps: int, grad, dev: torch.device) -> di
     import importlib
 
     tier = module._store.tier0
-    holders = {"module": module, "tier": tier, "index": getattr(tier, "index", None), "pool": getattr(tier, "pool", None),
-               "lower": getattr(tier, "lower", None), "zero_copy": getattr(tier, "zero_copy", None)}
+    holders = {"module": module, "tier": tier, **{k: getattr(tier, k, None) for k in ("index", "pool", "lower", "zero_copy")}}
     times: dict = {}
     lock = threading.Lock()
 
