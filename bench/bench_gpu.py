@@ -539,8 +539,8 @@ def print_result(r: dict, a) -> None:
         print(f"{'':18s} phases: {ph['wall_ms_per_step']:.3f} ms a step; wall / CPU ms a step (calls), inclusive:",
               flush=True)
         for thread, got in ph["threads"].items():
-            print(f"{'':18s}   {thread}: " + "; ".join(
-                f"{phase} {t['wall_ms']:.3f} / {t['cpu_ms']:.3f} ({t['calls']:g})" for phase, t in got.items()), flush=True)
+            times = (f"{phase} {t['wall_ms']:.3f} / {t['cpu_ms']:.3f} ({t['calls']:g})" for phase, t in got.items())
+            print(f"{'':18s}   {thread}: " + "; ".join(times), flush=True)
     if "stacks" in r:
         for thread, lines in r["stacks"]["top"].items():
             print(f"{'':18s} stacks of {thread}: " + "; ".join(lines), flush=True)

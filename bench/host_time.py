@@ -304,7 +304,8 @@ def phase_steps(module, step, stream, steps: int, grad, dev: torch.device) -> di
     import importlib
 
     tier = module._store.tier0
-    holders = {"module": module, "tier": tier, **{k: getattr(tier, k, None) for k in ("index", "pool", "lower", "zero_copy")}}
+    holders = {"module": module, "tier": tier,
+               **{k: getattr(tier, k, None) for k in ("index", "pool", "lower", "zero_copy")}}
     times: dict = {}
     lock = threading.Lock()
 
