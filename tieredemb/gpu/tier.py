@@ -108,7 +108,8 @@ class DeviceTier:
         else:
             self.index = SetIndex(capacity, policy, device)
         self.pool = DeviceRows(torch.zeros(self.index.slots_total, width, device=device))
-        self.row_bytes = width * 4
+        # the bytes a row moved to or from below counts: zero-copy's moves leave a row's pad out
+        self.row_bytes = (self.words if zero_copy else width) * 4
         self.bytes_in = self.bytes_out = 0
         self.dirty_guess = _DIRTY_SLACK
         # Misses of a whole-table tier are rows it never held: when nothing was ever stored below
