@@ -283,6 +283,7 @@ PHASES = (
     ("tieredemb.gpu.plan_kernels", "assign", "plan: assign launch"),
     ("tieredemb.gpu.plan_kernels", "place", "plan: place launch"),
     ("tieredemb.gpu.index", "_to_host", "plan: transfer (waits for the device)"),
+    ("tieredemb.gpu.direct_index", "_to_host", "plan: transfer (waits for the device)"),
     ("lower", "write_from", "store: write victims"),
     ("lower", "read_to", "store: read misses"),
     ("pool", "to_host", "rows to host"),
@@ -298,9 +299,9 @@ def phase_steps(module, step, stream, steps: int, grad, dev: torch.device) -> di
     runs (the training thread, a prefetch worker, autograd's device thread): its calls, wall time
     and the thread's CPU time (time.thread_time: a wait for the device, the GIL or a lock counts no
     CPU), a step, inclusive of the phases it calls. A wrapper costs about a microsecond a call, so
-    these time the unprofiled step, as cProfile cannot. Phases the table does not have are named
-    under "absent". Returns {"threads": {thread: {phase: {calls, wall_ms, cpu_ms}}}, "absent",
-    "wall_ms_per_step"}."""
+    these time the unprofiled step, as cProfile cannot. Phases the table does not have, or that are
+    not timed (a native object's method: a CPU tier 0's index), are named under "absent". Returns
+    {"threads": {thread: {phase: {calls, wall_ms, cpu_ms}}}, "absent", "wall_ms_per_step"}."""
     import importlib
 
     tier = module._store.tier0
@@ -328,19 +329,13 @@ def phase_steps(module, step, stream, steps: int, grad, dev: torch.device) -> di
                 holder = holders[where] if where in holders else importlib.import_module(where)
             except ImportError:  # (the GPU modules, where Triton is not installed)
                 holder = None
-            if holder is None or not hasattr(holder, attr):
-                absent.append(phase)
+            module = isinstance(holder, type(importlib))
+            if holder is None or not hasattr(holder, attr) or not (module or hasattr(holder, "__dict__")):
+                absent.append(phase)  # (no __dict__: a native object, whose class is every instance's)
                 continue
-            fn = getattr(holder, attr)
-            if not isinstance(holder, type(importlib)) and not hasattr(holder, "__dict__"):
-                holder = type(holder)  # (an object of __slots__: its class's method, for these steps)
-                fn = timed(getattr(holder, attr), phase)
-                undo.append((holder, attr, getattr(holder, attr)))
-                setattr(holder, attr, lambda *args, _fn=fn, **kwargs: _fn(*args, **kwargs))
-                continue
-            own = isinstance(holder, type(importlib)) or attr in vars(holder)
-            undo.append((holder, attr, fn if own else None))
+            fn, own = getattr(holder, attr), module or attr in vars(holder)  # (else the class's, bound)
             setattr(holder, attr, timed(fn, phase))
+            undo.append((holder, attr, fn if own else None))
         synchronize(dev)
         start = time.perf_counter()
         train_steps(step, stream, grad, steps)
@@ -352,7 +347,8 @@ def phase_steps(module, step, stream, steps: int, grad, dev: torch.device) -> di
                 delattr(holder, attr)  # (a bound method: the class's again)
             else:
                 setattr(holder, attr, before)
-    threads = {thread: {phase: {"calls": c / steps, "wall_ms": w * 1e3 / steps, "cpu_ms": u * 1e3 / steps}
-                        for phase, (c, w, u) in sorted(got.items(), key=lambda kv: -kv[1][1])}
-               for thread, got in times.items()}
+    with lock:  # (a prefetch worker may still be timing a phase)
+        threads = {thread: {phase: {"calls": c / steps, "wall_ms": w * 1e3 / steps, "cpu_ms": u * 1e3 / steps}
+                            for phase, (c, w, u) in sorted(got.items(), key=lambda kv: -kv[1][1])}
+                   for thread, got in times.items()}
     return {"steps": steps, "wall_ms_per_step": wall * 1e3 / steps, "threads": threads, "absent": absent}

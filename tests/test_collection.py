@@ -130,6 +130,12 @@ def test_budget_is_split_in_proportion_to_bytes_and_each_table_keeps_its_share()
     assert s["a"]["lookups"] == 2 and s["a"]["tier0"]["hits"] == 2 and s["a"]["tier0"]["misses"] == 0
     assert s["b"]["tier0"]["hits"] + s["b"]["tier0"]["misses"] == 1 and s["b"]["tier0"]["evictions"] <= 1
     assert ebc.stats()["groups"]["group0"]["tier0"]["hits"] + ebc.stats()["groups"]["group0"]["tier0"]["misses"] == 3
+    # padded rows (row_alignment 128: 8 and 16 words become 32) count as what they take: the same budget, fewer rows
+    padded = TieredEmbeddingBagCollection(tables, optimizer=tieredemb.SGD(lr=0.1), cache_bytes=budget,
+                                          row_alignment=128)
+    parts = [e.config.partitions for e in padded.engines]
+    assert parts == [((1000, 27), (3000, 83)), ((500, 13),)] and [e.width for e in padded.engines] == [32, 32]
+    assert sum(c * 128 for p in parts for _, c in p) <= budget
 
 
 @pytest.mark.parametrize("keyed", ["all", "friend_id"])  # friend_id alone: user_id's bags share its lookup

@@ -215,6 +215,11 @@ def test_plan_command_writes_json_the_collection_takes_and_a_png(tmp_path, capsy
     ebc = TieredEmbeddingBagCollection(tabs, plan=str(out_json))
     caps = {t: s["tier0"]["capacity"] for t, s in ebc.stats()["tables"].items()}
     assert caps == {t["name"]: t["cache_rows"] for t in doc["planned"]["tables"]}
+    # rows padded (row_alignment): priced as what they take (16 and 32 weights + 1 state word: 32 and 64 words)
+    assert main(["plan", str(trace), "--cache-bytes", "400KiB", "--dim", "16", "32", "--json", str(out_json),
+                 "--row-alignment", "128"]) == 0
+    assert [t["row_bytes"] for t in json.loads(out_json.read_text())["planned"]["tables"]] == [128, 256]
+    assert [t["row_bytes"] for t in doc["planned"]["tables"]] == [68, 132]
     assert main(["plan", str(trace), "--cache-bytes", "400KiB", "--dim", "16", "32", "64"]) == 2
     assert "--dim: 3 dims given for 2 tables" in capsys.readouterr().err
     assert main(["plan", str(trace), "--cache-bytes", "400KiB", "--dim", "16", "--warmup", "40"]) == 0

@@ -107,9 +107,9 @@ class _Group:
         self.rows = sum(t.num_embeddings for t in tables)
 
 
-def _row_bytes(t: EmbeddingBagConfig) -> int:
-    """Bytes of a stored row of the table: its weights and its optimizer's state."""
-    return TableConfig(1, t.embedding_dim, optimizer=t.optimizer, dtype=t.dtype).width * 4
+def _row_bytes(t: EmbeddingBagConfig, row_alignment: int = 4) -> int:
+    """Bytes of a stored row of the table: its weights, its optimizer's state, the padding."""
+    return TableConfig(1, t.embedding_dim, optimizer=t.optimizer, dtype=t.dtype, row_alignment=row_alignment).width * 4
 
 
 def _load_plan(plan) -> dict:
@@ -164,12 +164,13 @@ class _Collection(CollectionPrefetch, CollectionState, nn.Module):
         self.tables = [dataclasses.replace(t, optimizer=t.optimizer or optimizer, init=t.init or init or Init())
                        for t in tables]
         self.feature_table = {f: t for t in self.tables for f in t.feature_names}
+        self._row_alignment = table_args.get("row_alignment", 4)  # (the budgets count the rows' padding)
         tier0, store = self._shares(cache_bytes, host_bytes, ssd_path, plan)
         groups: dict = {}
         for t in self.tables:
             groups.setdefault((*self._kind(t), store[t.name]), []).append(t)
         self.groups = [_Group(g, key[-1]) for key, g in groups.items()]
-        total_bytes = sum(t.num_embeddings * _row_bytes(t) for t in self.tables)
+        total_bytes = sum(t.num_embeddings * self._row_bytes(t) for t in self.tables)
         self.lookups = {t.name: 0 for t in self.tables}
         self.looked_up: list = []  # the last forward's ids, per group
         self._ahead = collections.deque()  # prefetched batches (Prepared), oldest first
@@ -186,8 +187,8 @@ class _Collection(CollectionPrefetch, CollectionState, nn.Module):
                 whole = all(cap >= rows for rows, cap in parts)
                 host = None
                 if host_bytes is not None and not whole:
-                    group_bytes = sum(t.num_embeddings * _row_bytes(t) for t in g.tables)
-                    host = max(sum(c for _, c in parts), host_bytes * group_bytes // total_bytes // _row_bytes(t0))
+                    group_bytes = sum(t.num_embeddings * self._row_bytes(t) for t in g.tables)
+                    host = max(sum(c for _, c in parts), host_bytes * group_bytes // total_bytes // self._row_bytes(t0))
                 self.engines.append(self._engine(
                     g, partitions=None if whole else parts, host_rows=host, optimizer=t0.optimizer, init=t0.init,
                     dtype=t0.dtype, ssd_path=os.path.join(ssd_path, f"group{k}") if g.store == "ssd" else None,
@@ -201,6 +202,9 @@ class _Collection(CollectionPrefetch, CollectionState, nn.Module):
                     pass
             raise
 
+    def _row_bytes(self, t) -> int:
+        return _row_bytes(t, self._row_alignment)
+
     def _shares(self, cache_bytes, host_bytes, ssd_path, plan) -> tuple[dict, dict]:
         """{table: tier-0 rows} and {table: 'host' or 'ssd'}, from the plan or the budgets."""
         if plan is None:
@@ -208,7 +212,7 @@ class _Collection(CollectionPrefetch, CollectionState, nn.Module):
             if cache_bytes is None:
                 return {t.name: t.num_embeddings for t in self.tables}, {t.name: store for t in self.tables}
             budget = cache_bytes
-            total = sum(t.num_embeddings * _row_bytes(t) for t in self.tables)
+            total = sum(t.num_embeddings * self._row_bytes(t) for t in self.tables)
             return ({t.name: min(t.num_embeddings, max(1, budget * t.num_embeddings // total)) for t in self.tables},
                     {t.name: store for t in self.tables})
         if cache_bytes is not None or host_bytes is not None:

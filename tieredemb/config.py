@@ -12,6 +12,7 @@ error that names the value and the rule.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import numbers
 import os
 import re
@@ -211,9 +212,9 @@ class TableConfig:
             device = torch.device("cuda", torch.cuda.current_device())
         set_("device", device)
         a = self.row_alignment
-        if isinstance(a, bool) or not isinstance(a, int) or a < 4 or a & (a - 1):
-            raise ValueError(f"row_alignment must be a power of two >= 4 (bytes a row is padded to a whole number "
-                             f"of), got {a!r}")
+        if isinstance(a, bool) or not isinstance(a, int) or not 4 <= a <= 4096 or a & (a - 1):
+            raise ValueError(f"row_alignment must be a power of two from 4 to 4096 (bytes a row is padded to a whole "
+                             f"number of), got {a!r}")
         row_bytes = self.width * 4
         set_("cache_rows", parse_rows("cache_rows", self.cache_rows, row_bytes))
         set_("host_rows", parse_rows("host_rows", self.host_rows, row_bytes))
@@ -244,7 +245,7 @@ class TableConfig:
                 raise ValueError(f"storage_dtype {self.ssd.storage_dtype} with dtype {self.dtype}: the rows' weights are "
                                  "already 16-bit; storage_dtype must stay torch.float32 (the store keeps rows as they are)")
 
-    @property
+    @functools.cached_property  # (asked for on every lookup; the config is frozen)
     def layout(self) -> RowLayout:
         """How a stored row holds the weights and the optimizer's state."""
         values = RowLayout(self.embedding_dim, self.dtype,

@@ -35,6 +35,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="rowwise_adagrad",
                    help="its state travels with each row (default: rowwise_adagrad)")
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32", help="weights' dtype")
+    p.add_argument("--row-alignment", type=int, default=4, metavar="BYTES",
+                   help="the tables' row_alignment: rows padded to a whole number of BYTES (default 4: none)")
     p.add_argument("--inference", action="store_true", help="rows are only read (none written back)")
     p.add_argument("--bandwidth-tier0", type=float, metavar="BYTES_PER_S",
                    help="host memory <-> tier 0 (default 20e9, about PCIe 4 x16; --probe measures a host tier 0)")
@@ -82,7 +84,7 @@ def _plan(a) -> int:
     opt = {"sgd": optim.SGD, "adagrad": optim.Adagrad, "rowwise_adagrad": optim.RowWiseAdagrad,
            "adam": optim.Adam}[a.optimizer](lr=0.01)  # only its state width matters here
     dtype = getattr(torch, a.dtype)
-    row_bytes = [TableConfig(1, d, optimizer=opt, dtype=dtype).width * 4 for d in dims]
+    row_bytes = [TableConfig(1, d, optimizer=opt, dtype=dtype, row_alignment=a.row_alignment).width * 4 for d in dims]
     rows = {n: t.num_rows for n, t in zip(names, header.tables)}
     traces = planner.split_trace(whole.keys, whole.batch_offsets, rows)
     bandwidth = planner.Bandwidth()

@@ -146,13 +146,12 @@ def move_rows(src: torch.Tensor, src_rows: torch.Tensor, dst: torch.Tensor, dst_
     the most there may be (no wait for the count). programs: the launch's cap (gpu.programs;
     None: MOVE_PROGRAMS). words: only each row's first words move (a RowLayout's `words`: its pad
     left out); None: all. Queued on the current stream."""
-    n = dst_rows.numel()
-    if n == 0:
-        return
-    width = dst.shape[1]
+    n, width = dst_rows.numel(), dst.shape[1]
     if src.shape[1] != width:
         raise ValueError(f"rows of {src.shape[1]} words moved into rows of {width}: the widths must match")
     words = _words(words, width)
+    if n == 0:
+        return
     with launch_turn():
         _move_kernel[_grid(n, dst.device, programs)](src.view(torch.int32), src_rows, dst.view(torch.int32),
                                                      dst_rows, n, dst_rows if count is None else count, width,
@@ -176,15 +175,14 @@ def swap_rows(pool: torch.Tensor, slots: torch.Tensor, victims: torch.Tensor | N
     staging[i], not to the host rows (written[victims[i]] = WROTE all the same), for a later
     move_rows(staging, rows i, host, victims) to write down off the critical path (ZeroCopy's
     write-back). words: as move_rows'. Queued on the current stream."""
-    n = slots.numel()
-    if n == 0:
-        return
-    width = pool.shape[1]
+    n, width = slots.numel(), pool.shape[1]
     if host.shape[1] != width:
         raise ValueError(f"host rows of {host.shape[1]} words swapped with rows of {width}: the widths must match")
     if staging is not None and (staging.shape[1] != width or staging.shape[0] < n):
         raise ValueError(f"a staging block of {tuple(staging.shape)} for {n} rows of {width} words: too small")
     words = _words(words, width)
+    if n == 0:
+        return
     pool_words = pool.view(torch.int32)
     with launch_turn():
         _swap_kernel[_grid(n, pool.device)](pool_words, slots, slots if victims is None else victims,
