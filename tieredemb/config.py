@@ -151,7 +151,7 @@ class TableConfig:
         bit. On by default; False: every lookup launches its kernels one by one.
     row_alignment: bytes every stored row is padded to a whole number of, with zero words after
         the optimizer's state, in every tier (and stored so: reopening a store needs the same): a
-        power of two from 4 (4: no padding). 128 starts each row on a GPU cache line, where
+        power of two from 4 (no padding) to 4096. 128 starts each row on a GPU cache line, where
         zero_copy's kernels read and write host rows over the bus fastest (on an H100, 20K rows
         swapped both ways: 340-358 us as rows of 160 words, 415-439 us as rows of 129); the
         moves leave the pad words out. The weights and the optimizer's state, and so training,
