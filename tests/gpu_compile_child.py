@@ -84,17 +84,21 @@ def main() -> None:
         for pin in (False, True):
             plan_kernels.commit(ids, placed, index, lingering, pin)
 
-    for width in (9, 32, 129):  # zero-copy moves: rows moved, and dirty victims noted written (the
-        rows = torch.zeros(20, width)  # written bits kept on the device); misses swapped in, their
-        written, found = torch.zeros(20, dtype=torch.uint8), torch.zeros(1, dtype=torch.int64)  # victims out
-        moves.move_rows(rows, ids, rows, ids)
+    # zero-copy moves: rows moved, and dirty victims noted written (the written bits kept on the
+    # device); misses swapped in, their victims out. (160, 129): rows padded to 128-byte lines, their
+    # pad left out (row_alignment)
+    for width, words in ((9, 9), (32, 32), (129, 129), (160, 129)):
+        rows = torch.zeros(20, width)
+        written, found = torch.zeros(20, dtype=torch.uint8), torch.zeros(1, dtype=torch.int64)
+        moves.move_rows(rows, ids, rows, ids, words=words)
         for count in (None, torch.tensor([7])):  # (and with counts read on the device: a queued residency's)
-            moves.move_rows(rows, ids, rows, ids, written=written, count=count, src_from=4)
+            moves.move_rows(rows, ids, rows, ids, written=written, count=count, src_from=4, words=words)
             for victims in (None, ids):
-                moves.swap_rows(rows, ids, victims, rows, ids, mark=5, written=written, found=found, count=count)
+                moves.swap_rows(rows, ids, victims, rows, ids, mark=5, written=written, found=found, count=count,
+                                words=words)
             # (the victims staged in device memory, written down apart: ZeroCopy.write_back)
             moves.swap_rows(rows, ids, ids, rows, ids, mark=5, written=written, found=found, count=count,
-                            staging=torch.zeros(20, width))
+                            staging=torch.zeros(20, width), words=words)
 
     for n in (1, 3000):  # a batch's dedup (n = 1: no scan to read), of device ids and of host ids as int32
         for dtype, sentinel in ((torch.int64, checks.SENTINEL64), (torch.int32, checks.SENTINEL32)):
