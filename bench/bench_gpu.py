@@ -278,7 +278,11 @@ class System:
             if graphs is not None:
                 out["graphs"] = graphs.stats()
         if a.phases and self.module is not None:
-            out["phases"] = phase_steps(self.module, step, stream, PHASED_STEPS, grad, dev)
+            try:
+                out["phases"] = phase_steps(self.module, step, stream, PHASED_STEPS, grad, dev)
+            except Exception as e:  # (the timing stands without it)
+                traceback.print_exc()
+                out["phases_error"] = f"{type(e).__name__}: {e}"
         if a.stacks:
             out["stacks"] = sample_steps(name, step, stream, SAMPLED_STEPS, grad, dev, a.stacks)
         if a.cprofile:
