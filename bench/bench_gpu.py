@@ -82,8 +82,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import trace_steps  # noqa: E402
-from host_time import (count_waits, cprofile_steps, phase_steps, profile_steps, sample_steps, synchronize,  # noqa: E402
-                       train_steps)
+from host_time import (count_waits, cprofile_steps, phase_steps, profile_steps, sample_steps,  # noqa: E402
+                       synchronize, train_steps)
 from workload import BatchSource, Workload, store_every_row  # noqa: E402
 
 SYSTEMS = ("fbgemm-hbm", "fbgemm-uvm10", "torch-ops", "torch-sparse", "ours-hbm", "ours-hbm-eager", "ours-host10",
@@ -416,6 +416,7 @@ def index_speed(dev: torch.device, a) -> dict:
 
 def main(argv=None) -> int:
     from gpu_kernels import move_shape
+    from tieredemb import TableConfig
     from tieredemb.gpu import PerMultiprocessor, moves, zerocopy
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--only", default=",".join(SYSTEMS), help="systems to run, comma-separated")
@@ -474,8 +475,10 @@ def main(argv=None) -> int:
                    help="our rows padded to a whole number of BYTES (TableConfig.row_alignment; 128: each row on a "
                         "GPU cache line, 160 words a row here, of which zero-copy moves the 129 that hold values)")
     a = p.parse_args(argv)
-    if a.row_alignment < 4 or a.row_alignment & (a.row_alignment - 1):
-        p.error(f"--row-alignment {a.row_alignment}: must be a power of two >= 4 (bytes)")
+    try:  # (the table's own rule, checked before any system is built)
+        TableConfig(1, 1, row_alignment=a.row_alignment)
+    except ValueError as e:
+        p.error(f"--row-alignment: {e}")
     if a.write_back_inline:
         zerocopy.WRITE_BACK_APART = False
     if a.move_shape is not None:

@@ -329,11 +329,11 @@ def phase_steps(module, step, stream, steps: int, grad, dev: torch.device) -> di
                 holder = holders[where] if where in holders else importlib.import_module(where)
             except ImportError:  # (the GPU modules, where Triton is not installed)
                 holder = None
-            module = isinstance(holder, type(importlib))
-            if holder is None or not hasattr(holder, attr) or not (module or hasattr(holder, "__dict__")):
+            is_module = isinstance(holder, type(importlib))
+            if holder is None or not hasattr(holder, attr) or not (is_module or hasattr(holder, "__dict__")):
                 absent.append(phase)  # (no __dict__: a native object, whose class is every instance's)
                 continue
-            fn, own = getattr(holder, attr), module or attr in vars(holder)  # (else the class's, bound)
+            fn, own = getattr(holder, attr), is_module or attr in vars(holder)  # (else the class's, bound)
             setattr(holder, attr, timed(fn, phase))
             undo.append((holder, attr, fn if own else None))
         synchronize(dev)

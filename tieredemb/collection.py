@@ -107,11 +107,6 @@ class _Group:
         self.rows = sum(t.num_embeddings for t in tables)
 
 
-def _row_bytes(t: EmbeddingBagConfig, row_alignment: int = 4) -> int:
-    """Bytes of a stored row of the table: its weights, its optimizer's state, the padding."""
-    return TableConfig(1, t.embedding_dim, optimizer=t.optimizer, dtype=t.dtype, row_alignment=row_alignment).width * 4
-
-
 def _load_plan(plan) -> dict:
     """A planner.Plan, its to_dict(), or the path of `tieredemb plan --json`'s file (its
     'planned' entry) -> {table: (tier-0 rows, store)}."""
@@ -202,8 +197,10 @@ class _Collection(CollectionPrefetch, CollectionState, nn.Module):
                     pass
             raise
 
-    def _row_bytes(self, t) -> int:
-        return _row_bytes(t, self._row_alignment)
+    def _row_bytes(self, t: EmbeddingBagConfig) -> int:
+        """Bytes of a stored row of the table: its weights, its optimizer's state, the padding."""
+        return TableConfig(1, t.embedding_dim, optimizer=t.optimizer, dtype=t.dtype,
+                           row_alignment=self._row_alignment).width * 4
 
     def _shares(self, cache_bytes, host_bytes, ssd_path, plan) -> tuple[dict, dict]:
         """{table: tier-0 rows} and {table: 'host' or 'ssd'}, from the plan or the budgets."""
