@@ -844,6 +844,7 @@ def test_zero_copy_trains_bit_for_bit_as_the_host_copies(cache_rows, depth, dtyp
     plain_outs += train(plain, data[3:], depth=depth)
     copied = make(True)
     assert copied._store.tier0.zero_copy.rows is copied._store.host_store.rows
+    assert (copied.layout.pad > 0) == (align != 4)  # (aligned: rows that are padded)
     outs, write_backs = [], []
     for first, part in ((True, data[:3]), (False, data[3:])):
         with monkeypatch.context() as m:
