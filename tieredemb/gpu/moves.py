@@ -38,9 +38,10 @@ from . import PerMultiprocessor, launch_turn, programs
 # Launch shape: rows a program moves, warps per program, the most words of a row a program moves
 # at once, and the programs (gpu.programs), each taking blocks of rows a grid's stride apart. Rows
 # and warps measured on an H200 (twenty-first session: 16 x 4 within a few % of the best). Words:
-# 256 moves a row of 129 words in one round, 64 in three (the last of one word a row); alone, on an
-# H100 (twenty-fifth session, 20K rows of 129 words each way), 256 took 255 us host->device
-# against 314 and swapped them in 512 against 566; but zero-copy's training step ran 3-4 % slower
+# 256 moves a row of 129 words in one round, 64 in three (now two, and the last word in a round of
+# its own: _split); alone, on an H100 (twenty-fifth session, 20K rows of 129 words each way), 256
+# took 255 us host->device against 314 and swapped them in 512 against 566; but zero-copy's
+# training step ran 3-4 % slower
 # at 256 in both of two calls (82.5 and 82.8 M lookups/s against 85.7 and 85.6 at 64). Then one
 # program a block of rows: a queued residency's lists are as long as the batch's distinct ids may
 # be (163840), its count (~21K misses) on the device, so ~90 % of the programs found nothing to do
@@ -54,12 +55,13 @@ WROTE = 2  # written[id] of a row the device wrote down and the host has not yet
 
 
 @triton.jit(do_not_specialize=["n", "src_from"])
-def _move_kernel(src_ptr, src_rows_ptr, dst_ptr, dst_rows_ptr, n, count_ptr, width, words, src_from, written_ptr,
-                 WRITTEN: tl.constexpr, COUNTED: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr):
+def _move_kernel(src_ptr, src_rows_ptr, dst_ptr, dst_rows_ptr, n, count_ptr, width, words, head, src_from,
+                 written_ptr, WRITTEN: tl.constexpr, COUNTED: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
+                 TAIL: tl.constexpr):
     """Entries below n (COUNTED: below count[0] too), ROWS at a time from ROWS * program on, a
     grid's stride apart, whose src_rows[i] >= src_from and dst_rows[i] >= 0: the first words of
-    dst[dst_rows[i]] = those of src[src_rows[i]] (rows of width int32 words); WRITTEN:
-    written[dst_rows[i]] = WROTE."""
+    dst[dst_rows[i]] = those of src[src_rows[i]] (rows of width int32 words; the first head of the
+    words, then the rest: _split); WRITTEN: written[dst_rows[i]] = WROTE."""
     end = tl.minimum(n, tl.load(count_ptr)) if COUNTED else n
     for base in range(tl.program_id(0) * ROWS, end, tl.num_programs(0) * ROWS):
         i = base + tl.arange(0, ROWS)
@@ -73,21 +75,26 @@ def _move_kernel(src_ptr, src_rows_ptr, dst_ptr, dst_rows_ptr, n, count_ptr, wid
             tl.store(written_ptr + dst_row, tl.full((ROWS,), 2, tl.uint8), mask=live)  # (WROTE)
         src = src_ptr + tl.maximum(src_row, 0)[:, None] * width
         dst = dst_ptr + dst_row[:, None] * width
-        for c0 in range(0, words, COLS):
+        for c0 in range(0, head, COLS):  # (16 bytes an access where rows start on lines: _split)
             cols = c0 + tl.arange(0, COLS)[None, :]
+            m = live[:, None] & (cols < head)
+            tl.store(dst + cols, tl.load(src + cols, mask=m), mask=m)
+        for c0 in range(head, words, TAIL):
+            cols = c0 + tl.arange(0, TAIL)[None, :]
             m = live[:, None] & (cols < words)
             tl.store(dst + cols, tl.load(src + cols, mask=m), mask=m)
 
 
 @triton.jit(do_not_specialize=["n", "mark"])
-def _swap_kernel(pool_ptr, slots_ptr, victims_ptr, host_ptr, ids_ptr, n, count_ptr, width, words, mark, written_ptr,
-                 found_ptr, staging_ptr, VICTIMS: tl.constexpr, STAGED: tl.constexpr, COUNTED: tl.constexpr,
-                 ROWS: tl.constexpr, COLS: tl.constexpr):
+def _swap_kernel(pool_ptr, slots_ptr, victims_ptr, host_ptr, ids_ptr, n, count_ptr, width, words, head, mark,
+                 written_ptr, found_ptr, staging_ptr, VICTIMS: tl.constexpr, STAGED: tl.constexpr,
+                 COUNTED: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr, TAIL: tl.constexpr):
     """Entries below n (COUNTED: below count[0] too; a slot < 0 takes nothing), ROWS at a time
     from ROWS * program on, a grid's stride apart: slot s = slots[i]'s row written to host row
     victims[i] where that is >= 0 (VICTIMS; STAGED: to staging row i instead; written[victims[i]]
     = WROTE), then host row ids[i] read into slot s where written[ids[i]] != 0 (those added to
-    found[0]), else slot s's first word = mark. Rows of width words, of which the first words move."""
+    found[0]), else slot s's first word = mark. Rows of width words, of which the first words move
+    (the first head of them, then the rest: _split)."""
     end = tl.minimum(n, tl.load(count_ptr)) if COUNTED else n
     for base in range(tl.program_id(0) * ROWS, end, tl.num_programs(0) * ROWS):
         i = base + tl.arange(0, ROWS)
@@ -97,26 +104,33 @@ def _swap_kernel(pool_ptr, slots_ptr, victims_ptr, host_ptr, ids_ptr, n, count_p
         row_id = tl.load(ids_ptr + i, mask=live, other=0)
         stored = live & (tl.load(written_ptr + row_id, mask=live, other=0) != 0)
         tl.atomic_add(found_ptr, tl.sum(stored.to(tl.int64)))
+        victim = tl.load(victims_ptr + i, mask=live & VICTIMS, other=-1)
+        leaves = live & (victim >= 0)
         if VICTIMS:
-            victim = tl.load(victims_ptr + i, mask=live, other=-1)
-            leaves = live & (victim >= 0)
             tl.store(written_ptr + tl.maximum(victim, 0), tl.full((ROWS,), 2, tl.uint8), mask=leaves)  # (WROTE)
         pool = pool_ptr + slot[:, None] * width
-        for c0 in range(0, words, COLS):
-            cols = c0 + tl.arange(0, COLS)[None, :]
-            inside = cols < words
-            coming = tl.load(host_ptr + row_id[:, None] * width + cols, mask=stored[:, None] & inside)
-            if VICTIMS:  # (both loads in flight at once, then both stores)
-                m = leaves[:, None] & inside
-                leaving = tl.load(pool + cols, mask=m)
-                tl.debug_barrier()  # (every thread's read of the slot before any thread's write to it)
-                if STAGED:
-                    tl.store(staging_ptr + i[:, None] * width + cols, leaving, mask=m)
-                else:
-                    tl.store(host_ptr + tl.maximum(victim, 0)[:, None] * width + cols, leaving, mask=m)
-            tl.store(pool + cols, coming, mask=stored[:, None] & inside)
+        host = host_ptr + row_id[:, None] * width
+        down = (staging_ptr + i[:, None] * width) if STAGED else (host_ptr + tl.maximum(victim, 0)[:, None] * width)
+        for c0 in range(0, head, COLS):  # (16 bytes an access where rows start on lines: _split)
+            _swap_cols(pool, host, down, c0 + tl.arange(0, COLS)[None, :], head, stored, leaves, VICTIMS)
+        for c0 in range(head, words, TAIL):
+            _swap_cols(pool, host, down, c0 + tl.arange(0, TAIL)[None, :], words, stored, leaves, VICTIMS)
         # (the mark: after the first chunk's barrier, so after every read of the victim's first word)
         tl.store(pool_ptr + slot * width, tl.full((ROWS,), mark, tl.int32), mask=live & ~stored)
+
+
+@triton.jit
+def _swap_cols(pool, host, down, cols, end, stored, leaves, VICTIMS: tl.constexpr):
+    """_swap_kernel's columns cols (those below end) of its rows: the victims' (leaves) read from
+    pool and written to down, the misses' (stored) read from host into pool."""
+    inside = cols < end
+    coming = tl.load(host + cols, mask=stored[:, None] & inside)
+    if VICTIMS:  # (both loads in flight at once, then both stores)
+        m = leaves[:, None] & inside
+        leaving = tl.load(pool + cols, mask=m)
+        tl.debug_barrier()  # (every thread's read of the slot before any thread's write to it)
+        tl.store(down + cols, leaving, mask=m)
+    tl.store(pool + cols, coming, mask=stored[:, None] & inside)
 
 
 def _grid(n: int, device: torch.device, cap=None) -> tuple:
@@ -124,7 +138,20 @@ def _grid(n: int, device: torch.device, cap=None) -> tuple:
 
 
 def _launch_args(words: int) -> dict:
-    return dict(ROWS=MOVE_ROWS, COLS=min(MOVE_COLS, triton.next_power_of_2(words)), num_warps=MOVE_WARPS)
+    return dict(ROWS=MOVE_ROWS, COLS=min(MOVE_COLS, triton.next_power_of_2(words)), TAIL=_TAIL, num_warps=MOVE_WARPS)
+
+
+def _split(words: int) -> int:
+    """The head of a row's words moved: the most that are a multiple of 16, which Triton is told
+    of (it specializes an int argument that is), so that where rows start on 64-byte lines (a
+    width that is a multiple of 16, as row_alignment >= 64 makes it) the kernels move the head 16
+    bytes an access, and the rest of the words (fewer than 16) a word an access. Masked by words
+    alone, as before, 129 words of 160 moved a word an access (the PTX: ld.global.b32 where 128 or
+    160 of 160 compile to ld.global.v4.b32)."""
+    return words // _TAIL * _TAIL
+
+
+_TAIL = 16  # the columns of the words after the head, in one round
 
 
 def _words(words: int | None, width: int) -> int:
@@ -155,7 +182,8 @@ def move_rows(src: torch.Tensor, src_rows: torch.Tensor, dst: torch.Tensor, dst_
     with launch_turn():
         _move_kernel[_grid(n, dst.device, programs)](src.view(torch.int32), src_rows, dst.view(torch.int32),
                                                      dst_rows, n, dst_rows if count is None else count, width,
-                                                     words, src_from, dst_rows if written is None else written,
+                                                     words, _split(words), src_from,
+                                                     dst_rows if written is None else written,
                                                      WRITTEN=written is not None, COUNTED=count is not None,
                                                      **_launch_args(words))
 
@@ -187,7 +215,8 @@ def swap_rows(pool: torch.Tensor, slots: torch.Tensor, victims: torch.Tensor | N
     with launch_turn():
         _swap_kernel[_grid(n, pool.device)](pool_words, slots, slots if victims is None else victims,
                                             host.view(torch.int32), ids, n, slots if count is None else count, width,
-                                            words, mark, written, found, pool_words if staging is None else
-                                            staging.view(torch.int32), VICTIMS=victims is not None,
+                                            words, _split(words), mark, written, found,
+                                            pool_words if staging is None else staging.view(torch.int32),
+                                            VICTIMS=victims is not None,
                                             STAGED=staging is not None, COUNTED=count is not None,
                                             **_launch_args(words))
