@@ -265,35 +265,38 @@ class System:
 
     def report(self) -> dict:
         """The timed runs' figures, then the host's waits, the tier's counters and what the
-        profiling flags ask for, on more steps."""
+        profiling flags ask for, on more steps: each of those guarded, so that one that fails
+        (then named KEY_error) leaves the timing and the others in the results."""
         name, step, stream, grad, a, dev = self.name, self.step, self.stream, self.grad, self.a, self.dev
         out = {"system": name, "config": self.what, "lookups_per_s": statistics.median(self.rates), "runs": self.rates,
                "gpu_bytes": self.gpu_bytes}
+
+        def guarded(key, make):
+            try:
+                out[key] = make()
+            except Exception as e:  # (the timing stands without it)
+                traceback.print_exc()
+                out[f"{key}_error"] = f"{type(e).__name__}: {e}"
+
         if self.on_gpu:
-            waits = count_waits(step, stream, grad, COUNTED_STEPS)
-            out["waits_per_batch"], out["worker_waits_per_batch"] = waits["training"], waits["other"]
+            guarded("waits", lambda: count_waits(step, stream, grad, COUNTED_STEPS))
+            if "waits" in out:
+                waits = out.pop("waits")
+                out["waits_per_batch"], out["worker_waits_per_batch"] = waits["training"], waits["other"]
         if self.module is not None:
-            out["tier0_hit_rate"] = self.module.stats()["tier0"]["hit_rate"]
+            guarded("tier0_hit_rate", lambda: self.module.stats()["tier0"]["hit_rate"])
             graphs = self.module._store.tier0.graphs
             if graphs is not None:
-                out["graphs"] = graphs.stats()
+                guarded("graphs", graphs.stats)
         if a.phases and self.module is not None:
-            try:
-                out["phases"] = phase_steps(self.module, step, stream, PHASED_STEPS, grad, dev)
-            except Exception as e:  # (the timing stands without it)
-                traceback.print_exc()
-                out["phases_error"] = f"{type(e).__name__}: {e}"
+            guarded("phases", lambda: phase_steps(self.module, step, stream, PHASED_STEPS, grad, dev))
         if a.stacks:
-            out["stacks"] = sample_steps(name, step, stream, SAMPLED_STEPS, grad, dev, a.stacks)
+            guarded("stacks", lambda: sample_steps(name, step, stream, SAMPLED_STEPS, grad, dev, a.stacks))
         if a.cprofile:
-            out["cprofile"] = cprofile_steps(name, step, stream, CPROFILED_STEPS, grad, dev, a.cprofile,
-                                             self.module._prefetchers() if self.loader is not None else ())
+            guarded("cprofile", lambda: cprofile_steps(name, step, stream, CPROFILED_STEPS, grad, dev, a.cprofile,
+                                                       self.module._prefetchers() if self.loader is not None else ()))
         if a.profile:
-            try:
-                out["profile"] = profile_steps(name, step, stream, PROFILED_STEPS, grad, dev, a.profile)
-            except Exception as e:  # (the timing stands without it)
-                traceback.print_exc()
-                out["profile_error"] = f"{type(e).__name__}: {e}"
+            guarded("profile", lambda: profile_steps(name, step, stream, PROFILED_STEPS, grad, dev, a.profile))
         return out
 
     def close(self) -> None:
@@ -541,6 +544,8 @@ def print_result(r: dict, a) -> None:
           + (f"  tier-0 hit {r['tier0_hit_rate']:.3f}" if "tier0_hit_rate" in r else "")
           + (f"  graphs {r['graphs']}" if "graphs" in r else "")
           + f"  [{r['config']}]", flush=True)
+    for key in (k for k in r if k.endswith("_error")):
+        print(f"{'':18s} {key}: {r[key]}", flush=True)
     if "phases" in r:
         ph = r["phases"]
         print(f"{'':18s} phases: {ph['wall_ms_per_step']:.3f} ms a step; wall / CPU ms a step (calls), inclusive:",

@@ -264,10 +264,10 @@ def sweep_moves(a) -> int:
         widths.append((int(parts[0]), int(parts[-1])))
     for host_rows, alloc, (words, width) in itertools.product(map(int, a.move_host_rows.split(",")), allocs, widths):
         results += _sweep_moves_of(a, min(a.rows, host_rows), alloc, width, words)
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"device": _device_name(torch.device(a.device)), "rows_moved": a.move_rows, "results": results},
-                      f, indent=1)
+        if a.json:  # (after each: a sweep stopped by a time limit keeps what it measured)
+            with open(a.json, "w") as f:
+                json.dump({"device": _device_name(torch.device(a.device)), "rows_moved": a.move_rows,
+                           "results": results}, f, indent=1)
     return 0
 
 

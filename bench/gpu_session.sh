@@ -15,9 +15,9 @@
 #                                          profiles and each phase of their steps timed unprofiled); zero-copy
 #                                          and the whole table again with rows of 160 words, each on a 128-byte
 #                                          line (--row-alignment 128); zero-copy with its victims written down
-#                                          by the swap itself (--write-back-inline); zero-copy's moves by launch
-#                                          shape (rows, warps, words of a row at once, programs), by row width
-#                                          (129, 160, and 129 of 160: the aligned rows' moves), by the host rows'
+#                                          by the swap itself (--write-back-inline); zero-copy's moves by row
+#                                          width (128, 129, 160, and 129 of 160: the aligned rows' moves, 128
+#                                          words 16 bytes an access and the last word alone), by the host rows'
 #                                          number (1M, 10M) and allocation (registered, as ours, or torch's
 #                                          pinned memory); zero-copy with a move program a block of rows
 #                                          (--move-shape 16x4x64x0, as before the twenty-fifth session); the
@@ -135,6 +135,8 @@ part() {  # part CAP COMMAND...: one part of `first`, its outcome in $OUT/first.
   echo "first: $* (cap $LIMIT s)" | log first
   "$@" || rc=$?
   echo "first: exit $rc after $SECONDS s" | log first
+  # (archived after each part: a call cut short by its limit still brings back what was measured)
+  tar czf "$OUT/first.tgz" -C /tmp json $([ -d /tmp/prof ] && echo prof) 2>/dev/null || true
 }
 case "$step" in
   first)  # (what comes back: first.log and first.tgz: each part's JSON, and the hbm and cached systems' cProfiles
@@ -151,8 +153,8 @@ case "$step" in
     part 80 bench cached_aligned --only fbgemm-uvm10,ours-host10-zc --runs 9 --warmup 80 --row-alignment 128
     part 60 bench hbm_aligned --only fbgemm-hbm,ours-hbm --runs 9 --row-alignment 128
     part 80 bench cached_inline --only fbgemm-uvm10,ours-host10-zc --runs 9 --warmup 80 --write-back-inline
-    part 70 kernels moves --moves --reps 10 --move-widths 129,160,129/160 --move-host-rows 1000000,10000000 \
-      --move-alloc register,pinned --move-shapes 16x4x64x0,16x4x64x8
+    part 70 kernels moves --moves --reps 10 --move-widths 128,129,160,129/160 --move-host-rows 1000000,10000000 \
+      --move-alloc register,pinned --move-shapes 16x4x64x8
     part 80 bench cached_a_block --only fbgemm-uvm10,ours-host10-zc --runs 9 --warmup 80 --move-shape 16x4x64x0
     part 60 kernels kernels --warps 1 --tiles 16 --update-programs 0,8,16,32,64 --reps 10
     part 50 bench profiled --only fbgemm-hbm,ours-hbm,ours-host10-zc --runs 1 --profile /tmp/prof
