@@ -4,7 +4,8 @@ GPU present: Triton's own launcher binds the arguments (its real specialization 
 then compiles through ptxas to a cubin instead of launching. Run by tests/test_gpu_compile.py in
 a process of its own (without TRITON_INTERPRET, which chooses the interpreter at import).
 Prints one line per kernel compiled: name, then the constexpr values, the barriers in its PTX, and
-the cubin's bytes."""
+the cubin's bytes. With argv[2] == "accesses", instead: how wide the global accesses of the moves
+and of the lookup's kernels are, by row width (accesses())."""
 
 from __future__ import annotations
 
@@ -172,5 +173,48 @@ def main() -> None:
                 plan_kernels.draw(unique, torch.tensor([10]), direct, pool, init, torch.empty(10, dtype=torch.int64))
 
 
+def accesses() -> None:
+    """argv[2] == "accesses": the move, swap and forward kernels compiled for rows of width words
+    of which the first `words` move (or, for the forward, are the weights: dim 128 with row-wise
+    Adagrad), one line each: kernel, width, words, then its global loads and stores of 16 bytes
+    and of 4 (counted in its PTX)."""
+    driver.set_active(Offline(int(sys.argv[1])))
+    launch = JITFunction.run
+    last = {}
+
+    def compile_only(self, *args, grid, warmup, **kwargs):
+        kernel = launch(self, *args, grid=grid, warmup=True, **kwargs)
+        last["ptx"] = kernel.asm["ptx"]
+        return kernel
+
+    JITFunction.run = compile_only
+    import tieredemb
+    from tieredemb.gpu import moves, pooling
+
+    def report(name, width, words):
+        ptx = last["ptx"]
+        counts = [ptx.count(f"{op}.global.{kind}") for op in ("ld", "st") for kind in ("v4.b32", "b32")]
+        print(name, width, words, *counts, flush=True)
+
+    ids = torch.arange(20)
+    for width, words in ((128, 128), (160, 160), (160, 129), (129, 129)):
+        rows = torch.zeros(20, width)
+        moves.move_rows(rows, ids, rows, ids, words=words)
+        report("move", width, words)
+        written, found = torch.zeros(20, dtype=torch.uint8), torch.zeros(1, dtype=torch.int64)
+        moves.swap_rows(rows, ids, ids, rows, ids, mark=5, written=written, found=found, words=words,
+                        staging=torch.zeros(20, width))
+        report("swap", width, words)
+    unique, offsets = torch.arange(10), torch.tensor([0, 3, 10, 40])
+    inverse = torch.randint(0, 10, (40,), generator=torch.Generator().manual_seed(0))
+    for width in (129, 160):
+        pooling.forward(torch.zeros(40, width), 128, unique, unique, inverse, offsets, None, 0, -1, 0)
+        report("forward", width, 128)
+        pooling.backward_update(torch.zeros(40, width), torch.zeros(40, dtype=torch.uint8), 128, unique, unique,
+                                torch.tensor([10]), inverse, offsets, None, 0, -1, 1, torch.zeros(3, 128), None,
+                                tieredemb.RowWiseAdagrad(lr=0.1), 2, True, 0, False, 7)
+        report("update", width, 128)
+
+
 if __name__ == "__main__":
-    main()
+    accesses() if sys.argv[2:] == ["accesses"] else main()
