@@ -177,7 +177,13 @@ def accesses() -> None:
     """argv[2] == "accesses": the move, swap and forward kernels compiled for rows of width words
     of which the first `words` move (or, for the forward, are the weights: dim 128 with row-wise
     Adagrad), one line each: kernel, width, words, then its global loads and stores of 16 bytes
-    and of 4 (counted in its PTX)."""
+    and of 4 (counted in its PTX), and the registers a thread ptxas gives it ("?" if it says none)."""
+    import re
+    import subprocess
+    import tempfile
+
+    from triton.backends.nvidia.compiler import get_ptxas
+
     driver.set_active(Offline(int(sys.argv[1])))
     launch = JITFunction.run
     last = {}
@@ -194,16 +200,24 @@ def accesses() -> None:
     def report(name, width, words):
         ptx = last["ptx"]
         counts = [ptx.count(f"{op}.global.{kind}") for op in ("ld", "st") for kind in ("v4.b32", "b32")]
-        print(name, width, words, *counts, flush=True)
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "k.ptx")
+            with open(path, "w") as f:
+                f.write(ptx)
+            arch = re.search(r"\.target (sm_\w+)", ptx).group(1)
+            done = subprocess.run([get_ptxas(int(sys.argv[1])).path, "-v", f"--gpu-name={arch}", path, "-o",
+                                   os.path.join(tmp, "k.cubin")], capture_output=True, text=True)
+        regs = re.search(r"Used (\d+) registers", done.stdout + done.stderr)
+        print(name, width, words, *counts, regs.group(1) if regs else "?", flush=True)
 
-    ids = torch.arange(20)
+    ids, count = torch.arange(20), torch.tensor([7])  # (a queued residency's: its count on the device)
     for width, words in ((128, 128), (160, 160), (160, 129), (129, 129)):
         rows = torch.zeros(20, width)
-        moves.move_rows(rows, ids, rows, ids, words=words)
+        moves.move_rows(rows, ids, rows, ids, words=words, count=count)
         report("move", width, words)
         written, found = torch.zeros(20, dtype=torch.uint8), torch.zeros(1, dtype=torch.int64)
         moves.swap_rows(rows, ids, ids, rows, ids, mark=5, written=written, found=found, words=words,
-                        staging=torch.zeros(20, width))
+                        count=count, staging=torch.zeros(20, width))
         report("swap", width, words)
     unique, offsets = torch.arange(10), torch.tensor([0, 3, 10, 40])
     inverse = torch.randint(0, 10, (40,), generator=torch.Generator().manual_seed(0))

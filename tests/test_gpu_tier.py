@@ -639,7 +639,7 @@ def test_the_move_kernel_copies_rows_and_notes_them_written(width, cols, per_sm,
     from tieredemb.gpu.moves import WROTE, move_rows
 
     monkeypatch.setattr(moves, "MOVE_COLS", cols)  # (256: a row of 129 words in one round, not three)
-    assert moves._launch_args(width)["COLS"] == min(cols, 1 << (width - 1).bit_length())
+    assert moves._launch_args(width, width)["COLS"] == min(cols, 1 << (width - 1).bit_length())
     # (per_sm None: a program a block of 16 rows; 1: one program takes every block, on CPU tensors)
     monkeypatch.setattr(moves, "MOVE_PROGRAMS", per_sm and PerMultiprocessor(per_sm))
     assert moves._grid(45, torch.device("cpu")) == (1 if per_sm == 1 else 3,)
@@ -673,7 +673,7 @@ def test_the_swap_kernel_writes_each_slots_victim_down_before_reading_its_miss_i
     from tieredemb.tiers.rowstore import DEFERRED_MARK
 
     monkeypatch.setattr(moves, "MOVE_COLS", cols)  # (256: a row of 129 words in one round, not three)
-    assert moves._launch_args(width)["COLS"] == min(cols, 1 << (width - 1).bit_length())
+    assert moves._launch_args(width, width)["COLS"] == min(cols, 1 << (width - 1).bit_length())
     # (per_sm None: a program a block of 16 rows; 1: one program takes every block, on CPU tensors)
     monkeypatch.setattr(moves, "MOVE_PROGRAMS", per_sm and PerMultiprocessor(per_sm))
     assert moves._grid(18, torch.device("cpu")) == (1 if per_sm == 1 else 2,)

@@ -57,7 +57,7 @@ WROTE = 2  # written[id] of a row the device wrote down and the host has not yet
 @triton.jit(do_not_specialize=["n", "src_from"])
 def _move_kernel(src_ptr, src_rows_ptr, dst_ptr, dst_rows_ptr, n, count_ptr, width, words, head, src_from,
                  written_ptr, WRITTEN: tl.constexpr, COUNTED: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
-                 TAIL: tl.constexpr):
+                 TAIL: tl.constexpr, SPLIT: tl.constexpr):
     """Entries below n (COUNTED: below count[0] too), ROWS at a time from ROWS * program on, a
     grid's stride apart, whose src_rows[i] >= src_from and dst_rows[i] >= 0: the first words of
     dst[dst_rows[i]] = those of src[src_rows[i]] (rows of width int32 words; the first head of the
@@ -75,20 +75,27 @@ def _move_kernel(src_ptr, src_rows_ptr, dst_ptr, dst_rows_ptr, n, count_ptr, wid
             tl.store(written_ptr + dst_row, tl.full((ROWS,), 2, tl.uint8), mask=live)  # (WROTE)
         src = src_ptr + tl.maximum(src_row, 0)[:, None] * width
         dst = dst_ptr + dst_row[:, None] * width
-        for c0 in range(0, head, COLS):  # (16 bytes an access where rows start on lines: _split)
-            cols = c0 + tl.arange(0, COLS)[None, :]
-            m = live[:, None] & (cols < head)
-            tl.store(dst + cols, tl.load(src + cols, mask=m), mask=m)
-        for c0 in range(head, words, TAIL):
-            cols = c0 + tl.arange(0, TAIL)[None, :]
-            m = live[:, None] & (cols < words)
-            tl.store(dst + cols, tl.load(src + cols, mask=m), mask=m)
+        if SPLIT:  # (16 bytes an access where rows start on lines: _split)
+            for c0 in range(0, head, COLS):
+                cols = c0 + tl.arange(0, COLS)[None, :]
+                m = live[:, None] & (cols < head)
+                tl.store(dst + cols, tl.load(src + cols, mask=m), mask=m)
+            for c0 in range(head, words, TAIL):
+                cols = c0 + tl.arange(0, TAIL)[None, :]
+                m = live[:, None] & (cols < words)
+                tl.store(dst + cols, tl.load(src + cols, mask=m), mask=m)
+        else:
+            for c0 in range(0, words, COLS):
+                cols = c0 + tl.arange(0, COLS)[None, :]
+                m = live[:, None] & (cols < words)
+                tl.store(dst + cols, tl.load(src + cols, mask=m), mask=m)
 
 
 @triton.jit(do_not_specialize=["n", "mark"])
 def _swap_kernel(pool_ptr, slots_ptr, victims_ptr, host_ptr, ids_ptr, n, count_ptr, width, words, head, mark,
                  written_ptr, found_ptr, staging_ptr, VICTIMS: tl.constexpr, STAGED: tl.constexpr,
-                 COUNTED: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr, TAIL: tl.constexpr):
+                 COUNTED: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr, TAIL: tl.constexpr,
+                 SPLIT: tl.constexpr):
     """Entries below n (COUNTED: below count[0] too; a slot < 0 takes nothing), ROWS at a time
     from ROWS * program on, a grid's stride apart: slot s = slots[i]'s row written to host row
     victims[i] where that is >= 0 (VICTIMS; STAGED: to staging row i instead; written[victims[i]]
@@ -111,10 +118,14 @@ def _swap_kernel(pool_ptr, slots_ptr, victims_ptr, host_ptr, ids_ptr, n, count_p
         pool = pool_ptr + slot[:, None] * width
         host = host_ptr + row_id[:, None] * width
         down = (staging_ptr + i[:, None] * width) if STAGED else (host_ptr + tl.maximum(victim, 0)[:, None] * width)
-        for c0 in range(0, head, COLS):  # (16 bytes an access where rows start on lines: _split)
-            _swap_cols(pool, host, down, c0 + tl.arange(0, COLS)[None, :], head, stored, leaves, VICTIMS)
-        for c0 in range(head, words, TAIL):
-            _swap_cols(pool, host, down, c0 + tl.arange(0, TAIL)[None, :], words, stored, leaves, VICTIMS)
+        if SPLIT:  # (16 bytes an access where rows start on lines: _split)
+            for c0 in range(0, head, COLS):
+                _swap_cols(pool, host, down, c0 + tl.arange(0, COLS)[None, :], head, stored, leaves, VICTIMS)
+            for c0 in range(head, words, TAIL):
+                _swap_cols(pool, host, down, c0 + tl.arange(0, TAIL)[None, :], words, stored, leaves, VICTIMS)
+        else:
+            for c0 in range(0, words, COLS):
+                _swap_cols(pool, host, down, c0 + tl.arange(0, COLS)[None, :], words, stored, leaves, VICTIMS)
         # (the mark: after the first chunk's barrier, so after every read of the victim's first word)
         tl.store(pool_ptr + slot * width, tl.full((ROWS,), mark, tl.int32), mask=live & ~stored)
 
@@ -137,8 +148,9 @@ def _grid(n: int, device: torch.device, cap=None) -> tuple:
     return (programs(triton.cdiv(n, MOVE_ROWS), MOVE_PROGRAMS if cap is None else cap, device),)
 
 
-def _launch_args(words: int) -> dict:
-    return dict(ROWS=MOVE_ROWS, COLS=min(MOVE_COLS, triton.next_power_of_2(words)), TAIL=_TAIL, num_warps=MOVE_WARPS)
+def _launch_args(width: int, words: int) -> dict:
+    return dict(ROWS=MOVE_ROWS, COLS=min(MOVE_COLS, triton.next_power_of_2(words)), TAIL=_TAIL,
+                SPLIT=width % _TAIL == 0 and words % _TAIL != 0, num_warps=MOVE_WARPS)
 
 
 def _split(words: int) -> int:
@@ -146,8 +158,11 @@ def _split(words: int) -> int:
     of (it specializes an int argument that is), so that where rows start on 64-byte lines (a
     width that is a multiple of 16, as row_alignment >= 64 makes it) the kernels move the head 16
     bytes an access, and the rest of the words (fewer than 16) a word an access. Masked by words
-    alone, as before, 129 words of 160 moved a word an access (the PTX: ld.global.b32 where 128 or
-    160 of 160 compile to ld.global.v4.b32)."""
+    alone, 129 words of 160 moved a word an access (the PTX: ld.global.b32 where 128 or 160 of 160
+    compile to ld.global.v4.b32). Only then (SPLIT: rows on lines, words not a multiple of 16) are
+    the two loops compiled: rows of 129 words cannot start on lines, and the second loop costs
+    registers (for sm_90: the swap kernel at 129 words 128 a thread against 119, the move kernel
+    72 against 64, which leaves 7 of its 8 programs a multiprocessor resident)."""
     return words // _TAIL * _TAIL
 
 
@@ -185,7 +200,7 @@ def move_rows(src: torch.Tensor, src_rows: torch.Tensor, dst: torch.Tensor, dst_
                                                      words, _split(words), src_from,
                                                      dst_rows if written is None else written,
                                                      WRITTEN=written is not None, COUNTED=count is not None,
-                                                     **_launch_args(words))
+                                                     **_launch_args(width, words))
 
 
 def swap_rows(pool: torch.Tensor, slots: torch.Tensor, victims: torch.Tensor | None, host: torch.Tensor,
@@ -219,4 +234,4 @@ def swap_rows(pool: torch.Tensor, slots: torch.Tensor, victims: torch.Tensor | N
                                             pool_words if staging is None else staging.view(torch.int32),
                                             VICTIMS=victims is not None,
                                             STAGED=staging is not None, COUNTED=count is not None,
-                                            **_launch_args(words))
+                                            **_launch_args(width, words))
