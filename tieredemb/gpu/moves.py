@@ -38,17 +38,17 @@ from . import PerMultiprocessor, launch_turn, programs
 # Launch shape: rows a program moves, warps per program, the most words of a row a program moves
 # at once, and the programs (gpu.programs), each taking blocks of rows a grid's stride apart. Rows
 # and warps measured on an H200 (twenty-first session: 16 x 4 within a few % of the best). Words:
-# 256 moves a row of 129 words in one round, 64 in three (now two, and the last word in a round of
-# its own: _split); alone, on an H100 (twenty-fifth session, 20K rows of 129 words each way), 256
-# took 255 us host->device against 314 and swapped them in 512 against 566; but zero-copy's
-# training step ran 3-4 % slower
-# at 256 in both of two calls (82.5 and 82.8 M lookups/s against 85.7 and 85.6 at 64). Then one
-# program a block of rows: a queued residency's lists are as long as the batch's distinct ids may
-# be (163840), its count (~21K misses) on the device, so ~90 % of the programs found nothing to do
-# and left, and at 256 words (226 registers a thread: half the programs resident per
-# multiprocessor) those empty programs drained more slowly. Now a few programs per multiprocessor
-# take the blocks up to the count (not yet timed on a GPU). Module constants, so that
-# bench/gpu_kernels.py --moves and bench_gpu.py --move-shape can try others.
+# 256 moves a row of 129 words in one round, 64 in three (129 of a padded row's 160: two, and the
+# last word in a round of its own, _split); alone, on an H100 (twenty-fifth session, 20K rows of
+# 129 words each way), 256 took 255 us host->device against 314 and swapped them in 512 against
+# 566; but zero-copy's training step ran 3-4 % slower at 256 in both of two calls (82.5 and 82.8 M
+# lookups/s against 85.7 and 85.6 at 64). Then one program a block of rows: a queued residency's
+# lists are as long as the batch's distinct ids may be (163840), its count (~21K misses) on the
+# device, so ~90 % of the programs found nothing to do and left, and at 256 words (226 registers a
+# thread: half the programs resident per multiprocessor) those empty programs drained more slowly.
+# Now a few programs per multiprocessor take the blocks up to the count (not yet timed on a GPU).
+# Module constants, so that bench/gpu_kernels.py --moves and bench_gpu.py --move-shape can try
+# others.
 MOVE_ROWS, MOVE_WARPS, MOVE_COLS = 16, 4, 64
 MOVE_PROGRAMS = PerMultiprocessor(8)
 WROTE = 2  # written[id] of a row the device wrote down and the host has not yet been told of (1: told)
