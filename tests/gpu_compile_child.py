@@ -174,10 +174,11 @@ def main() -> None:
 
 
 def accesses() -> None:
-    """argv[2] == "accesses": the move, swap and forward kernels compiled for rows of width words
-    of which the first `words` move (or, for the forward, are the weights: dim 128 with row-wise
-    Adagrad), one line each: kernel, width, words, then its global loads and stores of 16 bytes
-    and of 4 (counted in its PTX), and the registers a thread ptxas gives it ("?" if it says none)."""
+    """argv[2] == "accesses": the move, swap, forward and update kernels compiled for rows of
+    width words of which the first `words` move (or, for the forward and the update, are the
+    weights: dim 128 with row-wise Adagrad), one line each: kernel, width, words, then its global
+    loads and stores of 16 bytes and of 4 (counted in its PTX), and the registers a thread ptxas
+    gives it ("?" if it says none)."""
     import re
     import subprocess
     import tempfile
