@@ -29,7 +29,7 @@ host features: where a GPU step is bound by the host's launches (the tables' ker
 microseconds), the ratio of these host times is what the collection gains over the loop (issue
 13's target there: 2x). Again not a GPU figure.
 
-    python bench/gpu_ops.py          (4,000 rows, 64 bags of 8: about 3 minutes on 2 cores, interpreted)
+    python bench/gpu_ops.py          (4,000 rows, 64 bags of 8: minutes on 2 cores, interpreted)
     python bench/gpu_ops.py --rows 20000 --bags 256 --length 20 --detail   (over 15 minutes: the whole
                                      table's draws of 20,000 rows, interpreted)
     python bench/gpu_ops.py --host-time
