@@ -61,7 +61,7 @@ def _move_kernel(src_ptr, src_rows_ptr, dst_ptr, dst_rows_ptr, n, count_ptr, wid
     """Entries below n (COUNTED: below count[0] too), ROWS at a time from ROWS * program on, a
     grid's stride apart, whose src_rows[i] >= src_from and dst_rows[i] >= 0: the first words of
     dst[dst_rows[i]] = those of src[src_rows[i]] (rows of width int32 words; the first head of the
-    words, then the rest: _split); WRITTEN: written[dst_rows[i]] = WROTE."""
+    words, then, with SPLIT, the rest: _launch); WRITTEN: written[dst_rows[i]] = WROTE."""
     end = tl.minimum(n, tl.load(count_ptr)) if COUNTED else n
     for base in range(tl.program_id(0) * ROWS, end, tl.num_programs(0) * ROWS):
         i = base + tl.arange(0, ROWS)
@@ -75,20 +75,11 @@ def _move_kernel(src_ptr, src_rows_ptr, dst_ptr, dst_rows_ptr, n, count_ptr, wid
             tl.store(written_ptr + dst_row, tl.full((ROWS,), 2, tl.uint8), mask=live)  # (WROTE)
         src = src_ptr + tl.maximum(src_row, 0)[:, None] * width
         dst = dst_ptr + dst_row[:, None] * width
-        if SPLIT:  # (16 bytes an access where rows start on lines: _split)
-            for c0 in range(0, head, COLS):
-                cols = c0 + tl.arange(0, COLS)[None, :]
-                m = live[:, None] & (cols < head)
-                tl.store(dst + cols, tl.load(src + cols, mask=m), mask=m)
+        for c0 in range(0, head, COLS):
+            _move_cols(src, dst, c0 + tl.arange(0, COLS)[None, :], head, live)
+        if SPLIT:  # (the rest after a head moved 16 bytes an access: _launch)
             for c0 in range(head, words, TAIL):
-                cols = c0 + tl.arange(0, TAIL)[None, :]
-                m = live[:, None] & (cols < words)
-                tl.store(dst + cols, tl.load(src + cols, mask=m), mask=m)
-        else:
-            for c0 in range(0, words, COLS):
-                cols = c0 + tl.arange(0, COLS)[None, :]
-                m = live[:, None] & (cols < words)
-                tl.store(dst + cols, tl.load(src + cols, mask=m), mask=m)
+                _move_cols(src, dst, c0 + tl.arange(0, TAIL)[None, :], words, live)
 
 
 @triton.jit(do_not_specialize=["n", "mark"])
@@ -101,7 +92,7 @@ def _swap_kernel(pool_ptr, slots_ptr, victims_ptr, host_ptr, ids_ptr, n, count_p
     victims[i] where that is >= 0 (VICTIMS; STAGED: to staging row i instead; written[victims[i]]
     = WROTE), then host row ids[i] read into slot s where written[ids[i]] != 0 (those added to
     found[0]), else slot s's first word = mark. Rows of width words, of which the first words move
-    (the first head of them, then the rest: _split)."""
+    (the first head of them, then, with SPLIT, the rest: _launch)."""
     end = tl.minimum(n, tl.load(count_ptr)) if COUNTED else n
     for base in range(tl.program_id(0) * ROWS, end, tl.num_programs(0) * ROWS):
         i = base + tl.arange(0, ROWS)
@@ -118,16 +109,20 @@ def _swap_kernel(pool_ptr, slots_ptr, victims_ptr, host_ptr, ids_ptr, n, count_p
         pool = pool_ptr + slot[:, None] * width
         host = host_ptr + row_id[:, None] * width
         down = (staging_ptr + i[:, None] * width) if STAGED else (host_ptr + tl.maximum(victim, 0)[:, None] * width)
-        if SPLIT:  # (16 bytes an access where rows start on lines: _split)
-            for c0 in range(0, head, COLS):
-                _swap_cols(pool, host, down, c0 + tl.arange(0, COLS)[None, :], head, stored, leaves, VICTIMS)
+        for c0 in range(0, head, COLS):
+            _swap_cols(pool, host, down, c0 + tl.arange(0, COLS)[None, :], head, stored, leaves, VICTIMS)
+        if SPLIT:  # (the rest after a head moved 16 bytes an access: _launch)
             for c0 in range(head, words, TAIL):
                 _swap_cols(pool, host, down, c0 + tl.arange(0, TAIL)[None, :], words, stored, leaves, VICTIMS)
-        else:
-            for c0 in range(0, words, COLS):
-                _swap_cols(pool, host, down, c0 + tl.arange(0, COLS)[None, :], words, stored, leaves, VICTIMS)
         # (the mark: after the first chunk's barrier, so after every read of the victim's first word)
         tl.store(pool_ptr + slot * width, tl.full((ROWS,), mark, tl.int32), mask=live & ~stored)
+
+
+@triton.jit
+def _move_cols(src, dst, cols, end, live):
+    """_move_kernel's columns cols (those below end) of its rows (live): from src to dst."""
+    m = live[:, None] & (cols < end)
+    tl.store(dst + cols, tl.load(src + cols, mask=m), mask=m)
 
 
 @triton.jit
@@ -153,14 +148,21 @@ def _launch_args(width: int, words: int) -> dict:
                 SPLIT=width % _TAIL == 0 and words % _TAIL != 0, num_warps=MOVE_WARPS)
 
 
+def _launch(width: int, words: int) -> tuple[int, dict]:
+    """A move's head (the words its first loop moves) and its launch's constants: with SPLIT, the
+    head _split gives and the rest in a loop of its own; else all the words in the first loop."""
+    args = _launch_args(width, words)
+    return (_split(words) if args["SPLIT"] else words), args
+
+
 def _split(words: int) -> int:
     """The head of a row's words moved: the most that are a multiple of 16, which Triton is told
     of (it specializes an int argument that is), so that where rows start on 64-byte lines (a
     width that is a multiple of 16, as row_alignment >= 64 makes it) the kernels move the head 16
     bytes an access, and the rest of the words (fewer than 16) a word an access. Masked by words
     alone, 129 words of 160 moved a word an access (the PTX: ld.global.b32 where 128 or 160 of 160
-    compile to ld.global.v4.b32). Only then (SPLIT: rows on lines, words not a multiple of 16) are
-    the two loops compiled: rows of 129 words cannot start on lines, and the second loop costs
+    compile to ld.global.v4.b32). Only then (SPLIT: rows on lines, words not a multiple of 16) is
+    the rest's loop compiled: rows of 129 words cannot start on lines, and that loop costs
     registers (for sm_90: the swap kernel at 129 words 128 a thread against 119, the move kernel
     72 against 64, which leaves 7 of its 8 programs a multiprocessor resident)."""
     return words // _TAIL * _TAIL
@@ -194,13 +196,12 @@ def move_rows(src: torch.Tensor, src_rows: torch.Tensor, dst: torch.Tensor, dst_
     words = _words(words, width)
     if n == 0:
         return
+    head, args = _launch(width, words)
     with launch_turn():
         _move_kernel[_grid(n, dst.device, programs)](src.view(torch.int32), src_rows, dst.view(torch.int32),
                                                      dst_rows, n, dst_rows if count is None else count, width,
-                                                     words, _split(words), src_from,
-                                                     dst_rows if written is None else written,
-                                                     WRITTEN=written is not None, COUNTED=count is not None,
-                                                     **_launch_args(width, words))
+                                                     words, head, src_from, dst_rows if written is None else written,
+                                                     WRITTEN=written is not None, COUNTED=count is not None, **args)
 
 
 def swap_rows(pool: torch.Tensor, slots: torch.Tensor, victims: torch.Tensor | None, host: torch.Tensor,
@@ -227,11 +228,11 @@ def swap_rows(pool: torch.Tensor, slots: torch.Tensor, victims: torch.Tensor | N
     if n == 0:
         return
     pool_words = pool.view(torch.int32)
+    head, args = _launch(width, words)
     with launch_turn():
         _swap_kernel[_grid(n, pool.device)](pool_words, slots, slots if victims is None else victims,
                                             host.view(torch.int32), ids, n, slots if count is None else count, width,
-                                            words, _split(words), mark, written, found,
+                                            words, head, mark, written, found,
                                             pool_words if staging is None else staging.view(torch.int32),
-                                            VICTIMS=victims is not None,
-                                            STAGED=staging is not None, COUNTED=count is not None,
-                                            **_launch_args(width, words))
+                                            VICTIMS=victims is not None, STAGED=staging is not None,
+                                            COUNTED=count is not None, **args)
