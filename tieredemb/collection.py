@@ -159,7 +159,7 @@ class _Collection(CollectionPrefetch, CollectionState, nn.Module):
         self.tables = [dataclasses.replace(t, optimizer=t.optimizer or optimizer, init=t.init or init or Init())
                        for t in tables]
         self.feature_table = {f: t for t in self.tables for f in t.feature_names}
-        self._row_alignment = table_args.get("row_alignment", 4)  # (the budgets count the rows' padding)
+        self._row_alignment = table_args.get("row_alignment", TableConfig.row_alignment)  # (budgets count the padding)
         tier0, store = self._shares(cache_bytes, host_bytes, ssd_path, plan)
         groups: dict = {}
         for t in self.tables:
