@@ -144,6 +144,19 @@ def test_kernels_capped_at_a_few_programs_train_bit_for_bit_as_one_per_item(monk
     assert torch.equal(out_capped, out_plain) and torch.equal(_table(capped), _table(plain))
 
 
+def test_a_move_into_mapped_host_rows_gets_the_programs_of_the_whole_gpu():
+    """A move that writes pinned host rows (a CPU tensor to torch) runs on the GPU of its other side,
+    with that GPU's programs per multiprocessor, as a move that reads them does."""
+    from tieredemb.gpu import moves, multiprocessors, zerocopy
+
+    pool, host = torch.zeros(64, 4, device="cuda"), torch.zeros(64, 4).pin_memory()
+    sms, blocks = multiprocessors(pool.device), 1 << 20
+    assert moves._grid(blocks * moves.MOVE_ROWS, pool, host) == (moves.MOVE_PROGRAMS.count * sms,)
+    assert moves._grid(blocks * moves.MOVE_ROWS, host, pool) == (moves.MOVE_PROGRAMS.count * sms,)
+    assert moves._grid(blocks * moves.MOVE_ROWS, pool, host, zerocopy.WRITE_BACK_PROGRAMS) == \
+        (zerocopy.WRITE_BACK_PROGRAMS.count * sms,)
+
+
 def test_a_bare_cuda_device_names_the_gpu_current_at_creation():
     """device="cuda" is fixed to the GPU current when the table is made (as torch's modules take
     it): its stream and its waits then never follow whichever GPU a later caller has current."""

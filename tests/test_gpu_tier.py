@@ -642,7 +642,7 @@ def test_the_move_kernel_copies_rows_and_notes_them_written(width, cols, per_sm,
     assert moves._launch_args(width, width)["COLS"] == min(cols, 1 << (width - 1).bit_length())
     # (per_sm None: a program a block of 16 rows; 1: one program takes every block, on CPU tensors)
     monkeypatch.setattr(moves, "MOVE_PROGRAMS", per_sm and PerMultiprocessor(per_sm))
-    assert moves._grid(45, torch.device("cpu")) == (1 if per_sm == 1 else 3,)
+    assert moves._grid(45, torch.empty(0), torch.empty(0)) == (1 if per_sm == 1 else 3,)
 
     g = torch.Generator().manual_seed(width)
     src, dst = torch.randn(50, width, generator=g), torch.randn(60, width, generator=g)
@@ -664,6 +664,24 @@ def test_the_move_kernel_copies_rows_and_notes_them_written(width, cols, per_sm,
     assert torch.equal(dst[5], src[4]) and torch.equal(dst[torch.arange(60) != 5], before[torch.arange(60) != 5])
 
 
+def test_a_moves_programs_are_counted_for_the_device_it_runs_on_whichever_side_is_host_rows(monkeypatch):
+    """Host rows mapped into a GPU are CPU tensors to torch: a move that writes them down (the
+    write-back, the lingering rows) gets the programs of the device its other side is on, not of
+    one multiprocessor. (A tensor on torch's "meta" device stands in for device memory, and a
+    device of 132 multiprocessors for an H100: this machine has none.)"""
+    from tieredemb import gpu
+    from tieredemb.gpu import PerMultiprocessor, moves, zerocopy
+
+    monkeypatch.setattr(gpu, "multiprocessors", lambda device: 1 if device.type == "cpu" else 132)
+    pool, host = torch.empty(8, 4, device="meta"), torch.empty(8, 4)
+    blocks = 20000 // moves.MOVE_ROWS
+    per_sm = moves.MOVE_PROGRAMS.count * 132
+    assert moves._grid(20000, host, pool) == moves._grid(20000, pool, host) == (per_sm,)  # read in, written down
+    assert moves._grid(20000, pool, host, zerocopy.WRITE_BACK_PROGRAMS) == (zerocopy.WRITE_BACK_PROGRAMS.count * 132,)
+    assert moves._grid(20000, pool, pool, PerMultiprocessor(64)) == (blocks,)  # (capped by the blocks)
+    assert moves._grid(20000, host, host) == (moves.MOVE_PROGRAMS.count,)  # (CPU tensors: the interpreter's one)
+
+
 @pytest.mark.parametrize("width,cols,per_sm", [(5, 64, None), (129, 64, 1), (129, 256, 8)])
 def test_the_swap_kernel_writes_each_slots_victim_down_before_reading_its_miss_in(width, cols, per_sm, monkeypatch):
     """Each miss's slot: its dirty victim (if any) written down to the host rows first, noted
@@ -676,7 +694,7 @@ def test_the_swap_kernel_writes_each_slots_victim_down_before_reading_its_miss_i
     assert moves._launch_args(width, width)["COLS"] == min(cols, 1 << (width - 1).bit_length())
     # (per_sm None: a program a block of 16 rows; 1: one program takes every block, on CPU tensors)
     monkeypatch.setattr(moves, "MOVE_PROGRAMS", per_sm and PerMultiprocessor(per_sm))
-    assert moves._grid(18, torch.device("cpu")) == (1 if per_sm == 1 else 2,)
+    assert moves._grid(18, torch.empty(0), torch.empty(0)) == (1 if per_sm == 1 else 2,)
 
     g = torch.Generator().manual_seed(3)
     host, pool = torch.randn(40, width, generator=g), torch.randn(20, width, generator=g)

@@ -139,7 +139,11 @@ def _swap_cols(pool, host, down, cols, end, stored, leaves, VICTIMS: tl.constexp
     tl.store(pool + cols, coming, mask=stored[:, None] & inside)
 
 
-def _grid(n: int, device: torch.device, cap=None) -> tuple:
+def _grid(n: int, src: torch.Tensor, dst: torch.Tensor, cap=None) -> tuple:
+    """A move's programs, counted for the device it runs on: the side that is not host memory (host
+    rows mapped into the device are CPU tensors to torch: counted by them, a move that writes them
+    down would get the programs of one multiprocessor)."""
+    device = dst.device if dst.device.type != "cpu" else src.device
     return (programs(triton.cdiv(n, MOVE_ROWS), MOVE_PROGRAMS if cap is None else cap, device),)
 
 
@@ -198,7 +202,7 @@ def move_rows(src: torch.Tensor, src_rows: torch.Tensor, dst: torch.Tensor, dst_
         return
     head, args = _launch(width, words)
     with launch_turn():
-        _move_kernel[_grid(n, dst.device, programs)](src.view(torch.int32), src_rows, dst.view(torch.int32),
+        _move_kernel[_grid(n, src, dst, programs)](src.view(torch.int32), src_rows, dst.view(torch.int32),
                                                      dst_rows, n, dst_rows if count is None else count, width,
                                                      words, head, src_from, dst_rows if written is None else written,
                                                      WRITTEN=written is not None, COUNTED=count is not None, **args)
@@ -230,7 +234,7 @@ def swap_rows(pool: torch.Tensor, slots: torch.Tensor, victims: torch.Tensor | N
     pool_words = pool.view(torch.int32)
     head, args = _launch(width, words)
     with launch_turn():
-        _swap_kernel[_grid(n, pool.device)](pool_words, slots, slots if victims is None else victims,
+        _swap_kernel[_grid(n, pool, host)](pool_words, slots, slots if victims is None else victims,
                                             host.view(torch.int32), ids, n, slots if count is None else count, width,
                                             words, head, mark, written, found,
                                             pool_words if staging is None else staging.view(torch.int32),
