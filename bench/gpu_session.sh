@@ -12,7 +12,8 @@
 #                                          and without, torch ops); tier 0 = 10% over host memory and over the
 #                                          log store (FBGEMM's UVM cache, ours zero-copy with CUDA graphs and
 #                                          without, with copies, over SSD with prefetch; their stacks, their
-#                                          profiles and each phase of their steps timed unprofiled); zero-copy
+#                                          profiles and each phase of their steps timed unprofiled); the log
+#                                          store read in stream order against waiting (gpu_hostcalls.py); zero-copy
 #                                          and the whole table again with rows of 160 words, each on a 128-byte
 #                                          line (--row-alignment 128); zero-copy with its victims written down
 #                                          by the swap itself (--write-back-inline); zero-copy's moves by row
@@ -43,6 +44,8 @@
 #   bash bench/gpu_session.sh kernels      gpu_kernels.py: the forward and backward kernels alone, by launch shape
 #   bash bench/gpu_session.sh moves        gpu_kernels.py --moves: zero-copy's move kernel, by launch shape
 #   bash bench/gpu_session.sh plan         gpu_kernels.py --plan: a queued plan, by the assign kernel's programs
+#   bash bench/gpu_session.sh hostcalls    gpu_hostcalls.py: 20K rows read from the log store in stream order (a host
+#                                          call) against waiting for the device first, and a host call's own cost
 #
 # FBGEMM's GPU TBE (the peer) and rocksdict / lz4 (which tieredemb imports: no table is made without
 # them) do not come with the machine. Stage them from here first (../shared/tools/stage_wheels.sh
@@ -61,8 +64,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 step=${1:-}
 case "$step" in
-  first|tests|interpreted|suite|hbm|host|ssd|device-ids|profile|collection|kernels|moves|plan) ;;
-  *) echo "usage: bash bench/gpu_session.sh first|tests|interpreted|suite|hbm|host|ssd|device-ids|profile|collection|kernels|moves|plan" >&2; exit 2 ;;
+  first|tests|interpreted|suite|hbm|host|ssd|device-ids|profile|collection|kernels|moves|plan|hostcalls) ;;
+  *) echo "usage: bash bench/gpu_session.sh first|tests|interpreted|suite|hbm|host|ssd|device-ids|profile|collection|kernels|moves|plan|hostcalls" >&2; exit 2 ;;
 esac
 PY=${PYTHON:-python3}
 OUT=${OUT:-/tmp/gpu_session}
@@ -117,6 +120,10 @@ kernels() {  # kernels NAME ARGS...: gpu_kernels.py (kernels alone, by launch sh
   local name=$1; shift
   timeout -k 15 -s ABRT "$(budget "$LIMIT")" "$PY" bench/gpu_kernels.py "$@" --json "$JSONS/$name.json" 2>&1 | log "$name"
 }
+hostcalls() {  # gpu_hostcalls.py: the store read in stream order (a host call) against waiting, with a log and a JSON
+  timeout -k 15 -s ABRT "$(budget "$LIMIT")" "$PY" bench/gpu_hostcalls.py --dir /tmp --json "$JSONS/hostcalls.json" \
+    2>&1 | log hostcalls
+}
 collection() {  # bench_collection.py on the GPU, quick, with a log and a JSON
   timeout -k 15 -s ABRT "$(budget "$LIMIT")" "$PY" bench/bench_collection.py --device cuda --quick \
     --json "$JSONS/collection.json" 2>&1 | log collection
@@ -150,6 +157,7 @@ case "$step" in
     part 90 bench hbm --only fbgemm-hbm,ours-hbm,ours-hbm-eager,torch-ops --runs 15 --cprofile /tmp/prof --phases
     part 180 bench cached --only fbgemm-uvm10,ours-host10-zc,ours-host10-zc-eager,ours-host10,ours-ssd10 --runs 7 \
       --warmup 80 --ssd-path /tmp --stacks /tmp/prof --cprofile /tmp/prof --phases
+    part 60 hostcalls
     part 80 bench cached_aligned --only fbgemm-uvm10,ours-host10-zc --runs 9 --warmup 80 --row-alignment 128
     part 60 bench hbm_aligned --only fbgemm-hbm,ours-hbm --runs 9 --row-alignment 128
     part 80 bench cached_inline --only fbgemm-uvm10,ours-host10-zc --runs 9 --warmup 80 --write-back-inline
@@ -183,4 +191,5 @@ case "$step" in
   kernels) kernels kernels ;;
   moves) kernels moves --moves ;;
   plan) kernels plan --plan ;;
+  hostcalls) hostcalls ;;
 esac

@@ -157,6 +157,29 @@ def test_a_move_into_mapped_host_rows_gets_the_programs_of_the_whole_gpu():
         (zerocopy.WRITE_BACK_PROGRAMS.count * sms,)
 
 
+def test_a_host_call_runs_in_stream_order_between_the_work_around_it():
+    """A host call queued on a busy stream sees what the work before it copied to the host, and
+    the work after it (a copy to the device) sees what it wrote; what one raises is kept."""
+    from tieredemb.gpu.hostfunc import HostCalls
+
+    stream = torch.cuda.Stream()
+    x = torch.zeros(1 << 20, device="cuda")
+    seen, told = torch.zeros(1, pin_memory=True), torch.zeros(1, pin_memory=True)
+    got, calls = [], HostCalls(stream)
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(20_000_000)  # (the stream busy for a while: the call must wait for it)
+        x.fill_(7.0)
+        seen.copy_(x[-1:], non_blocking=True)
+        calls.queue(lambda: (got.append(float(seen[0])), told.fill_(3.0)))
+        after = told.to("cuda", non_blocking=True)
+    stream.synchronize()
+    assert got == [7.0] and after.item() == 3.0 and calls.ran == 1 and calls.pending() == 0
+    calls.queue(lambda: 1 / 0)
+    stream.synchronize()
+    with pytest.raises(RuntimeError, match="ZeroDivisionError"):
+        calls.raise_error()
+
+
 def test_a_bare_cuda_device_names_the_gpu_current_at_creation():
     """device="cuda" is fixed to the GPU current when the table is made (as torch's modules take
     it): its stream and its waits then never follow whichever GPU a later caller has current."""
