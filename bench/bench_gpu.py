@@ -37,6 +37,8 @@ Systems:
   ours-host10-zc-eager
                  the same with cuda_graphs=False
   ours-ssd10     tier 0 = 10%, over the SSD log store (--ssd-path), PrefetchLoader depth 2
+  ours-ssd10-os  the same with the store read and written in stream order (gpu/storeio.py: host calls
+                 queued on tier 0's stream; no residency waits for the device)
   ours-host10-pf2, ours-host10-zc-pf2
                  ours-host10 and ours-host10-zc fed through a PrefetchLoader of depth 2: the next
                  batches' residency (its one wait for the device included) runs on a worker thread
@@ -88,12 +90,13 @@ from workload import BatchSource, Workload, store_every_row  # noqa: E402
 
 SYSTEMS = ("fbgemm-hbm", "fbgemm-uvm10", "torch-ops", "torch-sparse", "ours-hbm", "ours-hbm-eager", "ours-host10",
            "ours-host10-zc", "ours-host10-zc-eager",
-           "ours-host10-pf2", "ours-host10-zc-pf2", "ours-ssd10")
+           "ours-host10-pf2", "ours-host10-zc-pf2", "ours-ssd10", "ours-ssd10-os")
 # The issue's targets: ours / peer, at least.
 TARGETS = {"ours-hbm": ("fbgemm-hbm", 1.0), "ours-hbm-eager": ("fbgemm-hbm", 1.0), "ours-host10": ("fbgemm-uvm10", 1.0),
            "ours-host10-zc": ("fbgemm-uvm10", 1.0), "ours-host10-zc-eager": ("fbgemm-uvm10", 1.0),
            "ours-host10-pf2": ("fbgemm-uvm10", 1.0),
-           "ours-host10-zc-pf2": ("fbgemm-uvm10", 1.0), "ours-ssd10": ("fbgemm-uvm10", 0.5)}
+           "ours-host10-zc-pf2": ("fbgemm-uvm10", 1.0), "ours-ssd10": ("fbgemm-uvm10", 0.5),
+           "ours-ssd10-os": ("fbgemm-uvm10", 0.5)}
 PROFILED_STEPS = 5
 SAMPLED_STEPS = 30
 CPROFILED_STEPS = 30
@@ -103,7 +106,7 @@ COUNTED_STEPS = 5  # steps after the timed runs whose waits for the device are c
 
 def prefetched(name: str) -> bool:
     """Whether the system is fed through a PrefetchLoader of depth 2."""
-    return name == "ours-ssd10" or name.endswith("-pf2")
+    return name.startswith("ours-ssd10") or name.endswith("-pf2")
 
 
 def build(name: str, w: Workload, a, dev: torch.device):
@@ -158,10 +161,12 @@ def build(name: str, w: Workload, a, dev: torch.device):
         return step, "nn.EmbeddingBag(sparse=True) + optim.Adagrad"
 
     import tieredemb
+    from tieredemb.gpu import storeio
 
     cache = None if name.startswith("ours-hbm") else int(rows * a.cache_fraction)
-    kw = dict(ssd_path=a.ssd_dir, ssd_options={"backend": "log"}) if name == "ours-ssd10" else {}
+    kw = dict(ssd_path=a.ssd_dir, ssd_options={"backend": "log"}) if name.startswith("ours-ssd10") else {}
     zero_copy = name.startswith("ours-host10-zc")
+    storeio.ON_STREAM = name.endswith("-os")  # (read when the table is made)
     emb = tieredemb.TieredEmbeddingBag(rows, dim, "sum", cache_rows=cache, device=dev, dtype=getattr(torch, a.dtype),
                                        optimizer=tieredemb.RowWiseAdagrad(lr=lr, eps=eps), zero_copy=zero_copy,
                                        cuda_graphs=not name.endswith("-eager"), row_alignment=a.row_alignment, **kw)
@@ -175,6 +180,7 @@ def build(name: str, w: Workload, a, dev: torch.device):
     return step, (f"TieredEmbeddingBag cache_rows={cache}" + (", log store" if kw else "")
                   + (", cuda_graphs=False" if name.endswith("-eager") else "")
                   + (", zero_copy" if zero_copy else "") + (", prefetch depth 2" if prefetched(name) else "")
+                  + (", store I/O on the tier's stream" if storeio.ON_STREAM else "")
                   + (f", row_alignment={a.row_alignment} ({emb.width} words a row)" if a.row_alignment != 4 else ""))
 
 

@@ -12,6 +12,12 @@ the pool by the zero-copy move kernel (moves.move_rows, reading the pinned block
 - queued: the ids copied into a pinned buffer, the read queued as a host call on the stream, the
           move queued after it: the host waits for nothing, and goes on to the next batch at once.
 
+And each way again with the host busy in Python for --busy-us after queuing each batch (as a
+prefetch worker goes on to plan the next): a host call runs Python on the driver's thread, so it
+needs the GIL, which a thread running Python lets go only every sys.getswitchinterval() (5 ms by
+default) unless it waits on something; "queued+busy" shows what that costs, and "queued+busy, 0.2
+ms switch" with the interval at 200 us.
+
 Printed: per batch, the wall time (all batches queued, then one wait, divided by their number) and
 the host's time (what the loop took before that wait: the time a prefetch worker would have for
 the next plan), medians of --runs runs, the two ways interleaved; the ratio; and the pool's rows
@@ -44,6 +50,8 @@ def main(argv=None) -> int:
     p.add_argument("--batches", type=int, default=20)
     p.add_argument("--runs", type=int, default=7)
     p.add_argument("--calls", type=int, default=200, help="host calls timed for their own cost")
+    p.add_argument("--busy-us", type=float, default=2000.0,
+                   help="the host's Python work after queuing each batch, in the busy ways (microseconds)")
     p.add_argument("--dir", default=None, help="where the store is made (default: a temporary folder in /tmp)")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                    help="cpu: a check of this script under TRITON_INTERPRET=1 (no GPU figure)")
@@ -107,6 +115,24 @@ def run(a, folder: str) -> int:
             torch.cuda.synchronize(dev)
         calls.raise_error()
 
+    def busy(way):
+        def run(ids, slots):
+            way(ids, slots)
+            end = time.perf_counter() + a.busy_us * 1e-6
+            while time.perf_counter() < end:  # (Python, holding the GIL but at the switch interval)
+                pass
+        return run
+
+    def switched(way, seconds):
+        def run(ids, slots):
+            before = sys.getswitchinterval()
+            sys.setswitchinterval(seconds)
+            try:
+                way(ids, slots)
+            finally:
+                sys.setswitchinterval(before)
+        return run
+
     def one_run(way) -> tuple[float, float]:
         sync()
         t0 = time.perf_counter()
@@ -116,7 +142,8 @@ def run(a, folder: str) -> int:
         sync()
         return (time.perf_counter() - t0) / len(batches) * 1e6, host / len(batches) * 1e6
 
-    ways = {"wait": wait_way, "queued": queued_way}
+    ways = {"wait": wait_way, "queued": queued_way, "wait+busy": busy(wait_way), "queued+busy": busy(queued_way),
+            "queued+busy, 0.2 ms switch": switched(busy(queued_way), 2e-4)}
     for way in ways.values():  # (compiles the move; warms the store's pages)
         one_run(way)
     got = {name: [] for name in ways}
@@ -134,12 +161,13 @@ def run(a, folder: str) -> int:
         wall = statistics.median(w for w, _ in got[name])
         host = statistics.median(h for _, h in got[name])
         result[name] = {"wall_us": wall, "host_us": host, "runs": got[name]}
-        print(f"{name:>7}: {wall:9.1f} us a batch, the host busy {host:9.1f} us of it")
-    paired = statistics.median(w / q for (w, _), (q, _) in zip(got["wait"], got["queued"]))
-    result["wait_over_queued"] = result["wait"]["wall_us"] / result["queued"]["wall_us"]
-    result["wait_over_queued_paired"] = paired
-    print(f"wait / queued: {result['wait_over_queued']:.2f}x a batch (paired {paired:.2f}x); the pool's rows equal "
-          f"the store's")
+        print(f"{name:>26}: {wall:9.1f} us a batch, the host busy {host:9.1f} us of it")
+    for slow, fast in (("wait", "queued"), ("wait+busy", "queued+busy"), ("wait+busy", "queued+busy, 0.2 ms switch")):
+        paired = statistics.median(w / q for (w, _), (q, _) in zip(got[slow], got[fast]))
+        ratio = result[slow]["wall_us"] / result[fast]["wall_us"]
+        result[f"{slow} / {fast}"] = {"ratio": ratio, "paired": paired}
+        print(f"{slow} / {fast}: {ratio:.2f}x a batch (paired {paired:.2f}x)")
+    print("the pool's rows equal the store's after every run")
     result["host_call"] = call_cost(a, dev, calls)
     store.close()
     if a.json:

@@ -8,21 +8,20 @@
 # what `status` says is left, less a minute: a call cut off by the budget brings nothing back.
 #
 #   bash bench/gpu_session.sh first        in one call, in this order, each part stopped in time for the next:
-#                                          the GPU tests; the table whole in HBM (FBGEMM, ours with CUDA graphs
-#                                          and without, torch ops); tier 0 = 10% over host memory and over the
-#                                          log store (FBGEMM's UVM cache, ours zero-copy with CUDA graphs and
-#                                          without, with copies, over SSD with prefetch; their stacks, their
-#                                          profiles and each phase of their steps timed unprofiled); the log
-#                                          store read in stream order against waiting (gpu_hostcalls.py); zero-copy
-#                                          and the whole table again with rows of 160 words, each on a 128-byte
-#                                          line (--row-alignment 128); zero-copy with its victims written down
-#                                          by the swap itself (--write-back-inline); zero-copy's moves by row
-#                                          width (128, 129, 160, and 129 of 160: the aligned rows' moves, 128
-#                                          words 16 bytes an access and the last word alone), by the host rows'
-#                                          number (1M, 10M) and allocation (registered, as ours, or torch's
-#                                          pinned memory); zero-copy with a move program a block of rows
-#                                          (--move-shape 16x4x64x0, as before the twenty-fifth session); the
-#                                          update kernel by its number of programs and the draw by its chunks;
+#                                          the GPU tests; tier 0 = 10% over host memory and over the log store
+#                                          (FBGEMM's UVM cache, ours zero-copy with CUDA graphs and without, with
+#                                          copies, over SSD with prefetch, waiting and with the store in stream
+#                                          order (ours-ssd10-os); their stacks, their profiles and each phase of
+#                                          their steps timed unprofiled); zero-copy with its victims written down
+#                                          by the swap itself (--write-back-inline); the store read in stream
+#                                          order against waiting, alone (gpu_hostcalls.py); zero-copy with rows of
+#                                          160 words, each on a 128-byte line (--row-alignment 128); the table
+#                                          whole in HBM (FBGEMM, ours with CUDA graphs and without, torch ops),
+#                                          and again with aligned rows; zero-copy with a move program a block of
+#                                          rows (--move-shape 16x4x64x0, as before the twenty-fifth session);
+#                                          zero-copy's moves by row width (128, 129, 160, and 129 of 160) and the
+#                                          host rows' allocation (registered, as ours, or torch's pinned memory);
+#                                          the update kernel by its number of programs and the draw by its chunks;
 #                                          FBGEMM's, ours-hbm's and ours-host10-zc's kernels a step
 #                                          (torch.profiler); a queued plan by the assign kernel's programs; the
 #                                          whole table with ragged bags, and with ids on the device; the
@@ -154,16 +153,17 @@ case "$step" in
           # first 20-batch run after 20 warm-up batches, 430K a run once full)
     rm -rf /tmp/prof
     part 170 tests test_gpu -v --durations=15 tests/test_gpu.py --deselect tests/test_gpu.py::test_the_cpu_tensor_tests_pass_in_a_child
-    part 90 bench hbm --only fbgemm-hbm,ours-hbm,ours-hbm-eager,torch-ops --runs 15 --cprofile /tmp/prof --phases
-    part 180 bench cached --only fbgemm-uvm10,ours-host10-zc,ours-host10-zc-eager,ours-host10,ours-ssd10 --runs 7 \
-      --warmup 80 --ssd-path /tmp --stacks /tmp/prof --cprofile /tmp/prof --phases
+    # (first what decides the next changes: the cached systems, zero-copy's write-back mode, the store in stream order)
+    part 200 bench cached --only fbgemm-uvm10,ours-host10-zc,ours-host10-zc-eager,ours-host10,ours-ssd10,ours-ssd10-os \
+      --runs 7 --warmup 80 --ssd-path /tmp --stacks /tmp/prof --cprofile /tmp/prof --phases
+    part 80 bench cached_inline --only fbgemm-uvm10,ours-host10-zc --runs 9 --warmup 80 --write-back-inline
     part 60 hostcalls
     part 80 bench cached_aligned --only fbgemm-uvm10,ours-host10-zc --runs 9 --warmup 80 --row-alignment 128
+    part 90 bench hbm --only fbgemm-hbm,ours-hbm,ours-hbm-eager,torch-ops --runs 15 --cprofile /tmp/prof --phases
     part 60 bench hbm_aligned --only fbgemm-hbm,ours-hbm --runs 9 --row-alignment 128
-    part 80 bench cached_inline --only fbgemm-uvm10,ours-host10-zc --runs 9 --warmup 80 --write-back-inline
-    part 70 kernels moves --moves --reps 10 --move-widths 128,129,160,129/160 --move-host-rows 1000000,10000000 \
-      --move-alloc register,pinned --move-shapes 16x4x64x8
     part 80 bench cached_a_block --only fbgemm-uvm10,ours-host10-zc --runs 9 --warmup 80 --move-shape 16x4x64x0
+    part 70 kernels moves --moves --reps 10 --move-widths 128,129,160,129/160 --move-host-rows 1000000 \
+      --move-alloc register,pinned --move-shapes 16x4x64x8
     part 60 kernels kernels --warps 1 --tiles 16 --update-programs 0,8,16,32,64 --reps 10
     part 50 bench profiled --only fbgemm-hbm,ours-hbm,ours-host10-zc --runs 1 --profile /tmp/prof
     part 45 kernels plan --plan --update-programs 0,8,16,32,64 --reps 10
@@ -179,7 +179,7 @@ case "$step" in
   hbm) bench hbm --only fbgemm-hbm,ours-hbm,ours-hbm-eager,torch-ops,torch-sparse --profile /tmp/prof
     { [ -d /tmp/prof ] && tar czf "$OUT/prof.tgz" -C /tmp prof; } || true ;;
   host) bench host --only fbgemm-uvm10,ours-host10,ours-host10-zc,ours-host10-zc-eager,ours-host10-pf2,ours-host10-zc-pf2 ;;
-  ssd) bench ssd --only fbgemm-uvm10,ours-ssd10 --ssd-path /tmp ;;
+  ssd) bench ssd --only fbgemm-uvm10,ours-ssd10,ours-ssd10-os --ssd-path /tmp ;;
   device-ids) bench device_ids --only fbgemm-hbm,ours-hbm,fbgemm-uvm10,ours-host10,ours-host10-pf2 --ids-on-device ;;
   profile)  # (the profiles packed into one archive: few files come back)
     rc=0

@@ -289,6 +289,9 @@ PHASES = (
     ("pool", "to_host", "rows to host"),
     ("pool", "from_host", "rows to device"),
     ("zero_copy", "move", "zero-copy moves"),
+    ("index", "plan_queued", "plan queued (no wait)"),
+    ("on_stream", "queued_work", "residency queued over the store"),
+    ("on_stream", "_below", "host call: store written and read (the driver's thread)"),
     ("tier", "draw_marked", "draw marked"),
     ("index", "commit", "commit"),
 )
@@ -306,7 +309,7 @@ def phase_steps(module, step, stream, steps: int, grad, dev: torch.device) -> di
 
     tier = module._store.tier0
     holders = {"module": module, "tier": tier,
-               **{k: getattr(tier, k, None) for k in ("index", "pool", "lower", "zero_copy")}}
+               **{k: getattr(tier, k, None) for k in ("index", "pool", "lower", "zero_copy", "on_stream")}}
     times: dict = {}
     lock = threading.Lock()
 

@@ -166,6 +166,7 @@ def test_a_host_call_runs_in_stream_order_between_the_work_around_it():
     x = torch.zeros(1 << 20, device="cuda")
     seen, told = torch.zeros(1, pin_memory=True), torch.zeros(1, pin_memory=True)
     got, calls = [], HostCalls(stream)
+    stream.wait_stream(torch.cuda.current_stream())  # (x's zeros first)
     with torch.cuda.stream(stream):
         torch.cuda._sleep(20_000_000)  # (the stream busy for a while: the call must wait for it)
         x.fill_(7.0)
@@ -222,6 +223,25 @@ def test_prefetch_over_ssd_gives_the_same_weights(tmp_path):
                               depth=2)
     assert torch.equal(out_plain, out_ahead) and torch.equal(_table(plain), _table(ahead))
     _assert_the_worker_made_batches_resident(ahead)
+
+
+@pytest.mark.parametrize("depth", [0, 2], ids=["plain", "prefetch"])
+@pytest.mark.parametrize("cache_rows", [150, 8], ids=["cache", "overflow"])
+def test_the_store_read_in_stream_order_gives_the_same_weights(tmp_path, monkeypatch, cache_rows, depth):
+    """gpu/storeio.py: the log store read and written by host calls on tier 0's stream trains the
+    same bits as the waiting path, and a flush and stats() after it see every row."""
+    from tieredemb.gpu import storeio
+
+    ssd = dict(ssd_options={"backend": "log"})
+    plain, out_plain = _train("cuda", "sum", cache_rows=cache_rows, ssd_path=tmp_path / "a", **ssd)
+    monkeypatch.setattr(storeio, "ON_STREAM", True)
+    streamed, out_streamed = _train("cuda", "sum", cache_rows=cache_rows, ssd_path=tmp_path / "b", depth=depth, **ssd)
+    on_stream = streamed._store.tier0.on_stream
+    assert on_stream is not None and on_stream.calls.ran > 0 and on_stream.calls.pending() == 0 or \
+        pytest.fail("no host call ran")
+    assert torch.equal(out_plain, out_streamed) and torch.equal(_table(plain), _table(streamed))
+    streamed.flush()
+    assert streamed.stats()["ssd"]["rows_written"] > 0 and on_stream.calls.pending() == 0
 
 
 def test_rows_never_written_are_drawn_on_the_gpu_as_on_the_cpu():

@@ -30,6 +30,8 @@ import ctypes
 import itertools
 import threading
 
+import torch
+
 _HOST_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
 _calls: dict[int, tuple] = {}  # token -> (HostCalls, callable), until it has run
 _tokens = itertools.count(1)
@@ -53,6 +55,8 @@ def _cu():
         cu = ctypes.CDLL("libcuda.so.1")
         cu.cuLaunchHostFunc.argtypes = (ctypes.c_void_p, _HOST_FN, ctypes.c_void_p)
         cu.cuLaunchHostFunc.restype = ctypes.c_int
+        cu.cuStreamIsCapturing.argtypes = (ctypes.c_void_p, ctypes.POINTER(ctypes.c_int))
+        cu.cuStreamIsCapturing.restype = ctypes.c_int
         _driver = cu
     return _driver
 
@@ -76,14 +80,21 @@ class HostCalls:
         if self.stream is None:
             self._run(fn)
             return
+        cu, handle, capturing = _cu(), ctypes.c_void_p(self.stream.cuda_stream), ctypes.c_int()
         token = next(_tokens)
         with _lock:
             _calls[token] = (self, fn)
-        code = _cu().cuLaunchHostFunc(ctypes.c_void_p(self.stream.cuda_stream), _TRAMPOLINE, ctypes.c_void_p(token))
+        with torch.cuda.device(self.stream.device):  # (the driver's calls need the device's context current)
+            code = cu.cuStreamIsCapturing(handle, ctypes.byref(capturing))
+            if code == 0 and capturing.value:  # (a graph's host node would run the token once: see _run)
+                code = -1
+            elif code == 0:
+                code = cu.cuLaunchHostFunc(handle, _TRAMPOLINE, ctypes.c_void_p(token))
         if code != 0:
             with _lock:
                 _calls.pop(token, None)
-            raise RuntimeError(f"cuLaunchHostFunc on {self.stream} failed: CUDA driver error {code}")
+            why = "the stream is being captured as a CUDA graph" if code == -1 else f"CUDA driver error {code}"
+            raise RuntimeError(f"a host call cannot be queued on {self.stream}: {why}")
 
     def _run(self, fn) -> None:
         try:

@@ -30,6 +30,7 @@ from .checks import check_on_device, checked_ids
 from .dedup import dedup as device_dedup
 from .graphed import StepGraphs
 from .direct_index import DirectIndex
+from . import storeio
 from .index import SetIndex
 from .zerocopy import ZeroCopy
 
@@ -130,6 +131,10 @@ class DeviceTier:
         # (torch hands streams out of a pool of 32 a device, round robin: past 32 tables, or beside
         # a user's own torch.cuda.Stream, one may be shared; that orders more, never less)
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        # the store right below read and written in stream order, by host calls (gpu/storeio.py)
+        on_stream = storeio.ON_STREAM and not zero_copy and lower_is_store and isinstance(self.index, SetIndex)
+        self.on_stream = storeio.StoreOnStream(self) if on_stream else None
+        self.queued = self.zero_copy or self.on_stream  # (a residency queued without a wait: gpu/queued.py)
         self._before_residencies()  # (the pool's and the index's zeros are in place before any residency)
         self.index_lock = locks.Counted(reentrant=True)  # as CacheTier's (the worker plans while training releases)
         # Held around each kernel launch on the pool, the index's dirty bits or its pins, and while
@@ -236,8 +241,8 @@ class DeviceTier:
                     slots = self.draw(unique, num_unique)
                 # (it counts its misses on the device: see stats())
                 return slots, 0, self.record()
-            if self.zero_copy is not None and self.zero_copy.queues(check, allow_overflow):
-                return self.zero_copy.residency(unique, num_unique, pin)
+            if self.queued is not None and self.queued.queues(check, allow_overflow):
+                return self.queued.residency(unique, num_unique, pin)
             with self.index_lock:
                 plan = self._plan(unique, num_unique, check)
             if plan.num_overflow and not allow_overflow:
@@ -347,13 +352,13 @@ class DeviceTier:
             self._before_residencies()
 
     def _settle(self) -> None:
-        """zero_copy: tells the store below what the device wrote into its host rows and what it
-        moved since the last time (ZeroCopy.settle). Waits for the device. The caller has
-        ordered the current stream after the residencies (_after_residencies)."""
-        if self.zero_copy is None:
+        """Queued residencies: the store below told what the device wrote into its host rows
+        (zero_copy), the rows moved counted (QueuedResidency.settle). Waits for the device. The
+        caller has ordered the current stream after the residencies (_after_residencies)."""
+        if self.queued is None:
             return
         try:
-            self.zero_copy.settle()
+            self.queued.settle()
         finally:  # (what was read and zeroed there, before the next residency adds to it)
             self._before_residencies()
 
@@ -379,8 +384,8 @@ class DeviceTier:
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(self.device))
             self._released = event
-            if self.zero_copy is not None:  # (a queued residency waits for each: see ZeroCopy.residency)
-                self.zero_copy.releases_since.append(event)
+            if self.queued is not None:  # (a queued residency waits for each: see QueuedResidency.residency)
+                self.queued.releases_since.append(event)
 
     def computed_on(self, stream) -> None:
         """Notes that batches were computed on stream (a flush or a read then waits for it)."""
@@ -418,6 +423,8 @@ class DeviceTier:
                     current.wait_stream(computed)
             if self.zero_copy is not None:  # (the victims' rows written down apart: in the host rows)
                 self.zero_copy.after_write_backs(current)
+        if self.on_stream is not None:  # (the store is touched next: its host calls done first)
+            self.on_stream.wait()
 
     def lookup(self, ids: torch.Tensor) -> np.ndarray:
         """Each id's slot here, or -1 (TableStore reads the rest from the store below: told first

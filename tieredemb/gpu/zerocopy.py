@@ -27,7 +27,7 @@ import torch
 
 from ..tiers.rowstore import DEFERRED_MARK
 from . import PerMultiprocessor, hostmap, moves, plan_kernels, to_device
-from .index import SetIndex
+from .queued import QueuedResidency
 
 # Whether the victims' rows are written down apart (see above), or by the swap itself, both ways
 # of the bus at once before the lookup goes on. Not yet timed end to end on a GPU (twenty-fifth
@@ -40,7 +40,7 @@ WRITE_BACK_APART = True
 WRITE_BACK_PROGRAMS = PerMultiprocessor(2)
 
 
-class ZeroCopy:
+class ZeroCopy(QueuedResidency):
     """A DeviceTier's zero-copy part. rows: the host rows below (mapped on a GPU); written: uint8
     [rows] on the device (moves.WROTE: written by the device, the store not yet told); the rows
     moved since the store was last told: counted on the host (moved: read, written) by residencies
@@ -51,7 +51,7 @@ class ZeroCopy:
             below = getattr(store, "name", store)
             raise ValueError(f"zero_copy needs the table's rows in host memory right below tier 0, not {below!r} "
                              "(no ssd_path, no host cache)")
-        self.tier = tier
+        super().__init__(tier)
         self.store = store
         device = tier.device
         # (on a GPU, pinned and mapped: Triton kernels take the host tensor as it is; on CPU
@@ -65,7 +65,6 @@ class ZeroCopy:
         self.found = torch.zeros(1, dtype=torch.int64, device=device)  # misses' rows that were written below
         self.moved = [0, 0]
         self.moved_queued = torch.zeros(2, dtype=torch.int64, device=device)
-        self.releases_since: list = []  # events after the releases queued since the last queued residency
         self.side = torch.cuda.Stream(device) if device.type == "cuda" else None  # the write-backs' stream
         self.landed = None  # an event after the last write-back queued there (None: none yet, or no GPU)
         self.captured = None  # the write-back a captured residency leaves each replay of it (take_captured)
@@ -140,55 +139,13 @@ class ZeroCopy:
         pending, self.captured = self.captured, None
         return pending
 
-    # -- a residency queued without a wait for the device --------------------------------------
-    def queues(self, check, allow_overflow: bool) -> bool:
-        """Whether a residency is queued without a wait (residency): host ids (no verdict to read),
-        overflow allowed, a set-associative index of one part (Triton's)."""
-        index = self.tier.index
-        return (check is None and allow_overflow and isinstance(index, SetIndex) and index.partitions is None
-                and index.kernels == "triton")
-
-    def residency(self, unique: torch.Tensor, num_unique: torch.Tensor, pin: bool):
-        """DeviceTier.resident(), queued without a wait for the device: the plan's counts stay there
-        (SetIndex.plan_queued), every move reads its count there, and the counters are added up
-        there (read by stats()). The host's one decision, more overflow slots, is made before the
-        plan from what it knows: the overflow slots are kept at least the ids of the batches
-        pinned here and of this one, so no plan needs more than are free (the price: up to that
-        many rows of tier 0's pool more). That count drops when a release is queued, so the plan
-        first waits, on the device, for every release queued since the last one (each on the
-        stream that computed with its batch, maybe still behind its backward). The misses are
-        counted on the device only (the returned count is 0: the prefetcher's row counters leave
-        them out, as they do a whole-table tier's draws). On the tier's stream, as resident's."""
-        tier = self.tier
-        for event in self._room(unique.numel(), forget=True):
-            tier.stream.wait_event(event)
-        with tier.index_lock:
-            slots = self.queued_work(unique, num_unique, pin)
-        return slots, 0, tier.record()
-
+    # -- a residency queued without a wait for the device (gpu/queued.py) ------------------------
     def room_for_graph(self, n: int) -> list:
         """Before a replayed queued residency of n ids (under its store's lock, which every other
         residency takes): residency's grow (then the shape's graphs are stale), and the events
         the replay's stream is to wait for, returned: the releases (forgotten by
         graphed_admitted, once the replay is queued after them) and the last write-back."""
         return self._room(n, forget=False) + ([self.landed] if self.landed is not None else [])
-
-    def _room(self, n: int, forget: bool) -> list:
-        """The overflow slots made at least the ids of the batches pinned here and of n more (rare:
-        a batch larger than before, or more of them in flight; a grow waits for the device).
-        Returns the releases the host no longer counts, to wait for (forget: no later residency
-        needs to wait for them again). The count is read with them, under one lock: a release
-        queued after is still counted."""
-        tier = self.tier
-        with tier.pool_lock:
-            released, pinned = self.releases_since, tier.pinned_ids
-            if forget:
-                self.releases_since = []
-        with tier.index_lock:
-            short = pinned + n - tier.index.overflow_slots
-            if short > 0:
-                tier.grow(max(short, tier.index.overflow_slots))
-        return list(released)
 
     def queued_work(self, unique: torch.Tensor, num_unique: torch.Tensor, pin: bool,
                     captured: bool = False) -> torch.Tensor:
