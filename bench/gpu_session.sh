@@ -13,10 +13,11 @@
 #                                          copies, over SSD with prefetch, waiting and with the store in stream
 #                                          order (ours-ssd10-os); their stacks, their profiles and each phase of
 #                                          their steps timed unprofiled); zero-copy with its victims written down
-#                                          by the swap itself (--write-back-inline); the store read in stream
-#                                          order against waiting, alone (gpu_hostcalls.py); zero-copy with rows of
-#                                          160 words, each on a 128-byte line (--row-alignment 128); the table
-#                                          whole in HBM (FBGEMM, ours with CUDA graphs and without, torch ops),
+#                                          by the swap itself (--write-back-inline); the store's reads and writes
+#                                          in stream order against waiting, alone (gpu_storeio.py); zero-copy
+#                                          with rows of 160 words, each on a 128-byte line (--row-alignment
+#                                          128); the table whole in HBM (FBGEMM, ours with CUDA graphs and
+#                                          without, torch ops),
 #                                          and again with aligned rows; zero-copy with a move program a block of
 #                                          rows (--move-shape 16x4x64x0, as before the twenty-fifth session);
 #                                          zero-copy's moves by row width (128, 129, 160, and 129 of 160) and the
@@ -43,8 +44,8 @@
 #   bash bench/gpu_session.sh kernels      gpu_kernels.py: the forward and backward kernels alone, by launch shape
 #   bash bench/gpu_session.sh moves        gpu_kernels.py --moves: zero-copy's move kernel, by launch shape
 #   bash bench/gpu_session.sh plan         gpu_kernels.py --plan: a queued plan, by the assign kernel's programs
-#   bash bench/gpu_session.sh hostcalls    gpu_hostcalls.py: 20K rows read from the log store in stream order (a host
-#                                          call) against waiting for the device first, and a host call's own cost
+#   bash bench/gpu_session.sh storeio      gpu_storeio.py: 20K rows read from the log store and 20K written, queued on
+#                                          the stream (StreamIo) against waiting for the device first
 #
 # FBGEMM's GPU TBE (the peer) and rocksdict / lz4 (which tieredemb imports: no table is made without
 # them) do not come with the machine. Stage them from here first (../shared/tools/stage_wheels.sh
@@ -63,8 +64,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 step=${1:-}
 case "$step" in
-  first|tests|interpreted|suite|hbm|host|ssd|device-ids|profile|collection|kernels|moves|plan|hostcalls) ;;
-  *) echo "usage: bash bench/gpu_session.sh first|tests|interpreted|suite|hbm|host|ssd|device-ids|profile|collection|kernels|moves|plan|hostcalls" >&2; exit 2 ;;
+  first|tests|interpreted|suite|hbm|host|ssd|device-ids|profile|collection|kernels|moves|plan|storeio) ;;
+  *) echo "usage: bash bench/gpu_session.sh first|tests|interpreted|suite|hbm|host|ssd|device-ids|profile|collection|kernels|moves|plan|storeio" >&2; exit 2 ;;
 esac
 PY=${PYTHON:-python3}
 OUT=${OUT:-/tmp/gpu_session}
@@ -119,9 +120,9 @@ kernels() {  # kernels NAME ARGS...: gpu_kernels.py (kernels alone, by launch sh
   local name=$1; shift
   timeout -k 15 -s ABRT "$(budget "$LIMIT")" "$PY" bench/gpu_kernels.py "$@" --json "$JSONS/$name.json" 2>&1 | log "$name"
 }
-hostcalls() {  # gpu_hostcalls.py: the store read in stream order (a host call) against waiting, with a log and a JSON
-  timeout -k 15 -s ABRT "$(budget "$LIMIT")" "$PY" bench/gpu_hostcalls.py --dir /tmp --json "$JSONS/hostcalls.json" \
-    2>&1 | log hostcalls
+storeio() {  # gpu_storeio.py: the store's reads and writes queued on the stream against waiting, with a log and a JSON
+  timeout -k 15 -s ABRT "$(budget "$LIMIT")" "$PY" bench/gpu_storeio.py --dir /tmp --json "$JSONS/storeio.json" \
+    2>&1 | log storeio
 }
 collection() {  # bench_collection.py on the GPU, quick, with a log and a JSON
   timeout -k 15 -s ABRT "$(budget "$LIMIT")" "$PY" bench/bench_collection.py --device cuda --quick \
@@ -157,7 +158,7 @@ case "$step" in
     part 200 bench cached --only fbgemm-uvm10,ours-host10-zc,ours-host10-zc-eager,ours-host10,ours-ssd10,ours-ssd10-os \
       --runs 7 --warmup 80 --ssd-path /tmp --stacks /tmp/prof --cprofile /tmp/prof --phases
     part 80 bench cached_inline --only fbgemm-uvm10,ours-host10-zc --runs 9 --warmup 80 --write-back-inline
-    part 60 hostcalls
+    part 60 storeio
     part 80 bench cached_aligned --only fbgemm-uvm10,ours-host10-zc --runs 9 --warmup 80 --row-alignment 128
     part 90 bench hbm --only fbgemm-hbm,ours-hbm,ours-hbm-eager,torch-ops --runs 15 --cprofile /tmp/prof --phases
     part 60 bench hbm_aligned --only fbgemm-hbm,ours-hbm --runs 9 --row-alignment 128
@@ -191,5 +192,5 @@ case "$step" in
   kernels) kernels kernels ;;
   moves) kernels moves --moves ;;
   plan) kernels plan --plan ;;
-  hostcalls) hostcalls ;;
+  storeio) storeio ;;
 esac

@@ -291,7 +291,7 @@ PHASES = (
     ("zero_copy", "move", "zero-copy moves"),
     ("index", "plan_queued", "plan queued (no wait)"),
     ("on_stream", "queued_work", "residency queued over the store"),
-    ("on_stream", "_below", "host call: store written and read (the driver's thread)"),
+    ("on_stream", "wait", "waits for the store's queued calls"),
     ("tier", "draw_marked", "draw marked"),
     ("index", "commit", "commit"),
 )

@@ -22,7 +22,6 @@ torn. Checkpoints are hard links to the segments (free on one filesystem).
 
 from __future__ import annotations
 
-import os
 import re
 
 import torch
@@ -92,6 +91,29 @@ class LogStore(NativeStore):
         if ids_np.size == 0:
             return
         self._write_native(lambda: self._file.write_from(ids_np, src.view(torch.uint8), rows_np), ids_np.size)
+
+    def stream_io(self, kinds: int, fresh: int, dirty: int, mark: int):
+        """A native StreamIo over this table's files (native/ssd/stream_io.h): a GPU tier 0's
+        reads and writes queued on a CUDA stream (tieredemb/gpu/storeio.py); its counts go to
+        count_queued(). None where rows are stored converted (not float32): it moves rows as they
+        are stored. The caller touches the store only after the calls it queued have run."""
+        if self.storage_dtype != torch.float32:
+            return None
+        self._check_open()
+        return native().StreamIo.open(self._file, kinds, fresh, dirty, mark)
+
+    def count_queued(self, counts: dict) -> None:
+        """What a StreamIo's calls did (its take_counts()), counted as write_from and read_to
+        count theirs (a row never written, left marked, as initialized)."""
+        st, found = self._stats, counts["rows_found"]
+        if counts["rows_written"]:
+            st["writes"] += counts["writes"]
+            st["rows_written"] += counts["rows_written"]
+            st["bytes_written"] += counts["rows_written"] * self._row_bytes
+        st["rows_initialized"] += counts["rows_marked"]
+        st["rows_found"] += found
+        st["bytes_read"] += found * self._row_bytes
+        st["reads"] += counts["reads"]
 
     def stats(self) -> dict:
         s = super().stats()

@@ -157,28 +157,42 @@ def test_a_move_into_mapped_host_rows_gets_the_programs_of_the_whole_gpu():
         (zerocopy.WRITE_BACK_PROGRAMS.count * sms,)
 
 
-def test_a_host_call_runs_in_stream_order_between_the_work_around_it():
-    """A host call queued on a busy stream sees what the work before it copied to the host, and
-    the work after it (a copy to the device) sees what it wrote; what one raises is kept."""
-    from tieredemb.gpu.hostfunc import HostCalls
+def test_a_queued_store_call_runs_in_stream_order_between_the_work_around_it(tmp_path):
+    """The log store's StreamIo (gpu/storeio.py) queued on a busy stream: the call reads the plan's
+    transfer the stream copied to the host before it, and the copy to the device after it sees the
+    rows it read (a row never written marked), and the rows it wrote down are the store's."""
+    from ssd_backend.log_store import LogStore
+    from tieredemb.gpu import plan_kernels, storeio
+    from tieredemb.tiers.rowstore import DEFERRED_MARK
 
+    store = LogStore(tmp_path / "t", 4, lambda i, o, r=None: o.zero_() if r is None else o.index_fill_(0, r, 0.0),
+                     {"num_embeddings": 100})
+    rows = torch.arange(40.0).view(10, 4)
+    store.write_from(torch.arange(10), rows, torch.arange(10))
+    io, k = storeio.stream_io(store), plan_kernels.KINDS
+    xfer = torch.zeros(k + 6, dtype=torch.int64)
+    xfer[plan_kernels.FRESH], xfer[plan_kernels.DIRTY] = 3, 2
+    xfer[k:k + 3], xfer[k + 3:k + 5] = torch.tensor([2, 7, 50]), torch.tensor([60, 61])  # (misses, then victims)
+    xfer = xfer.cuda()
+    lists = torch.zeros(k + 6, dtype=torch.int64, pin_memory=True)
+    out, into = torch.full((3, 4), 5.0, pin_memory=True), torch.zeros(3, 4, pin_memory=True)
     stream = torch.cuda.Stream()
-    x = torch.zeros(1 << 20, device="cuda")
-    seen, told = torch.zeros(1, pin_memory=True), torch.zeros(1, pin_memory=True)
-    got, calls = [], HostCalls(stream)
-    stream.wait_stream(torch.cuda.current_stream())  # (x's zeros first)
+    stream.wait_stream(torch.cuda.current_stream())  # (xfer's values first)
     with torch.cuda.stream(stream):
-        torch.cuda._sleep(20_000_000)  # (the stream busy for a while: the call must wait for it)
-        x.fill_(7.0)
-        seen.copy_(x[-1:], non_blocking=True)
-        calls.queue(lambda: (got.append(float(seen[0])), told.fill_(3.0)))
-        after = told.to("cuda", non_blocking=True)
+        torch.cuda._sleep(20_000_000)  # (the stream busy for a while: the call must wait for the copy)
+        lists.copy_(xfer, non_blocking=True)
+        io.queue(stream.cuda_stream, lists, 3, out.view(torch.uint8), into.view(torch.uint8))
+        after = into.to("cuda", non_blocking=True)
     stream.synchronize()
-    assert got == [7.0] and after.item() == 3.0 and calls.ran == 1 and calls.pending() == 0
-    calls.queue(lambda: 1 / 0)
-    stream.synchronize()
-    with pytest.raises(RuntimeError, match="ZeroDivisionError"):
-        calls.raise_error()
+    assert io.error() == "" and torch.equal(after[:2].cpu(), rows[[2, 7]])
+    assert after[2].cpu().view(torch.int32)[0] == DEFERRED_MARK
+    counts = io.take_counts()
+    assert (counts["calls"], counts["reads"], counts["rows_found"], counts["rows_marked"], counts["rows_written"]) == \
+        (1, 3, 2, 1, 2)
+    got = torch.empty(2, 4)
+    store.read(torch.tensor([60, 61]), got)
+    assert (got == 5.0).all()
+    store.close()
 
 
 def test_a_bare_cuda_device_names_the_gpu_current_at_creation():

@@ -1,7 +1,8 @@
-"""Tier 0's reads and writes below in stream order (tieredemb/gpu/storeio.py), on CPU tensors under
-Triton's interpreter (host calls then run at once, where a GPU's stream would reach them): over the
-real log store and the host store, the same outputs, rows, optimizer state and store as the waiting
-path; no residency waits for its plan; a failed store call is raised by the next one and by flush."""
+"""Tier 0's reads and writes of the log store below in stream order (tieredemb/gpu/storeio.py), on
+CPU tensors under Triton's interpreter (the native StreamIo's calls then run at once, where a GPU's
+stream would reach them): over the real log store, the same outputs, rows, optimizer state and store
+counters as the waiting path; no residency waits for its plan; a failed store call is raised by the
+next residency and by flush."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ def _batches(seed, steps, bags=10, length=6):
 
 def _table(on_stream: bool, cache_rows: int, path, monkeypatch, dtype=torch.float32):
     monkeypatch.setattr(storeio, "ON_STREAM", on_stream)
-    kw = dict(ssd_path=str(path), ssd_options={"backend": "log"}) if path is not None else {}
+    kw = dict(ssd_path=str(path), ssd_options={"backend": "log"})
     emb = tieredemb.TieredEmbeddingBag(NUM, D, "sum", optimizer=tieredemb.RowWiseAdagrad(lr=0.1), cache_rows=cache_rows,
                                        seed=2, dtype=dtype, **kw)
     g = torch.Generator().manual_seed(1)
@@ -38,16 +39,15 @@ def _table(on_stream: bool, cache_rows: int, path, monkeypatch, dtype=torch.floa
     return emb
 
 
-@pytest.mark.parametrize("store, cache_rows, depth", [("log", 8, 0), ("log", 64, 0), ("log", 8, 2), ("host", 8, 0)],
-                         ids=["log-cache8", "log-cache64", "log-prefetch", "host-cache8"])
-def test_reads_and_writes_in_stream_order_train_as_the_waiting_path(store, cache_rows, depth, tmp_path, monkeypatch):
+@pytest.mark.parametrize("cache_rows, depth", [(8, 0), (64, 0), (8, 2)], ids=["cache8", "cache64", "prefetch"])
+def test_reads_and_writes_in_stream_order_train_as_the_waiting_path(cache_rows, depth, tmp_path, monkeypatch):
     """cache 8: overflow slots, and rows lingering in them that leave and come back (written down,
     then read back, in one host call). Between the halves, rows written from outside (some held in
     tier 0) and a flush. Without prefetch no residency waits for its plan (no SetIndex._plan)."""
     data = _batches(6, 6)
 
     def run(on_stream):
-        emb = _table(on_stream, cache_rows, tmp_path / f"t{int(on_stream)}" if store == "log" else None, monkeypatch)
+        emb = _table(on_stream, cache_rows, tmp_path / f"t{int(on_stream)}", monkeypatch)
         outs = []
         for first, part in ((True, data[:3]), (False, data[3:])):
             with monkeypatch.context() as m:
@@ -65,35 +65,44 @@ def test_reads_and_writes_in_stream_order_train_as_the_waiting_path(store, cache
     assert [torch.equal(a, b) for a, b in zip(outs, plain_outs)] == [True] * 6
     assert torch.equal(rows_and_state(streamed).view(torch.int32), rows_and_state(plain).view(torch.int32))
     st, st_plain = streamed.stats(), plain.stats()
-    below = "ssd" if store == "log" else "store"
-    assert st[below]["rows_written"] > 0 and st["tier0"]["bytes_in"] > 0 and st["tier0"]["bytes_out"] > 0
+    assert st["ssd"]["rows_written"] > 0 and st["tier0"]["bytes_in"] > 0 and st["tier0"]["bytes_out"] > 0
+    assert st["ssd"]["rows_initialized"] > 0 and st["ssd"]["rows_found"] > 0  # (both kinds of miss read)
     if depth == 0:  # (with prefetch the batches are made resident at other times: other victims)
-        assert st[below] == st_plain[below]
+        assert st["ssd"] == st_plain["ssd"]
         assert {k: st["tier0"][k] for k in ("hits", "misses", "bytes_in", "bytes_out")} == \
             {k: st_plain["tier0"][k] for k in ("hits", "misses", "bytes_in", "bytes_out")}
-    assert streamed._store.tier0.on_stream.calls.ran > 0
+    assert streamed._store.tier0.on_stream.queued_calls > 0
 
 
-def test_a_failed_store_read_is_raised_by_the_next_residency_and_by_flush(tmp_path, monkeypatch):
-    """The read runs in a host call, where nothing can raise to the caller: its error is kept and
-    raised by the next residency and every call after (the table is then unusable: see storeio)."""
-    from ssd_backend.log_store import LogStore
-
+def test_a_failed_store_call_is_raised_by_the_next_residency_and_by_flush(tmp_path, monkeypatch):
+    """A store call runs where nothing can raise to the caller (on a GPU, the driver's thread): its
+    error is kept and raised by the next residency and every call after (the table is then
+    unusable: see storeio). The failure here: the store's files closed under the tier."""
     emb = _table(True, 8, tmp_path / "t", monkeypatch)
     data = _batches(7, 3)
     train(emb, data[:1])
-    monkeypatch.setattr(LogStore, "read_to", lambda *a, **k: (_ for _ in ()).throw(OSError("the disk is gone")))
-    train(emb, data[1:2])  # (its read fails in the host call; the caller goes on)
-    with pytest.raises(RuntimeError, match="the disk is gone"):
-        train(emb, data[2:])
-    with pytest.raises(RuntimeError, match="the disk is gone"):
+    store = emb._store.tier0.lower
+    store._file.close()
+    train(emb, data[1:2])  # (its reads and writes fail in the queued call; the caller goes on)
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="closed with its reads and writes still queued"):
+            train(emb, data[2:])
+    with pytest.raises(RuntimeError, match="closed with its reads and writes still queued"):
         emb.flush()
+    assert emb._store.tier0.on_stream.io.take_counts()["calls"] == 2  # (the failed one ran, and no later one)
 
 
-def test_on_stream_is_off_for_a_table_held_whole_and_with_a_host_cache_between(tmp_path, monkeypatch):
+def test_on_stream_is_only_for_a_log_store_of_float32_rows_right_below_a_cache(tmp_path, monkeypatch):
     monkeypatch.setattr(storeio, "ON_STREAM", True)
-    whole = on_cpu_tensors(tieredemb.TieredEmbeddingBag(NUM, D, cache_rows=None), None)
-    cached = tieredemb.TieredEmbeddingBag(NUM, D, cache_rows=8, host_rows=40, ssd_path=str(tmp_path / "c"),
-                                          ssd_options={"backend": "log"})
-    cached = on_cpu_tensors(cached, 8)
-    assert whole._store.tier0.on_stream is None and cached._store.tier0.on_stream is None
+    log = dict(ssd_options={"backend": "log"})
+    tables = {"whole": (tieredemb.TieredEmbeddingBag(NUM, D, cache_rows=None, ssd_path=str(tmp_path / "w"), **log),
+                        None),
+              "host cache between": (tieredemb.TieredEmbeddingBag(NUM, D, cache_rows=8, host_rows=40,
+                                                                   ssd_path=str(tmp_path / "c"), **log), 8),
+              "host store": (tieredemb.TieredEmbeddingBag(NUM, D, cache_rows=8), 8),
+              "float16 rows": (tieredemb.TieredEmbeddingBag(
+                  NUM, D, cache_rows=8, ssd_path=str(tmp_path / "h"),
+                  ssd_options={"backend": "log", "storage_dtype": torch.float16}), 8)}
+    on = {name: on_cpu_tensors(emb, rows)._store.tier0.on_stream is not None for name, (emb, rows) in tables.items()}
+    assert on == dict.fromkeys(tables, False)
+    assert _table(True, 8, tmp_path / "yes", monkeypatch)._store.tier0.on_stream is not None

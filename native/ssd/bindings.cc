@@ -14,6 +14,7 @@
 #include "common/bindings.h"
 #include "ssd/log_file.h"
 #include "ssd/slot_file.h"
+#include "ssd/stream_io.h"
 
 namespace tieredemb {
 
@@ -32,6 +33,13 @@ struct PyFile {
 };
 using PySlotFile = PyFile<SlotFile>;
 using PyLogFile = PyFile<LogFile>;
+
+// A StreamIo and the Python LogFile it reads and writes (kept alive with it).
+struct PyStreamIo {
+  nb::object file;
+  int64_t row_bytes = 0;
+  std::unique_ptr<StreamIo> io;  // (a call finds the files closed, if they are, when it runs: an error it keeps)
+};
 
 // The rows of a pool named by index (read_to's destination, write_from's source; `what` names
 // the pool): rows of row_bytes, one index per id, each inside the pool. The O(n) part of the
@@ -170,6 +178,46 @@ void register_ssd(nb::module_& m) {
             return d;
           });
   add_common<PyLogFile>(log);
+
+  nb::class_<PyStreamIo>(m, "StreamIo", "A GPU tier 0's reads and writes of a log store queued on a CUDA stream "
+                                        "(ssd/stream_io.h)")
+      .def_static("open", [](nb::object file, int64_t kinds, int64_t fresh, int64_t dirty, uint32_t mark) {
+            PyLogFile& f = nb::cast<PyLogFile&>(file);
+            f.get();  // (open now)
+            if (kinds < 1 || fresh < 0 || fresh >= kinds || dirty < 0 || dirty >= kinds)
+              throw nb::value_error("fresh and dirty must be counts among the transfer's first `kinds` entries");
+            auto py = std::make_unique<PyStreamIo>();
+            py->file = file;
+            py->row_bytes = f.get().row_bytes();
+            py->io = std::make_unique<StreamIo>(&f.file, kinds, fresh, dirty, mark);
+            return py;
+          }, "file"_a, "kinds"_a, "fresh"_a, "dirty"_a, "mark"_a)
+      .def("queue", [](PyStreamIo& self, uintptr_t stream, Ids xfer, int64_t n, ConstBytes out, Bytes into) {
+            const int64_t row_bytes = self.row_bytes;
+            if (static_cast<int64_t>(out.shape(1)) != row_bytes || static_cast<int64_t>(into.shape(1)) != row_bytes)
+              throw nb::value_error(("out and into must be blocks of rows of " + std::to_string(row_bytes) +
+                                     " bytes").c_str());
+            run_without_gil([&] {
+              return self.io->Queue(stream, xfer.data(), static_cast<int64_t>(xfer.shape(0)), n, out.data(),
+                                    static_cast<int64_t>(out.shape(0)), into.data(),
+                                    static_cast<int64_t>(into.shape(0)));
+            });
+          }, "stream"_a, "xfer"_a.noconvert(), "n"_a, "out"_a.noconvert(), "into"_a.noconvert(),
+          "queues one residency's I/O on stream (a CUstream handle; 0: runs it now): the dirty victims out[0, D) "
+          "written down, then the misses read into into[0, F); the counts read from xfer when it runs")
+      .def("error", [](PyStreamIo& self) { return self.io->error(); },
+           "the first failed call's error, '' for none (a failed call stops every later one)")
+      .def("take_counts", [](PyStreamIo& self) {
+            StreamIo::Counts c = self.io->TakeCounts();
+            nb::dict d;
+            d["writes"] = c.writes;
+            d["rows_written"] = c.rows_written;
+            d["reads"] = c.reads;
+            d["rows_found"] = c.rows_found;
+            d["rows_marked"] = c.rows_marked;
+            d["calls"] = c.calls;
+            return d;
+          }, "what the calls did since the last take_counts(); calls: those run (done or stopped by an error)");
 }
 
 }  // namespace tieredemb

@@ -1,5 +1,5 @@
-"""Tier 0's reads and writes below, in stream order: a residency over a store (the log store, the
-host store) queued with no wait for the device, as FBGEMM's SSD tier queues its key-value reads.
+"""Tier 0's reads and writes of the log store below it, in stream order: a residency queued with no
+wait for the device, as FBGEMM's SSD tier queues its key-value reads on the stream.
 
 The waiting path (DeviceTier.resident) plans, waits for the plan's transfer, writes the dirty
 victims down, reads the misses, and only then queues their copy to the device: a prefetch worker
@@ -9,51 +9,56 @@ the tier's stream at once, and the host goes on to the next batch:
 
 1. the plan, its counts left on the device (SetIndex.plan_queued);
 2. the dirty victims' rows moved out of their slots into a pinned block (moves.move_rows, as many
-   as the device counted), and the plan's lists copied into pinned memory;
-3. a host call (gpu/hostfunc.py), run by the driver when the stream gets there: it reads the
-   counts, writes the victims down (lower.write_from) and reads the misses into a second pinned
-   block (lower.read_to; rows never stored left marked, for the device to draw);
+   as the device counted), and the plan's transfer copied into pinned memory;
+3. the store's part, a host function the driver runs when the stream gets there (the log store's
+   native StreamIo, native/ssd/stream_io.h: no Python, no GIL): it reads the counts, writes the
+   victims down and reads the misses into a second pinned block, a row never stored marked for
+   the device to draw;
 4. the misses' rows moved from that block into their slots, the marked ones drawn, the commit.
 
-Every user of the store waits for the host calls queued before it: DeviceTier._after_residencies
-(which every read, write, flush and count of the table goes through, under the table's lock, as
-every residency is) waits for the tier's stream. So the store still has one caller at a time.
+Every user of the store waits for the calls queued before it: DeviceTier._after_residencies, which
+every read, write, flush and count of the table goes through (under the table's lock, as every
+residency is), waits for the tier's stream. So the store still has one caller at a time.
 
 The price: a failed write or read below is raised by the next residency or flush, and every one
-after (HostCalls keeps it): by then the commit that followed it has run, so tier 0 holds rows that
-were not read, and the table must be dropped (the waiting path leaves tier 0 as it was). And the
-two pinned blocks, as large as a batch's ids (and the overflow slots) may be, for the table's life.
+after: by then the commit that followed it has run, so tier 0 holds rows that were not read, and
+the table must be dropped (the waiting path leaves tier 0 as it was). And two pinned blocks as
+large as a batch's ids (and the overflow slots) may need, for the table's life.
 
-On for tables made while ON_STREAM is True (bench/bench_gpu.py's ours-ssd10-os): a measurement
-switch, until a GPU says which way is faster.
+For tables made while ON_STREAM is True, over a log store right below tier 0 that stores float32
+(bench/bench_gpu.py's ours-ssd10-os): a measurement switch, until a GPU says which way is faster.
 """
 
 from __future__ import annotations
 
-import contextlib
-import threading
-
 import torch
 
+from ..tiers.rowstore import DEFERRED_MARK
 from . import moves, plan_kernels
-from .hostfunc import HostCalls
 from .queued import QueuedResidency
 
 ON_STREAM = False
 
 
-class StoreOnStream(QueuedResidency):
-    """A DeviceTier's residencies over the store right below it, with the store's reads and writes
-    queued as host calls on the tier's stream (see above)."""
+def stream_io(lower):
+    """The store's native StreamIo for a tier's plans (their transfer's layout), or None where the
+    store has none (only the log store, storing float32, has one)."""
+    make = getattr(lower, "stream_io", None)
+    if make is None:
+        return None
+    return make(plan_kernels.KINDS, plan_kernels.FRESH, plan_kernels.DIRTY, DEFERRED_MARK)
 
-    def __init__(self, tier):
+
+class StoreOnStream(QueuedResidency):
+    """A DeviceTier's residencies over the log store right below it (io: its StreamIo), the store's
+    reads and writes queued on the tier's stream (see above)."""
+
+    def __init__(self, tier, io):
         super().__init__(tier)
-        self.calls = HostCalls(tier.stream)
-        self.blocks = None  # (rows out, rows in, the plan's lists): pinned on a GPU, grown as batches need
-        self.order = torch.empty(0, dtype=torch.int64)  # 0, 1, ... on the host (the blocks' row numbers)
-        self.order_device = torch.empty(0, dtype=torch.int64, device=tier.device)
-        self.moved = [0, 0]  # rows read and written by the host calls since settle() last looked
-        self._moved_lock = threading.Lock()
+        self.io = io
+        self.queued_calls = 0
+        self.blocks = None  # (rows out, rows in, the plan's transfer): pinned on a GPU, grown as batches need
+        self.order_device = torch.empty(0, dtype=torch.int64, device=tier.device)  # 0, 1, ...: the blocks' rows
 
     def queues(self, check, allow_overflow: bool) -> bool:
         """As QueuedResidency's, allow_overflow aside: a batch is never refused for room, since
@@ -72,22 +77,21 @@ class StoreOnStream(QueuedResidency):
         if self.blocks is None or self.blocks[0].shape[0] < victims or self.blocks[1].shape[0] < n \
                 or self.blocks[2].numel() < total:
             if self.blocks is not None and tier.stream is not None:
-                tier.stream.synchronize()  # (queued moves and host calls read the old blocks)
+                tier.stream.synchronize()  # (queued moves and host functions read the old blocks)
             pin = tier.device.type == "cuda"
             self.blocks = (torch.empty(victims, tier.width, pin_memory=pin), torch.empty(n, tier.width, pin_memory=pin),
                            torch.empty(total, dtype=torch.int64, pin_memory=pin))
-            self.order = torch.arange(victims)  # (victims >= n)
-            self.order_device = self.order.to(tier.device)
+            self.order_device = torch.arange(victims, device=tier.device)  # (victims >= n)
         out, into, lists = self.blocks
         return out, into, lists[:total]
 
     def queued_work(self, unique: torch.Tensor, num_unique: torch.Tensor, pin: bool,
                     captured: bool = False) -> torch.Tensor:
         """A queued residency (see the module's steps) on the current stream, under index_lock:
-        its slots. Raises a failed host call's error first (HostCalls)."""
+        its slots. Raises a failed store call's error first."""
         if captured:
-            raise ValueError("a residency over a store reads it on the host: it cannot be captured as a CUDA graph")
-        self.calls.raise_error()
+            raise ValueError("a residency over a log store reads it on the host: it cannot be captured as a CUDA graph")
+        self.raise_error()
         tier = self.tier
         n = unique.numel()
         plan = tier.index.plan_queued(unique, num_unique, tier.num_embeddings)
@@ -97,38 +101,37 @@ class StoreOnStream(QueuedResidency):
         moves.move_rows(tier.pool.rows, plan.dirty_slots, out, self.order_device[:plan.dirty_slots.numel()],
                         count=xfer[dirty:dirty + 1])
         lists.copy_(xfer, non_blocking=True)
-        self.calls.queue(lambda: self._below(n, out, into, lists))
+        as_bytes = (out.view(torch.uint8), into.view(torch.uint8))
+        if tier.stream is None:  # (CPU tensors: at once, on this thread)
+            self.io.queue(0, lists, n, *as_bytes)
+        else:
+            with torch.cuda.device(tier.device):  # (the driver's call needs the device's context current)
+                self.io.queue(torch.cuda.current_stream(tier.device).cuda_stream, lists, n, *as_bytes)
+        self.queued_calls += 1
         moves.move_rows(into, self.order_device[:n], tier.pool.rows, plan.miss_slots, count=xfer[fresh:fresh + 1])
         if tier.draws_misses:
             tier.draw_marked(plan, xfer[fresh:fresh + 1])
         tier.index.commit_queued(plan, pin)
         return plan.slots
 
-    def _below(self, n: int, out: torch.Tensor, into: torch.Tensor, host: torch.Tensor) -> None:
-        """The host call: the plan's dirty victims (rows out[0:D]) written down, then its misses
-        read into into[0:F] (a lingering overflow row may be both: written first). No CUDA here."""
-        tier, k = self.tier, plan_kernels.KINDS
-        counts = host[:k].tolist()
-        dirty, fresh = counts[plan_kernels.DIRTY], counts[plan_kernels.FRESH]
-        if dirty:
-            tier.lower.write_from(host[k + n:k + n + dirty], out, self.order[:dirty])
-        if fresh:
-            with tier.init.deferred() if tier.draws_misses else contextlib.nullcontext():
-                tier.lower.read_to(host[k:k + fresh], into, self.order[:fresh])
-        with self._moved_lock:
-            self.moved[0] += fresh
-            self.moved[1] += dirty
+    def raise_error(self) -> None:
+        """A failed store call's error (RuntimeError), if one failed: then, and after, every time."""
+        error = self.io.error()
+        if error:
+            raise RuntimeError(f"tier 0's reads and writes of the log store below, queued on its stream: {error} "
+                               "(tier 0 went on without them: drop the table)")
 
     def wait(self) -> None:
-        """Waits for every host call queued so far (the tier's stream), then raises a failed one's
+        """Waits for every store call queued so far (the tier's stream), then raises a failed one's
         error. Before the store is touched from here (DeviceTier._after_residencies)."""
         if self.tier.stream is not None:
             self.tier.stream.synchronize()
-        self.calls.raise_error()
+        self.raise_error()
 
     def settle(self) -> None:
-        """The rows the host calls moved, added to the tier's bytes moved (after wait())."""
-        with self._moved_lock:
-            (reads, wrote), self.moved = self.moved, [0, 0]
-        self.tier.bytes_in += reads * self.tier.row_bytes
-        self.tier.bytes_out += wrote * self.tier.row_bytes
+        """What the store calls did, counted: the tier's bytes moved, the store's counters (after wait())."""
+        counts = self.io.take_counts()
+        tier = self.tier
+        tier.bytes_in += counts["reads"] * tier.row_bytes
+        tier.bytes_out += counts["rows_written"] * tier.row_bytes
+        tier.lower.count_queued(counts)

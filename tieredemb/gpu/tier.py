@@ -131,9 +131,10 @@ class DeviceTier:
         # (torch hands streams out of a pool of 32 a device, round robin: past 32 tables, or beside
         # a user's own torch.cuda.Stream, one may be shared; that orders more, never less)
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        # the store right below read and written in stream order, by host calls (gpu/storeio.py)
-        on_stream = storeio.ON_STREAM and not zero_copy and lower_is_store and isinstance(self.index, SetIndex)
-        self.on_stream = storeio.StoreOnStream(self) if on_stream else None
+        # the log store right below read and written in stream order (gpu/storeio.py)
+        io = storeio.stream_io(lower) if (storeio.ON_STREAM and not zero_copy and lower_is_store
+                                          and isinstance(self.index, SetIndex)) else None
+        self.on_stream = storeio.StoreOnStream(self, io) if io is not None else None
         self.queued = self.zero_copy or self.on_stream  # (a residency queued without a wait: gpu/queued.py)
         self._before_residencies()  # (the pool's and the index's zeros are in place before any residency)
         self.index_lock = locks.Counted(reentrant=True)  # as CacheTier's (the worker plans while training releases)
