@@ -35,6 +35,7 @@ alone.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -107,8 +108,8 @@ def run(a, folder: str) -> int:
     order_host, order = torch.arange(n), torch.arange(n, device=dev)
     io = storeio.stream_io(store)
 
-    def queue(xfer_host, m):
-        handle = torch.cuda.current_stream(dev).cuda_stream if gpu else 0
+    def queue(xfer_host, m):  # (on the current stream: a side stream, as tier 0's; on the CPU, at once)
+        handle = torch.cuda.current_stream(dev).cuda_stream if gpu else None
         io.queue(handle, xfer_host, m, out.view(torch.uint8), into.view(torch.uint8))
 
     def wait_way(xfer, in_slots, out_slots):
@@ -148,12 +149,19 @@ def run(a, folder: str) -> int:
         return (time.perf_counter() - t0) / len(batches) * 1e6, host / len(batches) * 1e6
 
     ways = {"wait": wait_way, "queued": queued_way, "wait+busy": busy(wait_way), "queued+busy": busy(queued_way)}
-    for way in ways.values():  # (compiles the moves; warms the store's pages)
-        one_run(way)
+    side = torch.cuda.Stream(dev) if gpu else None  # (everything on a stream of its own, as a tier's residencies)
+    on_side = (lambda: torch.cuda.stream(side)) if gpu else contextlib.nullcontext
+    with on_side():
+        for way in ways.values():  # (compiles the moves; warms the store's pages)
+            one_run(way)
     got = {w: [] for w in ways}
+    compactions = dict.fromkeys(ways, 0)  # (a compaction rewrites a segment: it lands in whichever way ran it)
     for _ in range(a.runs):
         for w, way in ways.items():
-            got[w].append(one_run(way))
+            before = store.stats()["compactions"]
+            with on_side():
+                got[w].append(one_run(way))
+            compactions[w] += store.stats()["compactions"] - before
             xfer, in_slots, _ = batches[-1]
             want = torch.empty(n, WIDTH)
             store.read(xfer[k:k + n].cpu(), want)
@@ -164,15 +172,17 @@ def run(a, folder: str) -> int:
     for w in ways:
         wall = statistics.median(x for x, _ in got[w])
         host = statistics.median(h for _, h in got[w])
-        result[w] = {"wall_us": wall, "host_us": host, "runs": got[w]}
-        print(f"{w:>12}: {wall:9.1f} us a batch, the host busy {host:9.1f} us of it")
+        result[w] = {"wall_us": wall, "host_us": host, "runs": got[w], "compactions": compactions[w]}
+        print(f"{w:>12}: {wall:9.1f} us a batch, the host busy {host:9.1f} us of it ({compactions[w]} compactions "
+              f"in its runs)")
     for slow, fast in (("wait", "queued"), ("wait+busy", "queued+busy")):
         paired = statistics.median(x / y for (x, _), (y, _) in zip(got[slow], got[fast]))
         ratio = result[slow]["wall_us"] / result[fast]["wall_us"]
         result[f"{slow} / {fast}"] = {"ratio": ratio, "paired": paired}
         print(f"{slow} / {fast}: {ratio:.2f}x a batch (paired {paired:.2f}x)")
     print("the pool's rows equal the store's after every run")
-    result["empty_call"] = call_cost(a, dev, io, k, queue)
+    with on_side():
+        result["empty_call"] = call_cost(a, dev, io, k, queue)
     store.close()
     if a.json:
         with open(a.json, "w") as f:

@@ -242,8 +242,8 @@ def test_prefetch_over_ssd_gives_the_same_weights(tmp_path):
 @pytest.mark.parametrize("depth", [0, 2], ids=["plain", "prefetch"])
 @pytest.mark.parametrize("cache_rows", [150, 8], ids=["cache", "overflow"])
 def test_the_store_read_in_stream_order_gives_the_same_weights(tmp_path, monkeypatch, cache_rows, depth):
-    """gpu/storeio.py: the log store read and written by host calls on tier 0's stream trains the
-    same bits as the waiting path, and a flush and stats() after it see every row."""
+    """gpu/storeio.py: the log store read and written by calls queued on tier 0's stream (StreamIo)
+    trains the same bits as the waiting path, and counts the same store work."""
     from tieredemb.gpu import storeio
 
     ssd = dict(ssd_options={"backend": "log"})
@@ -251,11 +251,14 @@ def test_the_store_read_in_stream_order_gives_the_same_weights(tmp_path, monkeyp
     monkeypatch.setattr(storeio, "ON_STREAM", True)
     streamed, out_streamed = _train("cuda", "sum", cache_rows=cache_rows, ssd_path=tmp_path / "b", depth=depth, **ssd)
     on_stream = streamed._store.tier0.on_stream
-    assert on_stream is not None and on_stream.calls.ran > 0 and on_stream.calls.pending() == 0 or \
-        pytest.fail("no host call ran")
+    assert on_stream is not None and on_stream.queued_calls > 0 and on_stream.io.error() == ""
     assert torch.equal(out_plain, out_streamed) and torch.equal(_table(plain), _table(streamed))
     streamed.flush()
-    assert streamed.stats()["ssd"]["rows_written"] > 0 and on_stream.calls.pending() == 0
+    plain.flush()
+    st, st_plain = streamed.stats(), plain.stats()
+    assert st["ssd"]["rows_written"] > 0 and st["ssd"]["reads"] > 0
+    if depth == 0:  # (with prefetch the batches are made resident at other times: other victims)
+        assert st["ssd"] == st_plain["ssd"]
 
 
 def test_rows_never_written_are_drawn_on_the_gpu_as_on_the_cpu():

@@ -90,6 +90,41 @@ def test_a_failed_store_call_is_raised_by_the_next_residency_and_by_flush(tmp_pa
     with pytest.raises(RuntimeError, match="closed with its reads and writes still queued"):
         emb.flush()
     assert emb._store.tier0.on_stream.io.take_counts()["calls"] == 2  # (the failed one ran, and no later one)
+    with pytest.raises(Exception):  # (the flush's error; then the store's own, its files closed here)
+        emb.close()
+    assert store._closed  # (its lock let go all the same)
+
+
+def test_a_batch_not_allowed_overflow_is_refused_past_tier0s_capacity_and_changes_nothing(tmp_path, monkeypatch):
+    """A prefetcher's residencies (allow_overflow False) are queued too, the overflow slots grown
+    for them, but not past tier 0's capacity: then refused, as on the waiting path, until a
+    release makes room."""
+    emb = _table(True, 8, tmp_path / "t", monkeypatch)
+    store, tier = emb._store, emb._store.tier0
+    ids = [b[0] for b in _batches(8, 2, length=60)]  # (600 ids a batch: two pinned need more overflow slots)
+    first = store.prepare(ids[0])  # (allowed overflow: pinned)
+    slots_before = tier.index.overflow_slots
+    assert tier.pinned_ids + 600 > slots_before > tier.index.capacity  # (the next would grow them, past 8)
+    assert store.make_resident(store.dedup(ids[1], in_plan=True), allow_overflow=False) is None
+    assert tier.index.overflow_slots == slots_before and store.batches_held() == 1
+    store.release(first)
+    second = store.make_resident(store.dedup(ids[1], in_plan=True), allow_overflow=False)
+    assert second is not None
+    store.release(second)
+
+
+def test_a_table_dropped_unflushed_lets_its_queued_calls_finish_first(tmp_path, monkeypatch):
+    """The queued calls hold raw pointers to the StreamIo and its pinned blocks: those are held
+    until the stream is past them (on CPU tensors, at once), then let go."""
+    import gc
+
+    emb = _table(True, 8, tmp_path / "t", monkeypatch)
+    train(emb, _batches(9, 2))
+    held = emb._store.tier0.on_stream._held
+    assert held["io"] is not None and held["blocks"] is not None
+    del emb
+    gc.collect()
+    assert held == {}
 
 
 def test_on_stream_is_only_for_a_log_store_of_float32_rows_right_below_a_cache(tmp_path, monkeypatch):

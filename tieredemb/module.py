@@ -118,9 +118,11 @@ class _TieredBase(Persistence, nn.Module):
         if self._closed:
             return
         self._prefetch.shutdown()
-        self.flush()
-        self._store.close()
-        self._closed = True
+        try:
+            self.flush()
+        finally:  # (the tiers and the store's lock let go even when the flush failed: it is raised)
+            self._closed = True
+            self._store.close()
 
     def _prefetchers(self) -> list:
         return [self._prefetch]

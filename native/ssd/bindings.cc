@@ -1,10 +1,12 @@
 // Python bindings of SlotFile and LogFile (the native SSD files), in ssd_backend._C. Rows cross
 // as uint8 [n, row_bytes] blocks (a float32 / float16 / bfloat16 torch tensor viewed as uint8),
 // ids as int64 [n]; every batch call releases the GIL, its checks included (common/bindings.h).
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/unique_ptr.h>
 
 #include <memory>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
@@ -192,18 +194,20 @@ void register_ssd(nb::module_& m) {
             py->io = std::make_unique<StreamIo>(&f.file, kinds, fresh, dirty, mark);
             return py;
           }, "file"_a, "kinds"_a, "fresh"_a, "dirty"_a, "mark"_a)
-      .def("queue", [](PyStreamIo& self, uintptr_t stream, Ids xfer, int64_t n, ConstBytes out, Bytes into) {
+      .def("queue", [](PyStreamIo& self, std::optional<uintptr_t> stream, Ids xfer, int64_t n, ConstBytes out,
+                       Bytes into) {
             const int64_t row_bytes = self.row_bytes;
             if (static_cast<int64_t>(out.shape(1)) != row_bytes || static_cast<int64_t>(into.shape(1)) != row_bytes)
               throw nb::value_error(("out and into must be blocks of rows of " + std::to_string(row_bytes) +
                                      " bytes").c_str());
             run_without_gil([&] {
-              return self.io->Queue(stream, xfer.data(), static_cast<int64_t>(xfer.shape(0)), n, out.data(),
+              return self.io->Queue(!stream.has_value(), stream.value_or(0), xfer.data(), static_cast<int64_t>(xfer.shape(0)), n, out.data(),
                                     static_cast<int64_t>(out.shape(0)), into.data(),
                                     static_cast<int64_t>(into.shape(0)));
             });
           }, "stream"_a, "xfer"_a.noconvert(), "n"_a, "out"_a.noconvert(), "into"_a.noconvert(),
-          "queues one residency's I/O on stream (a CUstream handle; 0: runs it now): the dirty victims out[0, D) "
+          "queues one residency's I/O on stream (a CUstream handle: torch.cuda.Stream.cuda_stream; None: runs it "
+          "now, on this thread): the dirty victims out[0, D) "
           "written down, then the misses read into into[0, F); the counts read from xfer when it runs")
       .def("error", [](PyStreamIo& self) { return self.io->error(); },
            "the first failed call's error, '' for none (a failed call stops every later one)")

@@ -35,14 +35,14 @@ const Driver& driver() {
 
 }  // namespace
 
-Status StreamIo::Queue(uintptr_t stream, const int64_t* xfer, int64_t xfer_len, int64_t n, const uint8_t* out,
-                       int64_t out_rows, uint8_t* into, int64_t in_rows) {
+Status StreamIo::Queue(bool now, uintptr_t stream, const int64_t* xfer, int64_t xfer_len, int64_t n,
+                       const uint8_t* out, int64_t out_rows, uint8_t* into, int64_t in_rows) {
   if (n < 0 || xfer_len < kinds_ + n || in_rows < n)
     return Status::ValueError("a plan of " + std::to_string(n) + " ids with a transfer of " + std::to_string(xfer_len) +
                               " entries and a block of " + std::to_string(in_rows) +
                               " rows for its misses: both must hold at least its ids");
   auto* job = new Job{this, xfer, xfer_len, n, out, out_rows, into, in_rows};
-  if (stream == 0) {
+  if (now) {
     Run(job);
     return Status::Ok();
   }

@@ -10,7 +10,7 @@
 // word, for the device to draw it: tiers/rowstore.py's DEFERRED_MARK).
 //
 // libcuda is found at run time (dlopen of libcuda.so.1): nothing CUDA to build against. On a
-// machine without it, only stream 0 works: the call then runs at once, on the caller's thread.
+// machine without it, a call can only be run at once, on the caller's thread (now).
 //
 // Errors: a failed write or read is kept (the first one), and every later call does nothing; the
 // caller reads it with error(). Counts: what the calls did since take_counts() last looked.
@@ -39,11 +39,13 @@ class StreamIo {
   StreamIo(const std::unique_ptr<LogFile>* file, int64_t kinds, int64_t fresh, int64_t dirty, uint32_t mark)
       : file_(file), kinds_(kinds), fresh_(fresh), dirty_(dirty), mark_(mark) {}
 
-  // Queues one residency's I/O on stream (a CUstream; 0: runs it now): xfer, the transfer block
-  // (xfer_len entries) of a plan of n ids, pinned, read when the call runs; out, into: blocks of
-  // out_rows and in_rows rows of the file's row_bytes. Every pointer must stay valid until the call
-  // has run. Returns an error only if it could not be queued (then nothing is).
-  Status Queue(uintptr_t stream, const int64_t* xfer, int64_t xfer_len, int64_t n, const uint8_t* out,
+  // Queues one residency's I/O on stream (a CUstream: 0 is the legacy default stream), or runs
+  // it now on this thread (now: CPU tensors, no stream): xfer, the transfer block (xfer_len
+  // entries) of a plan of n ids, pinned, read when the call runs; out, into: blocks of out_rows
+  // and in_rows rows of the file's row_bytes. Every pointer must stay valid until the call has run
+  // (the caller waits for the stream before it frees them). Returns an error only if it could not
+  // be queued (then nothing is).
+  Status Queue(bool now, uintptr_t stream, const int64_t* xfer, int64_t xfer_len, int64_t n, const uint8_t* out,
                int64_t out_rows, uint8_t* into, int64_t in_rows);
   std::string error();  // the first failed call's error ("" for none)
   Counts TakeCounts();

@@ -1,7 +1,9 @@
 """Tier 0 on a GPU: the tier (tier.py), its index (index.py, plan_kernels.py; direct_index.py for
 a tier holding every row), device inputs' checks (checks.py), the batch's dedup (dedup.py), the
-lookup kernels (pooling.py), rows drawn on the device (rowinit.py), and zero-copy moves to and
-from host rows mapped into the GPU (zerocopy.py, moves.py, hostmap.py); the kernels in Triton."""
+lookup kernels (pooling.py), rows drawn on the device (rowinit.py), residencies queued with no wait
+for the device (queued.py): zero-copy moves to and from host rows mapped into the GPU (zerocopy.py,
+moves.py, hostmap.py), and a log store's reads and writes queued on the stream (storeio.py); the
+kernels in Triton."""
 
 from __future__ import annotations
 

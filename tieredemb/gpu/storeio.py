@@ -31,6 +31,8 @@ For tables made while ON_STREAM is True, over a log store right below tier 0 tha
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from ..tiers.rowstore import DEFERRED_MARK
@@ -59,13 +61,28 @@ class StoreOnStream(QueuedResidency):
         self.queued_calls = 0
         self.blocks = None  # (rows out, rows in, the plan's transfer): pinned on a GPU, grown as batches need
         self.order_device = torch.empty(0, dtype=torch.int64, device=tier.device)  # 0, 1, ...: the blocks' rows
+        # What the queued calls use, held until the stream is past them, even if the table is dropped
+        # without a flush (an exception unwinding a training loop): the calls hold raw pointers.
+        self._held = {"io": io, "blocks": None}
+        weakref.finalize(self, _after_the_stream, tier.stream, self._held)
 
     def queues(self, check, allow_overflow: bool) -> bool:
-        """As QueuedResidency's, allow_overflow aside: a batch is never refused for room, since
-        _room grows the overflow slots to the ids pinned and this batch's (bounded by the batches a
-        prefetcher holds, which makes its residencies with allow_overflow False: refused, they
-        would all wait)."""
+        """As QueuedResidency's, allow_overflow aside: a prefetcher makes its residencies with
+        allow_overflow False, and refused they would all wait for the device; residency() refuses
+        only a batch that would take the overflow slots past tier 0's capacity."""
         return super().queues(check, True)
+
+    def residency(self, unique, num_unique, pin: bool, allow_overflow: bool = True):
+        """QueuedResidency.residency, or None (nothing changed) for a batch not allowed overflow
+        that would grow the overflow slots past tier 0's capacity (the rows pinned by the batches
+        a prefetcher holds, and this one's ids: a deep prefetch waits for a release there)."""
+        if not allow_overflow:
+            index, tier = self.tier.index, self.tier
+            with tier.pool_lock:
+                short = tier.pinned_ids + unique.numel() - index.overflow_slots
+            if short > 0 and index.overflow_slots + max(short, index.overflow_slots) > index.capacity:
+                return None
+        return super().residency(unique, num_unique, pin)
 
     def _blocks(self, n: int, total: int):
         """The pinned blocks for a plan of n ids whose transfer (plan.placed.xfer) holds total
@@ -82,6 +99,7 @@ class StoreOnStream(QueuedResidency):
             self.blocks = (torch.empty(victims, tier.width, pin_memory=pin), torch.empty(n, tier.width, pin_memory=pin),
                            torch.empty(total, dtype=torch.int64, pin_memory=pin))
             self.order_device = torch.arange(victims, device=tier.device)  # (victims >= n)
+            self._held["blocks"] = self.blocks
         out, into, lists = self.blocks
         return out, into, lists[:total]
 
@@ -103,7 +121,7 @@ class StoreOnStream(QueuedResidency):
         lists.copy_(xfer, non_blocking=True)
         as_bytes = (out.view(torch.uint8), into.view(torch.uint8))
         if tier.stream is None:  # (CPU tensors: at once, on this thread)
-            self.io.queue(0, lists, n, *as_bytes)
+            self.io.queue(None, lists, n, *as_bytes)
         else:
             with torch.cuda.device(tier.device):  # (the driver's call needs the device's context current)
                 self.io.queue(torch.cuda.current_stream(tier.device).cuda_stream, lists, n, *as_bytes)
@@ -129,9 +147,17 @@ class StoreOnStream(QueuedResidency):
         self.raise_error()
 
     def settle(self) -> None:
-        """What the store calls did, counted: the tier's bytes moved, the store's counters (after wait())."""
+        """What the store calls did, counted: the tier's bytes moved, the store's counters (after
+        wait())."""
         counts = self.io.take_counts()
         tier = self.tier
         tier.bytes_in += counts["reads"] * tier.row_bytes
         tier.bytes_out += counts["rows_written"] * tier.row_bytes
         tier.lower.count_queued(counts)
+
+
+def _after_the_stream(stream, held: dict) -> None:
+    """A dropped StoreOnStream's last act: what its queued calls use let go once the stream is past them."""
+    if stream is not None:
+        stream.synchronize()
+    held.clear()

@@ -10,7 +10,8 @@ stream waits for the batch's event (ResidentBatch.await_rows). Releases run on t
 computed with the batch, so a row is unpinned only after every kernel that reads it. A plan waits
 for the device once (its one device-to-host transfer); a table held whole in tier 0 whose misses
 are initialized on the device waits for nothing, and neither does a zero-copy residency of host
-ids (its counts stay on the device: gpu/zerocopy.py).
+ids (its counts stay on the device: gpu/zerocopy.py), nor one over a log store whose reads and
+writes are queued on the stream (gpu/storeio.py, while it is a measurement switch).
 
 The same code runs on CPU tensors (device "cpu", no streams): that is how the tests check it.
 """
@@ -133,7 +134,7 @@ class DeviceTier:
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         # the log store right below read and written in stream order (gpu/storeio.py)
         io = storeio.stream_io(lower) if (storeio.ON_STREAM and not zero_copy and lower_is_store
-                                          and isinstance(self.index, SetIndex)) else None
+                                          and isinstance(self.index, SetIndex) and partitions is None) else None
         self.on_stream = storeio.StoreOnStream(self, io) if io is not None else None
         self.queued = self.zero_copy or self.on_stream  # (a residency queued without a wait: gpu/queued.py)
         self._before_residencies()  # (the pool's and the index's zeros are in place before any residency)
@@ -234,6 +235,8 @@ class DeviceTier:
         victims written down already stay dirty in it). check: the verdict on the batch's device
         inputs (Deduped.check), read before anything changes: in the plan's transfer, or, with no
         plan to make, with one wait of its own; the inputs' error raised if they break a rule."""
+        if self.on_stream is not None:  # (a failed queued store call left tier 0 unusable)
+            self.on_stream.raise_error()
         with self._on_stream():
             if self.init_misses_here:  # every miss drawn here: the whole residency is one launch
                 if check is not None:
@@ -242,8 +245,12 @@ class DeviceTier:
                     slots = self.draw(unique, num_unique)
                 # (it counts its misses on the device: see stats())
                 return slots, 0, self.record()
-            if self.queued is not None and self.queued.queues(check, allow_overflow):
-                return self.queued.residency(unique, num_unique, pin)
+            if self.on_stream is not None and self.on_stream.queues(check, allow_overflow):
+                return self.on_stream.residency(unique, num_unique, pin, allow_overflow)
+            if self.zero_copy is not None and self.zero_copy.queues(check, allow_overflow):
+                return self.zero_copy.residency(unique, num_unique, pin)
+            if self.queued is not None:  # (a waiting plan: the releases a queued one would wait for, waited for)
+                self.queued.releases_waited(self.stream)
             with self.index_lock:
                 plan = self._plan(unique, num_unique, check)
             if plan.num_overflow and not allow_overflow:
@@ -535,10 +542,12 @@ class DeviceTier:
         self.graphs = None  # (their buffers and graphs' memory)
         try:
             self.flush()
-            self.lower.close()
-        finally:
-            if self.zero_copy is not None:  # (after the device is done with the host rows)
-                self.zero_copy.close()
+        finally:  # (the store's files and lock let go even when the flush failed)
+            try:
+                self.lower.close()
+            finally:
+                if self.zero_copy is not None:  # (after the device is done with the host rows)
+                    self.zero_copy.close()
 
 
 def on_cpu_tensors(table, cache_rows: int | None, policy: str = "lru", partitions=None, zero_copy: bool = False,
