@@ -230,8 +230,9 @@ class Prefetcher:
         forwards spent waiting for their rows (late or demand); room_waits: times the worker found
         too little room beside the rows pinned by batches in flight and waited for a backward.
         (A GPU tier 0 holding the whole table draws its misses on the device and counts them
-        there, so as not to wait for it: stats()["tier0"] has them, the three row counts here
-        leave them out.)"""
+        there, so as not to wait for it, and so does a residency queued with no wait, zero-copy's
+        or one over a log store read in stream order (gpu/queued.py): stats()["tier0"] has them,
+        the three row counts here leave them out.)"""
         with self.cond:
             return dict(self.counters)
 
