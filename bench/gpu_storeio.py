@@ -156,12 +156,16 @@ def run(a, folder: str) -> int:
             one_run(way)
     got = {w: [] for w in ways}
     compactions = dict.fromkeys(ways, 0)  # (a compaction rewrites a segment: it lands in whichever way ran it)
+    call_times = {"write_seconds": 0.0, "read_seconds": 0.0, "calls": 0}  # (the queued ways' store calls)
+    io.take_times()
     for _ in range(a.runs):
         for w, way in ways.items():
             before = store.stats()["compactions"]
             with on_side():
                 got[w].append(one_run(way))
             compactions[w] += store.stats()["compactions"] - before
+            for key, value in io.take_times().items():
+                call_times[key] += value
             xfer, in_slots, _ = batches[-1]
             want = torch.empty(n, WIDTH)
             store.read(xfer[k:k + n].cpu(), want)
@@ -181,6 +185,11 @@ def run(a, folder: str) -> int:
         result[f"{slow} / {fast}"] = {"ratio": ratio, "paired": paired}
         print(f"{slow} / {fast}: {ratio:.2f}x a batch (paired {paired:.2f}x)")
     print("the pool's rows equal the store's after every run")
+    calls = max(call_times["calls"], 1)
+    result["store_call_ms"] = {"write": call_times["write_seconds"] * 1e3 / calls,
+                               "read": call_times["read_seconds"] * 1e3 / calls, "calls": call_times["calls"]}
+    print(f"a queued store call, on the driver's thread: write {result['store_call_ms']['write']:.2f} ms, read "
+          f"{result['store_call_ms']['read']:.2f} ms (means of {call_times['calls']})")
     with on_side():
         result["empty_call"] = call_cost(a, dev, io, k, queue)
     store.close()

@@ -340,10 +340,18 @@ def phase_steps(module, step, stream, steps: int, grad, dev: torch.device) -> di
             setattr(holder, attr, timed(fn, phase))
             undo.append((holder, attr, fn if own else None))
         synchronize(dev)
+        on_stream = holders.get("on_stream")
+        if on_stream is not None:  # (its store calls run on the driver's thread, in native code: timed there)
+            on_stream.io.take_times()
         start = time.perf_counter()
         train_steps(step, stream, grad, steps)
         synchronize(dev)
         wall = time.perf_counter() - start
+        if on_stream is not None:
+            t = on_stream.io.take_times()
+            times["the driver's thread: the store's calls (StreamIo)"] = {
+                "store: write victims": [t["calls"], t["write_seconds"], 0.0],
+                "store: read misses": [t["calls"], t["read_seconds"], 0.0]}
     finally:
         for holder, attr, before in reversed(undo):
             if before is None:

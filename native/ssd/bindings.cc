@@ -221,7 +221,15 @@ void register_ssd(nb::module_& m) {
             d["rows_marked"] = c.rows_marked;
             d["calls"] = c.calls;
             return d;
-          }, "what the calls did since the last take_counts(); calls: those run (done or stopped by an error)");
+          }, "what the calls did since the last take_counts(); calls: those run (done or stopped by an error)")
+      .def("take_times", [](PyStreamIo& self) {
+            StreamIo::Times t = self.io->TakeTimes();
+            nb::dict d;
+            d["write_seconds"] = static_cast<double>(t.write_ns) * 1e-9;
+            d["read_seconds"] = static_cast<double>(t.read_ns) * 1e-9;
+            d["calls"] = t.calls;
+            return d;
+          }, "the wall time the calls that did their work spent writing and reading, since the last take_times()");
 }
 
 }  // namespace tieredemb

@@ -2,6 +2,7 @@
 
 #include <dlfcn.h>
 
+#include <chrono>
 #include <cstring>
 #include <vector>
 
@@ -93,6 +94,11 @@ Status StreamIo::Do(const Job& job) {
     return Status::RuntimeError("a plan's counts out of its blocks: " + std::to_string(fresh) + " misses, " +
                                 std::to_string(dirty) + " dirty victims");
   const int64_t row_bytes = file->row_bytes();
+  using Clock = std::chrono::steady_clock;
+  const auto ns = [](Clock::time_point a, Clock::time_point b) {
+    return static_cast<int64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(b - a).count());
+  };
+  const auto start = Clock::now();
   Counts c;
   if (dirty > 0) {  // (first: a row lingering in an overflow slot may leave and come back in one plan)
     Status s = file->WriteFrom(job.xfer + kinds_ + job.n, dirty, job.out, row_bytes, nullptr);
@@ -100,6 +106,7 @@ Status StreamIo::Do(const Job& job) {
     c.writes = 1;
     c.rows_written = dirty;
   }
+  const auto written = Clock::now();
   if (fresh > 0) {
     std::vector<uint8_t> found(static_cast<size_t>(fresh));
     Status s = file->Read(job.xfer + kinds_, fresh, job.into, nullptr, found.data());
@@ -114,7 +121,11 @@ Status StreamIo::Do(const Job& job) {
       }
     }
   }
+  const auto read = Clock::now();
   std::lock_guard<std::mutex> lock(mutex_);
+  times_.write_ns += ns(start, written);
+  times_.read_ns += ns(written, read);
+  ++times_.calls;
   counts_.writes += c.writes;
   counts_.rows_written += c.rows_written;
   counts_.reads += c.reads;
@@ -126,6 +137,13 @@ Status StreamIo::Do(const Job& job) {
 std::string StreamIo::error() {
   std::lock_guard<std::mutex> lock(mutex_);
   return error_;
+}
+
+StreamIo::Times StreamIo::TakeTimes() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  Times t = times_;
+  times_ = Times{};
+  return t;
 }
 
 StreamIo::Counts StreamIo::TakeCounts() {

@@ -33,6 +33,10 @@ class StreamIo {
   struct Counts {
     int64_t writes = 0, rows_written = 0, reads = 0, rows_found = 0, rows_marked = 0, calls = 0;
   };
+  // Where the calls' time went (wall nanoseconds on the driver's thread): writing and reading.
+  struct Times {
+    int64_t write_ns = 0, read_ns = 0, calls = 0;
+  };
   // file: the holder of the store's LogFile (null once the store is closed: a call then fails);
   // kinds: the counts at the head of a transfer block; fresh, dirty: which of them are the
   // misses' and the dirty victims'; mark: the int32 written into a never-written row's first word.
@@ -49,6 +53,7 @@ class StreamIo {
                int64_t out_rows, uint8_t* into, int64_t in_rows);
   std::string error();  // the first failed call's error ("" for none)
   Counts TakeCounts();
+  Times TakeTimes();  // (apart from the counts: a profile takes these without taking the counts)
 
  private:
   struct Job {
@@ -69,6 +74,7 @@ class StreamIo {
   std::mutex mutex_;
   std::string error_;
   Counts counts_;
+  Times times_;
 };
 
 }  // namespace tieredemb
