@@ -37,8 +37,8 @@ Systems:
   ours-host10-zc-eager
                  the same with cuda_graphs=False
   ours-ssd10     tier 0 = 10%, over the SSD log store (--ssd-path), PrefetchLoader depth 2
-  ours-ssd10-os  the same with the store read and written in stream order (gpu/storeio.py: host calls
-                 queued on tier 0's stream; no residency waits for the device)
+  ours-ssd10-os  the same with the store read and written in stream order (gpu/storeio.py: its calls
+                 queued on tier 0's stream, run by the driver in native code; no residency waits for the device)
   ours-host10-pf2, ours-host10-zc-pf2
                  ours-host10 and ours-host10-zc fed through a PrefetchLoader of depth 2: the next
                  batches' residency (its one wait for the device included) runs on a worker thread

@@ -204,6 +204,15 @@ def test_a_bare_cuda_device_names_the_gpu_current_at_creation():
     emb.close()
 
 
+def test_release_events_do_not_pile_up_while_a_prefetcher_waits_for_its_plans():
+    """A zero-copy table fed by a prefetcher makes every batch resident with a plan that waits (not
+    allowed overflow: no queued residency), and every release leaves an event for a queued one to
+    wait for: the ones the device has done are dropped, not kept for ever."""
+    # (100 rows: the next batch fits beside the one in flight, so the worker plans it while that one is held)
+    emb, _ = _train("cuda", "sum", cache_rows=100, zero_copy=True, depth=2, steps=40)
+    assert len(emb._store.tier0.zero_copy.releases_since) <= 4  # (those after the last plan; else up to one a batch)
+
+
 def test_zero_copy_tables_made_and_closed_again_and_again():
     """close() unregisters the host rows (a table made after at the same address registers
     anew), and a forked child gets no copy of the pinned rows (MADV_DONTFORK) yet runs."""

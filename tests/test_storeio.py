@@ -42,7 +42,7 @@ def _table(on_stream: bool, cache_rows: int, path, monkeypatch, dtype=torch.floa
 @pytest.mark.parametrize("cache_rows, depth", [(8, 0), (64, 0), (8, 2)], ids=["cache8", "cache64", "prefetch"])
 def test_reads_and_writes_in_stream_order_train_as_the_waiting_path(cache_rows, depth, tmp_path, monkeypatch):
     """cache 8: overflow slots, and rows lingering in them that leave and come back (written down,
-    then read back, in one host call). Between the halves, rows written from outside (some held in
+    then read back, in one store call). Between the halves, rows written from outside (some held in
     tier 0) and a flush. Without prefetch no residency waits for its plan (no SetIndex._plan)."""
     data = _batches(6, 6)
 

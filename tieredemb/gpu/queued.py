@@ -41,15 +41,12 @@ class QueuedResidency:
             slots = self.queued_work(unique, num_unique, pin)
         return slots, 0, tier.record()
 
-    def releases_waited(self, stream) -> None:
-        """Orders stream (the tier's, for a residency that waits for its plan) after the releases
-        queued since the last queued residency, which then need not wait for them: so they do not
-        pile up while residencies wait (device ids, a batch refused room)."""
+    def forget_done_releases(self) -> None:
+        """Drops the releases the device has done (a queued residency's wait for them would be
+        none), so that they do not pile up while residencies wait for their plans (device ids; a
+        prefetcher's, not allowed overflow, every batch). Orders nothing and waits for nothing."""
         with self.tier.pool_lock:
-            released, self.releases_since = self.releases_since, []
-        if stream is not None:
-            for event in released:
-                stream.wait_event(event)
+            self.releases_since = [e for e in self.releases_since if not e.query()]
 
     def _room(self, n: int, forget: bool) -> list:
         """The overflow slots made at least the ids of the batches pinned here and of n more (rare:

@@ -249,8 +249,8 @@ class DeviceTier:
                 return self.on_stream.residency(unique, num_unique, pin, allow_overflow)
             if self.zero_copy is not None and self.zero_copy.queues(check, allow_overflow):
                 return self.zero_copy.residency(unique, num_unique, pin)
-            if self.queued is not None:  # (a waiting plan: the releases a queued one would wait for, waited for)
-                self.queued.releases_waited(self.stream)
+            if self.queued is not None:  # (a plan that waits: the releases done dropped, not to pile up)
+                self.queued.forget_done_releases()
             with self.index_lock:
                 plan = self._plan(unique, num_unique, check)
             if plan.num_overflow and not allow_overflow:
@@ -431,7 +431,7 @@ class DeviceTier:
                     current.wait_stream(computed)
             if self.zero_copy is not None:  # (the victims' rows written down apart: in the host rows)
                 self.zero_copy.after_write_backs(current)
-        if self.on_stream is not None:  # (the store is touched next: its host calls done first)
+        if self.on_stream is not None:  # (the store is touched next: its queued calls done first)
             self.on_stream.wait()
 
     def lookup(self, ids: torch.Tensor) -> np.ndarray:
