@@ -166,11 +166,13 @@ def run(a, folder: str) -> int:
             compactions[w] += store.stats()["compactions"] - before
             for key, value in io.take_times().items():
                 call_times[key] += value
-            xfer, in_slots, _ = batches[-1]
-            want = torch.empty(n, WIDTH)
-            store.read(xfer[k:k + n].cpu(), want)
-            if not torch.equal(pool[in_slots].cpu(), want):
-                raise SystemExit(f"gpu_storeio: the {w} way left rows in the pool that are not the store's")
+            xfer, in_slots, out_slots = batches[-1]  # (read in, written down: disjoint rows, disjoint slots)
+            for ids, slots, what in ((xfer[k:k + n], in_slots, "read into the pool"),
+                                     (xfer[k + n:], out_slots, "written down from the pool")):
+                want = torch.empty(n, WIDTH)
+                store.read(ids.cpu(), want)
+                if not torch.equal(pool[slots].cpu(), want):
+                    raise SystemExit(f"gpu_storeio: the {w} way's last batch: the rows {what} are not the store's")
     store.count_queued(io.take_counts())
     result = {"device": name, "rows": a.rows, "misses": n, "batches": a.batches, "runs": a.runs, "busy_us": a.busy_us}
     for w in ways:
@@ -184,7 +186,7 @@ def run(a, folder: str) -> int:
         ratio = result[slow]["wall_us"] / result[fast]["wall_us"]
         result[f"{slow} / {fast}"] = {"ratio": ratio, "paired": paired}
         print(f"{slow} / {fast}: {ratio:.2f}x a batch (paired {paired:.2f}x)")
-    print("the pool's rows equal the store's after every run")
+    print("after every run, the last batch's rows read into the pool and written down from it are the store's")
     calls = max(call_times["calls"], 1)
     result["store_call_ms"] = {"write": call_times["write_seconds"] * 1e3 / calls,
                                "read": call_times["read_seconds"] * 1e3 / calls, "calls": call_times["calls"]}

@@ -95,3 +95,17 @@ def test_state_dict_of_a_table_too_large_for_memory_is_refused(monkeypatch):
         emb.state_dict()
     monkeypatch.setattr(tieredemb.persistence, "STATE_DICT_MAX_BYTES", 1000 * 4 * 4)
     assert emb.state_dict()["weight"].shape == (1000, 4)
+
+
+def test_a_table_whose_flush_fails_at_close_still_lets_its_store_go(tmp_path):
+    """close() raises the flush's error, and lets the store's files and lock go all the same: the
+    table opens again. (The failure: the store's files closed under the table, with dirty rows in
+    tier 0 to write down.)"""
+    path = str(tmp_path / "t")
+    emb = table(path, "log")
+    train(emb, 3)
+    emb._store.bottom._file.close()
+    with pytest.raises(Exception, match="closed"):
+        emb.close()
+    again = table(path, "log")  # (refused as locked if the first still held the store)
+    again.close()

@@ -121,8 +121,8 @@ class _TieredBase(Persistence, nn.Module):
         try:
             self.flush()
         finally:  # (the tiers and the store's lock let go even when the flush failed: it is raised)
-            self._closed = True
             self._store.close()
+            self._closed = True  # (not if the store's close failed: a second close tries again)
 
     def _prefetchers(self) -> list:
         return [self._prefetch]

@@ -4,6 +4,7 @@
 
 #include <chrono>
 #include <cstring>
+#include <exception>
 #include <vector>
 
 namespace tieredemb {
@@ -78,7 +79,14 @@ void StreamIo::Run(void* data) {
       return;
     }
   }
-  Status s = io->Do(*job);
+  Status s;
+  try {  // (nothing may leave a host function: the driver's thread would end the process)
+    s = io->Do(*job);
+  } catch (const std::exception& e) {
+    s = Status::RuntimeError(std::string("a store call failed: ") + e.what());
+  } catch (...) {
+    s = Status::RuntimeError("a store call failed");
+  }
   delete job;
   if (!s.ok()) {
     std::lock_guard<std::mutex> lock(io->mutex_);

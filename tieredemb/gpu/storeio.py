@@ -93,12 +93,15 @@ class StoreOnStream(QueuedResidency):
         victims = total - plan_kernels.KINDS - n
         if self.blocks is None or self.blocks[0].shape[0] < victims or self.blocks[1].shape[0] < n \
                 or self.blocks[2].numel() < total:
-            if self.blocks is not None and tier.stream is not None:
-                tier.stream.synchronize()  # (queued moves and host functions read the old blocks)
+            if self.blocks is not None:  # (never smaller than before: mixed batches would regrow them again and again)
+                if tier.stream is not None:
+                    tier.stream.synchronize()  # (queued moves and store calls read the old blocks)
+                victims, n, total = (max(victims, self.blocks[0].shape[0]), max(n, self.blocks[1].shape[0]),
+                                     max(total, self.blocks[2].numel()))
             pin = tier.device.type == "cuda"
             self.blocks = (torch.empty(victims, tier.width, pin_memory=pin), torch.empty(n, tier.width, pin_memory=pin),
                            torch.empty(total, dtype=torch.int64, pin_memory=pin))
-            self.order_device = torch.arange(victims, device=tier.device)  # (victims >= n)
+            self.order_device = torch.arange(max(victims, n), device=tier.device)
             self._held["blocks"] = self.blocks
         out, into, lists = self.blocks
         return out, into, lists[:total]
@@ -145,6 +148,11 @@ class StoreOnStream(QueuedResidency):
         if self.tier.stream is not None:
             self.tier.stream.synchronize()
         self.raise_error()
+
+    def close(self) -> None:
+        """After the stream is past the queued calls, lets their blocks go (the table is closed)."""
+        _after_the_stream(self.tier.stream, self._held)
+        self.blocks = None
 
     def settle(self) -> None:
         """What the store calls did, counted: the tier's bytes moved, the store's counters (after

@@ -546,8 +546,8 @@ class DeviceTier:
             try:
                 self.lower.close()
             finally:
-                if self.zero_copy is not None:  # (after the device is done with the host rows)
-                    self.zero_copy.close()
+                if self.queued is not None:  # (after the device is done with the host rows, the pinned blocks)
+                    self.queued.close()
 
 
 def on_cpu_tensors(table, cache_rows: int | None, policy: str = "lru", partitions=None, zero_copy: bool = False,

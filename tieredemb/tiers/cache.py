@@ -233,5 +233,7 @@ class CacheTier:
         self.bytes_in = self.bytes_out = 0
 
     def close(self) -> None:
-        self.flush()
-        self.lower.close()
+        try:
+            self.flush()
+        finally:  # (the layer below let go even when the flush failed: its error is raised)
+            self.lower.close()
