@@ -363,3 +363,14 @@ def test_an_export_written_again_holds_only_the_new_rows(tmp_path):
     with pytest.raises(ValueError, match=r"chunk_rows 0 must be an int >= 1"):
         single.export_rows(tmp_path / "one", chunk_rows=0)
     assert sorted(os.listdir(tmp_path / "one")) == ["chunk_000000.pt", "meta.json"]  # the earlier export kept
+
+
+def test_a_collection_closes_every_group_even_after_one_fails(tmp_path):
+    """close() raises the first group's failure and closes the other groups all the same: their
+    stores open again. (The failure: group0's store files closed under it, with rows to write.)"""
+    ebc = make(ssd_path=tmp_path, ssd={"backend": "log"})
+    train(ebc, [0, 1])
+    ebc.engines[0]._store.bottom._file.close()
+    with pytest.raises(Exception, match="closed"):
+        ebc.close()
+    make(ssd_path=tmp_path, ssd={"backend": "log"}).close()  # (refused as locked if a group's store were held)

@@ -426,8 +426,16 @@ class _Collection(CollectionPrefetch, CollectionState, nn.Module):
             e.flush()
 
     def close(self) -> None:
+        """Closes every group's table, even after one fails (its stores let go all the same); then
+        raises the first failure."""
+        failed = None
         for e in self.engines:
-            e.close()
+            try:
+                e.close()
+            except BaseException as exc:
+                failed = failed or exc
+        if failed is not None:
+            raise failed
 
 
 class TieredEmbeddingBagCollection(_Collection):
