@@ -277,18 +277,22 @@ class System:
         out = {"system": name, "config": self.what, "lookups_per_s": statistics.median(self.rates), "runs": self.rates,
                "gpu_bytes": self.gpu_bytes}
 
-        def guarded(key, make):
+        def guarded(key, make):  # (make's value as out[key]; one that fills out itself returns None)
             try:
-                out[key] = make()
+                value = make()
             except Exception as e:  # (the timing stands without it)
                 traceback.print_exc()
                 out[f"{key}_error"] = f"{type(e).__name__}: {e}"
+            else:
+                if value is not None:
+                    out[key] = value
+
+        def waits():
+            w = count_waits(step, stream, grad, COUNTED_STEPS)
+            out["waits_per_batch"], out["worker_waits_per_batch"] = w["training"], w["other"]
 
         if self.on_gpu:
-            guarded("waits", lambda: count_waits(step, stream, grad, COUNTED_STEPS))
-            if "waits" in out:
-                waits = out.pop("waits")
-                out["waits_per_batch"], out["worker_waits_per_batch"] = waits["training"], waits["other"]
+            guarded("waits", waits)
         if self.module is not None:
             guarded("tier0_hit_rate", lambda: self.module.stats()["tier0"]["hit_rate"])
             graphs = self.module._store.tier0.graphs

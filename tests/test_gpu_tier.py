@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import tieredemb
-from training import rows_and_state, train
+from training import batches, rows_and_state, train
 from tieredemb import _C
 
 pytestmark = pytest.mark.interpreted
@@ -26,12 +26,6 @@ OPTIMIZERS = {"sgd": lambda: tieredemb.SGD(lr=0.1), "adagrad": lambda: tieredemb
 
 
 device_tier = on_cpu_tensors  # emb with its tier 0 replaced by a DeviceTier on CPU tensors
-
-
-def batches(seed=0, steps=8, num=NUM, bags=10, length=6):
-    g = torch.Generator().manual_seed(seed)
-    return [((torch.rand(bags * length, generator=g) ** 2 * num).long(), torch.arange(0, bags * length, length),
-             torch.randn(bags, D, generator=g)) for _ in range(steps)]
 
 
 def weights(num=NUM):

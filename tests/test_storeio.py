@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import tieredemb
-from training import rows_and_state, train
+from training import batches, rows_and_state, train
 
 pytestmark = pytest.mark.interpreted
 pytest.importorskip("triton")
@@ -19,12 +19,6 @@ from tieredemb.gpu.index import SetIndex  # noqa: E402
 from tieredemb.gpu.tier import on_cpu_tensors  # noqa: E402
 
 NUM, D = 300, 8
-
-
-def _batches(seed, steps, bags=10, length=6):
-    g = torch.Generator().manual_seed(seed)
-    return [((torch.rand(bags * length, generator=g) ** 2 * NUM).long(), torch.arange(0, bags * length, length),
-             torch.randn(bags, D, generator=g)) for _ in range(steps)]
 
 
 def _table(on_stream: bool, cache_rows: int, path, monkeypatch, dtype=torch.float32):
@@ -44,7 +38,7 @@ def test_reads_and_writes_in_stream_order_train_as_the_waiting_path(cache_rows, 
     """cache 8: overflow slots, and rows lingering in them that leave and come back (written down,
     then read back, in one store call). Between the halves, rows written from outside (some held in
     tier 0) and a flush. Without prefetch no residency waits for its plan (no SetIndex._plan)."""
-    data = _batches(6, 6)
+    data = batches(6, 6)
 
     def run(on_stream):
         emb = _table(on_stream, cache_rows, tmp_path / f"t{int(on_stream)}", monkeypatch)
@@ -79,7 +73,7 @@ def test_a_failed_store_call_is_raised_by_the_next_residency_and_by_flush(tmp_pa
     error is kept and raised by the next residency and every call after (the table is then
     unusable: see storeio). The failure here: the store's files closed under the tier."""
     emb = _table(True, 8, tmp_path / "t", monkeypatch)
-    data = _batches(7, 3)
+    data = batches(7, 3)
     train(emb, data[:1])
     store = emb._store.tier0.lower
     store._file.close()
@@ -101,7 +95,7 @@ def test_a_batch_not_allowed_overflow_is_refused_past_tier0s_capacity_and_change
     release makes room."""
     emb = _table(True, 8, tmp_path / "t", monkeypatch)
     store, tier = emb._store, emb._store.tier0
-    ids = [b[0] for b in _batches(8, 2, length=60)]  # (600 ids a batch: two pinned need more overflow slots)
+    ids = [b[0] for b in batches(8, 2, length=60)]  # (600 ids a batch: two pinned need more overflow slots)
     first = store.prepare(ids[0])  # (allowed overflow: pinned)
     slots_before = tier.index.overflow_slots
     assert tier.pinned_ids + 600 > slots_before > tier.index.capacity  # (the next would grow them, past 8)
@@ -119,7 +113,7 @@ def test_a_table_dropped_unflushed_lets_its_queued_calls_finish_first(tmp_path, 
     import gc
 
     emb = _table(True, 8, tmp_path / "t", monkeypatch)
-    train(emb, _batches(9, 2))
+    train(emb, batches(9, 2))
     held = emb._store.tier0.on_stream._held
     assert held["io"] is not None and held["blocks"] is not None
     del emb

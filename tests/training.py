@@ -9,6 +9,14 @@ import torch
 import tieredemb
 
 
+def batches(seed=0, steps=8, num=300, dim=8, bags=10, length=6) -> list[tuple]:
+    """steps batches (ids, offsets, grad) of bags bags of length ids each, skewed toward low ids
+    of [0, num), with a [bags, dim] gradient: the same for a seed."""
+    g = torch.Generator().manual_seed(seed)
+    return [((torch.rand(bags * length, generator=g) ** 2 * num).long(), torch.arange(0, bags * length, length),
+             torch.randn(bags, dim, generator=g)) for _ in range(steps)]
+
+
 def train(emb, data, depth: int = 0) -> list[torch.Tensor]:
     """One forward + backward(grad) per batch (ids, offsets, grad); through a PrefetchLoader of
     that depth (its default ids_fn) when depth > 0. Returns the forwards' outputs."""

@@ -185,12 +185,12 @@ void register_ssd(nb::module_& m) {
                                         "(ssd/stream_io.h)")
       .def_static("open", [](nb::object file, int64_t kinds, int64_t fresh, int64_t dirty, uint32_t mark) {
             PyLogFile& f = nb::cast<PyLogFile&>(file);
-            f.get();  // (open now)
+            const int64_t row_bytes = f.get().row_bytes();  // (raises if the files are closed)
             if (kinds < 1 || fresh < 0 || fresh >= kinds || dirty < 0 || dirty >= kinds)
               throw nb::value_error("fresh and dirty must be counts among the transfer's first `kinds` entries");
             auto py = std::make_unique<PyStreamIo>();
             py->file = file;
-            py->row_bytes = f.get().row_bytes();
+            py->row_bytes = row_bytes;
             py->io = std::make_unique<StreamIo>(&f.file, kinds, fresh, dirty, mark);
             return py;
           }, "file"_a, "kinds"_a, "fresh"_a, "dirty"_a, "mark"_a)
@@ -201,7 +201,8 @@ void register_ssd(nb::module_& m) {
               throw nb::value_error(("out and into must be blocks of rows of " + std::to_string(row_bytes) +
                                      " bytes").c_str());
             run_without_gil([&] {
-              return self.io->Queue(!stream.has_value(), stream.value_or(0), xfer.data(), static_cast<int64_t>(xfer.shape(0)), n, out.data(),
+              return self.io->Queue(!stream.has_value(), stream.value_or(0), xfer.data(),
+                                    static_cast<int64_t>(xfer.shape(0)), n, out.data(),
                                     static_cast<int64_t>(out.shape(0)), into.data(),
                                     static_cast<int64_t>(into.shape(0)));
             });

@@ -203,9 +203,9 @@ def move_rows(src: torch.Tensor, src_rows: torch.Tensor, dst: torch.Tensor, dst_
     head, args = _launch(width, words)
     with launch_turn():
         _move_kernel[_grid(n, src, dst, programs)](src.view(torch.int32), src_rows, dst.view(torch.int32),
-                                                     dst_rows, n, dst_rows if count is None else count, width,
-                                                     words, head, src_from, dst_rows if written is None else written,
-                                                     WRITTEN=written is not None, COUNTED=count is not None, **args)
+                                                   dst_rows, n, dst_rows if count is None else count, width,
+                                                   words, head, src_from, dst_rows if written is None else written,
+                                                   WRITTEN=written is not None, COUNTED=count is not None, **args)
 
 
 def swap_rows(pool: torch.Tensor, slots: torch.Tensor, victims: torch.Tensor | None, host: torch.Tensor,
@@ -235,8 +235,8 @@ def swap_rows(pool: torch.Tensor, slots: torch.Tensor, victims: torch.Tensor | N
     head, args = _launch(width, words)
     with launch_turn():
         _swap_kernel[_grid(n, pool, host)](pool_words, slots, slots if victims is None else victims,
-                                            host.view(torch.int32), ids, n, slots if count is None else count, width,
-                                            words, head, mark, written, found,
-                                            pool_words if staging is None else staging.view(torch.int32),
-                                            VICTIMS=victims is not None, STAGED=staging is not None,
-                                            COUNTED=count is not None, **args)
+                                           host.view(torch.int32), ids, n, slots if count is None else count, width,
+                                           words, head, mark, written, found,
+                                           pool_words if staging is None else staging.view(torch.int32),
+                                           VICTIMS=victims is not None, STAGED=staging is not None,
+                                           COUNTED=count is not None, **args)

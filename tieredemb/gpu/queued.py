@@ -23,7 +23,7 @@ class QueuedResidency:
         return (check is None and allow_overflow and isinstance(index, SetIndex) and index.partitions is None
                 and index.kernels == "triton")
 
-    def residency(self, unique, num_unique, pin: bool):
+    def residency(self, unique, num_unique, pin: bool, allow_overflow: bool = True):
         """DeviceTier.resident(), queued without a wait for the device: the plan's counts stay there
         (SetIndex.plan_queued), every move reads its count there, and the counters are added up
         there (read by stats()). The host's one decision, more overflow slots, is made before the
@@ -33,7 +33,8 @@ class QueuedResidency:
         first waits, on the device, for every release queued since the last one (each on the
         stream that computed with its batch, maybe still behind its backward). The misses are
         counted on the device only (the returned count is 0: the prefetcher's row counters leave
-        them out, as they do a whole-table tier's draws). On the tier's stream, as resident's."""
+        them out, as they do a whole-table tier's draws). On the tier's stream, as resident's.
+        allow_overflow: resident()'s (queues() said whether this one takes such a batch at all)."""
         tier = self.tier
         for event in self._room(unique.numel(), forget=True):
             tier.stream.wait_event(event)

@@ -59,10 +59,10 @@ class StoreOnStream(QueuedResidency):
         super().__init__(tier)
         self.io = io
         self.queued_calls = 0
-        self.blocks = None  # (rows out, rows in, the plan's transfer): pinned on a GPU, grown as batches need
         self.order_device = torch.empty(0, dtype=torch.int64, device=tier.device)  # 0, 1, ...: the blocks' rows
-        # What the queued calls use, held until the stream is past them, even if the table is dropped
-        # without a flush (an exception unwinding a training loop): the calls hold raw pointers.
+        # What the queued calls use (the blocks: rows out, rows in, the plan's transfer; pinned on a
+        # GPU, grown as batches need), held here until the stream is past them, even if the table is
+        # dropped without a flush (an exception unwinding a training loop): the calls hold raw pointers.
         self._held = {"io": io, "blocks": None}
         weakref.finalize(self, _after_the_stream, tier.stream, self._held)
 
@@ -89,21 +89,20 @@ class StoreOnStream(QueuedResidency):
         entries (the counts, n miss ids, then the dirty victims: at most n and the overflow
         slots): grown if too small, after the device is done with the old ones (rare: the first
         batches, a grow of the overflow slots)."""
-        tier = self.tier
+        tier, blocks = self.tier, self._held.get("blocks")
         victims = total - plan_kernels.KINDS - n
-        if self.blocks is None or self.blocks[0].shape[0] < victims or self.blocks[1].shape[0] < n \
-                or self.blocks[2].numel() < total:
-            if self.blocks is not None:  # (never smaller than before: mixed batches would regrow them again and again)
+        if blocks is None or blocks[0].shape[0] < victims or blocks[1].shape[0] < n or blocks[2].numel() < total:
+            if blocks is not None:  # (never smaller than before: mixed batches would regrow them again and again)
                 if tier.stream is not None:
                     tier.stream.synchronize()  # (queued moves and store calls read the old blocks)
-                victims, n, total = (max(victims, self.blocks[0].shape[0]), max(n, self.blocks[1].shape[0]),
-                                     max(total, self.blocks[2].numel()))
+                victims, n, total = (max(victims, blocks[0].shape[0]), max(n, blocks[1].shape[0]),
+                                     max(total, blocks[2].numel()))
             pin = tier.device.type == "cuda"
-            self.blocks = (torch.empty(victims, tier.width, pin_memory=pin), torch.empty(n, tier.width, pin_memory=pin),
-                           torch.empty(total, dtype=torch.int64, pin_memory=pin))
-            self.order_device = torch.arange(max(victims, n), device=tier.device)
-            self._held["blocks"] = self.blocks
-        out, into, lists = self.blocks
+            blocks = (torch.empty(victims, tier.width, pin_memory=pin), torch.empty(n, tier.width, pin_memory=pin),
+                      torch.empty(total, dtype=torch.int64, pin_memory=pin))
+            self.order_device = torch.arange(victims, device=tier.device)  # (victims: n and the overflow slots)
+            self._held["blocks"] = blocks
+        out, into, lists = blocks
         return out, into, lists[:total]
 
     def queued_work(self, unique: torch.Tensor, num_unique: torch.Tensor, pin: bool,
@@ -152,7 +151,6 @@ class StoreOnStream(QueuedResidency):
     def close(self) -> None:
         """After the stream is past the queued calls, lets their blocks go (the table is closed)."""
         _after_the_stream(self.tier.stream, self._held)
-        self.blocks = None
 
     def settle(self) -> None:
         """What the store calls did, counted: the tier's bytes moved, the store's counters (after

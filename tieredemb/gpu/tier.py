@@ -245,12 +245,10 @@ class DeviceTier:
                     slots = self.draw(unique, num_unique)
                 # (it counts its misses on the device: see stats())
                 return slots, 0, self.record()
-            if self.on_stream is not None and self.on_stream.queues(check, allow_overflow):
-                return self.on_stream.residency(unique, num_unique, pin, allow_overflow)
-            if self.zero_copy is not None and self.zero_copy.queues(check, allow_overflow):
-                return self.zero_copy.residency(unique, num_unique, pin)
-            if self.queued is not None:  # (a plan that waits: the releases done dropped, not to pile up)
-                self.queued.forget_done_releases()
+            if self.queued is not None:
+                if self.queued.queues(check, allow_overflow):
+                    return self.queued.residency(unique, num_unique, pin, allow_overflow)
+                self.queued.forget_done_releases()  # (a plan that waits: the releases done dropped, not to pile up)
             with self.index_lock:
                 plan = self._plan(unique, num_unique, check)
             if plan.num_overflow and not allow_overflow:
