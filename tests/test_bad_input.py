@@ -242,6 +242,22 @@ def test_backward_twice_is_refused_and_updates_once():
     assert_same(after_one, snapshot(m))
 
 
+@pytest.mark.parametrize("changed", ["offsets", "per_sample_weights"])
+def test_inputs_changed_in_place_before_backward_are_refused(changed):
+    # torch's EmbeddingBag raises here (its saved tensors' versions); so must we, before any update:
+    # the offsets (int64 with include_last_offset: no copy is made) and the weights are the caller's.
+    m = make_trained(include_last_offset=True)
+    offsets, psw = torch.tensor([0, 1, 4]), torch.ones(4)
+    out = m(torch.tensor([1, 22, 23, 24]), offsets, per_sample_weights=psw)
+    rows, state, step = m.read_rows(torch.arange(N)).clone(), m.read_optimizer_state(torch.arange(N)).clone(), m.step
+    (offsets if changed == "offsets" else psw)[1] = 3  # a loader reusing its buffer
+    with pytest.raises(RuntimeError, match=f"the {changed} its forward used were modified in place"):
+        out.sum().backward()
+    assert torch.equal(m.read_rows(torch.arange(N)), rows)
+    assert torch.equal(m.read_optimizer_state(torch.arange(N)), state)
+    assert m.step == step and m._store.tier0.index.pinned == 0
+
+
 # -- read_rows / write_rows -------------------------------------------------------------------
 
 

@@ -420,16 +420,20 @@ def test_unpooled_collection_refuses_an_inverse_outside_its_bags():
 
 
 def test_a_backward_that_fails_for_one_group_leaves_no_row_pinned():
-    """One table with no optimizer: the backward raises when it reaches that group, and every
-    group's batch is released all the same (no row stays pinned until the graph is collected)."""
+    """One table with no optimizer: the backward raises, naming it, before any group's update (it
+    updated the groups before it), and every group's batch is released all the same (no row stays
+    pinned until the graph is collected)."""
     tables = [EmbeddingBagConfig("u", 50, 4, ["a"], optimizer=tieredemb.SGD(lr=0.1)),
               EmbeddingBagConfig("v", 40, 8, ["b"]), EmbeddingBagConfig("w", 30, 2, ["c"], optimizer=tieredemb.SGD(lr=0.1))]
     ebc = TieredEmbeddingBagCollection(tables, cache_bytes=2000)
     ids, starts = torch.tensor([1, 2, 3, 4]), torch.tensor([0, 1, 3])
     out = ebc({f: (ids, starts) for f in "abc"})
+    rows = {t.name: ebc.read_rows(t.name, torch.arange(t.num_embeddings)) for t in tables}
     assert [e._store.tier0.index.pinned for e in ebc.engines] == [4, 4, 4]
-    with pytest.raises(RuntimeError, match="has no optimizer"):
+    with pytest.raises(RuntimeError, match=r"TieredEmbeddingBag of tables \['v'\] has no optimizer"):
         out.values().sum().backward()
+    for t in tables:
+        assert torch.equal(ebc.read_rows(t.name, torch.arange(t.num_embeddings)), rows[t.name]), t.name
     assert [e._store.tier0.index.pinned for e in ebc.engines] == [0, 0, 0]
     assert [e._store.batches_held() for e in ebc.engines] == [0, 0, 0]
 

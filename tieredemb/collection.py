@@ -189,6 +189,7 @@ class _Collection(CollectionPrefetch, CollectionState, nn.Module):
                     dtype=t0.dtype, ssd_path=os.path.join(ssd_path, f"group{k}") if g.store == "ssd" else None,
                     **table_args))
                 self.engines[-1]._state_in_collection = True  # (state_dict: the collection's, table by table)
+                self.engines[-1]._tables = [t.name for t in g.tables]
         except BaseException:  # (the groups opened already let go of their stores: they open again)
             for e in self.engines:
                 try:

@@ -61,6 +61,7 @@ class _Pool(torch.autograd.Function):
     def forward(ctx, resident: list, shape: tuple, samples: int, expand: list, *inputs) -> Tensor:
         block, ctx.saved = _forward(resident, shape)
         ctx.resident, ctx.shape, ctx.expand = resident, shape, expand
+        ctx.versions = _versions(resident)
         return _result(block, samples, expand)
 
     @staticmethod
@@ -68,6 +69,7 @@ class _Pool(torch.autograd.Function):
     def backward(ctx, grad: Tensor):
         grads = []
         try:
+            _check_before_updates(ctx.resident, ctx.saved, ctx.versions)
             grad = _grad_block(grad, ctx.shape, ctx.expand)
             for (part, batch, bags), saved, needs in zip(ctx.resident, ctx.saved, ctx.needs_input_grad[4::2]):
                 trained = saved is not _FROZEN
@@ -80,6 +82,29 @@ class _Pool(torch.autograd.Function):
 
 
 _FROZEN = object()  # a part's saved state when its table takes no update
+
+
+def _versions(resident: list) -> list:
+    """The version of each tensor backward reads again that may be the caller's own (its bag
+    boundaries and per-sample weights, when no copy was made of them)."""
+    return [(bags.offsets._version, None if bags.psw is None else bags.psw._version) for _, _, bags in resident]
+
+
+def _check_before_updates(resident: list, saved: list, versions: list) -> None:
+    """Raises before any part's update: if a trained part's table has no optimizer, or a tensor
+    the forward used was changed in place since (as torch's autograd does for the tensors it
+    saves: backward would pool other bags or weights)."""
+    for (part, batch, _), s in zip(resident, saved):
+        if s is not _FROZEN and part.table.optimizer is None:
+            raise RuntimeError(f"{part.table.described()} has no optimizer: pass "
+                               "optimizer=tieredemb.SGD(lr=...) (or Adagrad, RowWiseAdagrad, Adam); its update is "
+                               "fused into backward")
+    for (part, _, bags), (offsets, psw) in zip(resident, versions):
+        for name, t, seen in (("offsets", bags.offsets, offsets), ("per_sample_weights", bags.psw, psw)):
+            if t is not None and t._version != seen:
+                raise RuntimeError(f"{part.table.described()}: the {name} its forward used were modified in "
+                                   f"place before backward (version {seen}, now {t._version}); backward would "
+                                   f"update the rows of other bags: change them after backward, or pass a copy")
 
 
 def pooled(table, ids: Tensor, offsets: Tensor, psw: Tensor | None, mode: int, exclude_padding: bool,
@@ -183,9 +208,6 @@ def _backward(table, batch, bags: Bags, saved, grad_out: Tensor, need_psw_grad: 
     if batch.released:
         raise RuntimeError("this batch's rows were released before backward (was the forward run under "
                            "no_grad, or backward called twice?)")
-    if table.optimizer is None:
-        raise RuntimeError(f"{type(table).__name__} has no optimizer: pass optimizer=tieredemb.SGD(lr=...) "
-                           "(or Adagrad, RowWiseAdagrad, Adam); its update is fused into backward")
     table.step += 1
     return kernels.backward_update(table._store.tier0, table.config, batch, bags, saved, grad_out, table.step,
                                    need_psw_grad)

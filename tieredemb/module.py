@@ -58,6 +58,12 @@ class _TieredBase(Persistence, nn.Module):
                                  f"({config.num_embeddings}, {config.embedding_dim})")
             self.write_rows(torch.arange(config.num_embeddings), _weight.detach())
 
+    _tables = None  # a collection's group engine: its tables' names (errors name them)
+
+    def described(self) -> str:
+        """The module as errors name it."""
+        return type(self).__name__ + ("" if self._tables is None else f" of tables {self._tables}")
+
     # The config's fields, read as the module's attributes (as torch's modules have them).
     num_embeddings = property(lambda self: self.config.num_embeddings)
     embedding_dim = property(lambda self: self.config.embedding_dim)
