@@ -472,6 +472,15 @@ def test_weighted_features_train_and_give_their_weights_gradient_as_torch(as_kjt
                                    rtol=1e-5, atol=1e-6)
 
 
+def test_weights_of_any_float_type_as_the_single_table_module_takes_them():
+    """bfloat16 weights (which numpy has no type for) pool as the same values in float32."""
+    ebc = TieredEmbeddingBagCollection([EmbeddingBagConfig("a", 100, 8, ["f", "g"])], optimizer=tieredemb.SGD(lr=0.1))
+    ids, starts, w = torch.tensor([1, 2, 3]), torch.tensor([0, 2]), torch.tensor([0.5, 1.0, 2.0])
+    want = ebc({"f": (ids, starts, w), "g": (ids, starts)}).values()
+    for dtype in (torch.bfloat16, torch.float16, torch.float64):
+        assert torch.equal(ebc({"f": (ids, starts, w.to(dtype)), "g": (ids, starts)}).values(), want), dtype
+
+
 def test_keyed_jagged_weights_of_the_wrong_length_change_nothing():
     """Sum-pooled tables (weights allowed), a KeyedJaggedTensor whose weights() are shorter than
     its values(): refused before any group looks its rows up (before, the native kernel caught

@@ -583,7 +583,8 @@ def _on_one_device(parts: list[Tensor]) -> list[Tensor]:
 
 def _cat(parts: list[Tensor]) -> Tensor:
     """torch.cat, by numpy on the host (one thread: torch's intra-op threads cost more there),
-    unless a part needs its gradient (per-sample weights that require grad)."""
-    if all(p.device.type == "cpu" and not p.requires_grad for p in parts):
+    unless a part needs its gradient (per-sample weights that require grad) or numpy has no such
+    type (bfloat16)."""
+    if all(p.device.type == "cpu" and not p.requires_grad and p.dtype != torch.bfloat16 for p in parts):
         return torch.from_numpy(np.concatenate([p.numpy() for p in parts]))
     return torch.cat(parts)
