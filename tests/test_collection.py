@@ -409,6 +409,65 @@ def test_a_keyed_jagged_tensor_with_offsets_only():
     torch.testing.assert_close(ebc(OffsetsOnly(kjt)).values(), ebc(kjt).values())
 
 
+class VariableBatchKJT(KJT):
+    """A KeyedJaggedTensor with a batch size per key (torchrec's variable_stride_per_key) and the
+    inverse indices that expand each key's distinct bags to one batch."""
+
+    def __init__(self, keys, values, lengths, strides, inverse, weights=None):
+        super().__init__(keys, values, lengths, weights)
+        self._strides, self._inverse = strides, inverse
+
+    def variable_stride_per_key(self):
+        return True
+
+    def stride_per_key(self):
+        return self._strides
+
+    def inverse_indices_or_none(self):
+        return self._inverse
+
+
+def test_a_keyed_jagged_tensor_with_a_batch_size_per_key_as_its_inverse_keyed_batch():
+    """Keys of 1 and 3 distinct bags, inverse indices (given in another key order) expanding both to
+    4 samples: forward and training equal the same batch given as InverseKeyed features (before,
+    the lengths were cut into equal batches: f2's bags went to f1), and torchrec's collection where
+    it imports. Different batch sizes without inverse indices are refused by name."""
+    tables = [EmbeddingBagConfig("a", 100, 4, ["f1"]), EmbeddingBagConfig("b", 50, 4, ["f2"], pooling="mean")]
+    ebcs = [TieredEmbeddingBagCollection(tables, optimizer=tieredemb.Adagrad(lr=0.1), cache_bytes=600)
+            for _ in range(2)]
+    values, lengths = torch.tensor([7, 8, 1, 2, 3, 4]), torch.tensor([2, 1, 0, 3])
+    inverse = (["f2", "f1"], torch.tensor([[2, 0, 1, 0], [0, 0, 0, 0]]))
+    kjt = VariableBatchKJT(["f1", "f2"], values, lengths, [1, 3], inverse)
+    given = {"f1": InverseKeyed(torch.tensor([7, 8]), torch.tensor([0]), torch.tensor([0, 0, 0, 0])),
+             "f2": InverseKeyed(torch.tensor([1, 2, 3, 4]), torch.tensor([0, 1, 1]), torch.tensor([2, 0, 1, 0]))}
+    for step in range(3):
+        a, b = ebcs[0](kjt).values(), ebcs[1](given).values()
+        assert a.shape == (4, 8) and torch.equal(a, b)
+        grad = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+        a.backward(grad)
+        b.backward(grad)
+    for t in tables:
+        ids = torch.arange(t.num_embeddings)
+        assert torch.equal(ebcs[0].read_rows(t.name, ids), ebcs[1].read_rows(t.name, ids))
+    with pytest.raises(ValueError, match=r"keys of different batch sizes \[1, 3\] need inverse_indices"):
+        ebcs[0](VariableBatchKJT(["f1", "f2"], values, lengths, [1, 3], None))
+    with pytest.raises(ValueError, match=r"stride_per_key\(\) \[2, 3\] does not split its 4 lengths"):
+        ebcs[0](VariableBatchKJT(["f1", "f2"], values, lengths, [2, 3], inverse))
+    try:
+        import torchrec
+    except ImportError:
+        return
+    peer = torchrec.EmbeddingBagCollection(tables=[torchrec.EmbeddingBagConfig(
+        name=t.name, embedding_dim=t.embedding_dim, num_embeddings=t.num_embeddings, feature_names=list(t.feature_names),
+        pooling=torchrec.PoolingType.SUM if t.pooling == "sum" else torchrec.PoolingType.MEAN) for t in tables])
+    for t in tables:
+        peer.embedding_bags[t.name].weight.data.copy_(ebcs[0].read_rows(t.name, torch.arange(t.num_embeddings)))
+    theirs = torchrec.KeyedJaggedTensor(keys=["f1", "f2"], values=values, lengths=lengths,
+                                        stride_per_key_per_rank=[[1], [3]],
+                                        inverse_indices=(["f1", "f2"], torch.stack([inverse[1][1], inverse[1][0]])))
+    torch.testing.assert_close(ebcs[0](theirs).values(), peer(theirs).values(), rtol=1e-5, atol=1e-6)
+
+
 def test_unpooled_collection_refuses_an_inverse_outside_its_bags():
     ec = tieredemb.TieredEmbeddingCollection(UNPOOLED, optimizer=tieredemb.SGD(lr=0.1))
     good = {"user_id": (torch.arange(3), torch.tensor([0, 1])), "friend_id": (torch.arange(2), torch.tensor([0, 1])),

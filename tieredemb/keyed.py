@@ -114,8 +114,9 @@ def batch_sources(features) -> tuple:
     forward recognizes them by identity: same_sources)."""
     if is_keyed_jagged(features):
         lengths = getattr(features, "lengths", None)
+        inverse = _call(features, "inverse_indices_or_none")
         return (*features.keys(), features.values(), lengths() if callable(lengths) else features.offsets(),
-                features.weights_or_none() if callable(getattr(features, "weights_or_none", None)) else None)
+                _call(features, "weights_or_none"), None if inverse is None else inverse[1])
     if not isinstance(features, dict):
         return ()
     out = []
@@ -177,8 +178,8 @@ def _keyed_jagged(kjt, lengths: Tensor | None) -> dict:
     values = _ids("KeyedJaggedTensor values()", kjt.values())
     weights = kjt.weights_or_none()
     lengths = (keyed_lengths(kjt) if lengths is None else lengths).to("cpu", torch.int64)
-    if not keys or len(lengths) % len(keys):
-        raise ValueError(f"KeyedJaggedTensor: {len(lengths)} lengths do not split into {len(keys)} keys' batches")
+    if not keys:
+        raise ValueError("KeyedJaggedTensor: no keys")
     if len(set(keys)) != len(keys):
         twice = sorted({k for k in keys if keys.count(k) > 1})
         raise ValueError(f"KeyedJaggedTensor: keys must be unique, got {twice} more than once")
@@ -191,13 +192,48 @@ def _keyed_jagged(kjt, lengths: Tensor | None) -> dict:
     if int(bounds[-1]) != len(values):
         raise ValueError(f"KeyedJaggedTensor: lengths sum to {int(bounds[-1])}, values() has {len(values)}")
     weights = _weights("KeyedJaggedTensor: weights", weights, values, "values()'")
-    stride = len(lengths) // len(keys)
-    out = {}
-    for k, key in enumerate(keys):
-        b = bounds[k * stride:(k + 1) * stride + 1]
+    strides, inverse = _strides(kjt, keys, len(lengths))
+    out, start = {}, 0
+    for key, stride in zip(keys, strides):
+        b = bounds[start:start + stride + 1]
+        start += stride
         lo, hi = int(b[0]), int(b[-1])
-        out[key] = (values[lo:hi], b - lo, None if weights is None else weights[lo:hi], None)
+        out[key] = (values[lo:hi], b - lo, None if weights is None else weights[lo:hi],
+                    None if inverse is None else _inverse(key, inverse[key], stride))
     return out
+
+
+def _call(kjt, method: str):
+    """kjt.method() where the KeyedJaggedTensor has it (torchrec's has; a duck-typed one may not)."""
+    f = getattr(kjt, method, None)
+    return f() if callable(f) else None
+
+
+def _strides(kjt, keys: list, n: int) -> tuple[list, dict | None]:
+    """Each key's number of bags, and each key's inverse indices (its samples' bags) where the
+    KeyedJaggedTensor has them (torchrec's variable batch per key: every key's distinct bags and
+    inverse_indices (keys, [K, B]) that expand them to one batch, as its EmbeddingBagCollection
+    does), else None."""
+    inverse = _call(kjt, "inverse_indices_or_none")
+    if inverse is not None:
+        names, table = inverse
+        if not isinstance(table, Tensor) or table.dim() != 2 or table.shape[0] != len(names) or \
+                sorted(names) != sorted(keys):
+            raise ValueError(f"KeyedJaggedTensor: inverse_indices must be (its keys, a [keys, batch] tensor), got "
+                             f"keys {list(names)} and {getattr(table, 'shape', type(table).__name__)}")
+        inverse = dict(zip(names, table.unbind(0)))
+    if _call(kjt, "variable_stride_per_key"):
+        strides = [int(s) for s in kjt.stride_per_key()]
+        if len(strides) != len(keys) or sum(strides) != n or min(strides, default=0) < 0:
+            raise ValueError(f"KeyedJaggedTensor: stride_per_key() {strides} does not split its {n} lengths into "
+                             f"its {len(keys)} keys' batches")
+        if inverse is None and len(set(strides)) > 1:
+            raise ValueError(f"KeyedJaggedTensor: keys of different batch sizes {strides} need inverse_indices "
+                             f"(each sample's bag of each key), as torchrec's EmbeddingBagCollection does")
+        return strides, inverse
+    if not keys or n % len(keys):
+        raise ValueError(f"KeyedJaggedTensor: {n} lengths do not split into {len(keys)} keys' batches")
+    return [n // len(keys)] * len(keys), inverse
 
 
 def _ids(what: str, ids) -> Tensor:
