@@ -209,7 +209,7 @@ def _state(ebc):
 def test_a_bad_feature_fails_before_any_table_is_looked_up(tiers):
     """Every feature is checked before the first group's lookup: a bad feature in a later group,
     or features of different batch sizes, change no rows, no counters, no tier."""
-    ebc = TieredEmbeddingBagCollection(TABLES, optimizer=tieredemb.Adagrad(lr=0.1), **tiers)
+    ebc = TieredEmbeddingBagCollection(TABLES, optimizer=tieredemb.Adagrad(lr=0.1), is_weighted=True, **tiers)
     good = {f: v[:2] for f, v in batch(0).items()}
     ebc(good).values().sum().backward()
     before = _state(ebc)
@@ -503,7 +503,7 @@ def test_weighted_features_train_and_give_their_weights_gradient_as_torch(as_kjt
     grad, on sum-pooled tables (one of them read by two features, one cached): outputs, rows
     after SGD, and the weights' gradients equal a dict of torch.nn.EmbeddingBag's."""
     tables = [TABLES[0], TABLES[2]]  # user (user_id, friend_id), cat: the sum-pooled ones
-    ebc = TieredEmbeddingBagCollection(tables, optimizer=tieredemb.SGD(lr=0.1), cache_bytes=3000)
+    ebc = TieredEmbeddingBagCollection(tables, optimizer=tieredemb.SGD(lr=0.1), cache_bytes=3000, is_weighted=True)
     refs = {t.name: torch.nn.EmbeddingBag(t.num_embeddings, t.embedding_dim, mode="sum",
                                           _weight=ebc.read_rows(t.name, torch.arange(t.num_embeddings)).clone())
             for t in tables}
@@ -545,12 +545,37 @@ def test_keyed_jagged_weights_of_the_wrong_length_change_nothing():
     its values(): refused before any group looks its rows up (before, the native kernel caught
     it after every group had made its rows resident and counted its lookups)."""
     tables = [EmbeddingBagConfig("u", 50, 4, ["a"]), EmbeddingBagConfig("v", 40, 8, ["b"])]
-    ebc = TieredEmbeddingBagCollection(tables, optimizer=tieredemb.SGD(lr=0.1), cache_bytes=2000)
+    ebc = TieredEmbeddingBagCollection(tables, optimizer=tieredemb.SGD(lr=0.1), cache_bytes=2000, is_weighted=True)
     kjt = KJT(["a", "b"], torch.tensor([1, 2, 3, 4, 5, 6]), torch.tensor([1, 2, 2, 1]), torch.ones(2))
     stats = ebc.stats()
     with pytest.raises(ValueError, match=r"KeyedJaggedTensor: weights must be a tensor of values\(\)' shape \(6,\)"):
         ebc(kjt)
     assert ebc.stats() == stats
+
+
+def test_a_keyed_jagged_tensors_weights_are_left_alone_unless_is_weighted():
+    """As torchrec's collections: an EmbeddingBagCollection takes a KeyedJaggedTensor's weights
+    only when built with is_weighted=True (before, they were always applied, and refused for a
+    mean-pooled table); an EmbeddingCollection never does. A dict's weights are always applied."""
+    tables = [EmbeddingBagConfig("u", 50, 4, ["a"]), EmbeddingBagConfig("v", 40, 8, ["b"], pooling="mean")]
+    plain, weighted = (TieredEmbeddingBagCollection(tables, optimizer=tieredemb.SGD(lr=0.1), is_weighted=w)
+                       for w in (False, True))
+    assert not plain.is_weighted() and weighted.is_weighted()
+    ids, lengths, w = torch.tensor([1, 2, 3, 4, 5, 6]), torch.tensor([1, 2, 2, 1]), torch.full((6,), 3.0)
+    unweighted = plain(KJT(["a", "b"], ids, lengths)).values()
+    assert torch.equal(plain(KJT(["a", "b"], ids, lengths, w)).values(), unweighted)
+    with pytest.raises(ValueError, match="feature 'b': per_sample_weights need pooling 'sum'"):
+        weighted(KJT(["a", "b"], ids, lengths, w))
+    sums = TieredEmbeddingBagCollection(tables[:1], optimizer=tieredemb.SGD(lr=0.1), is_weighted=True)
+    a_ids, a_starts = torch.tensor([1, 2, 3]), torch.tensor([0, 1])
+    torch.testing.assert_close(sums(KJT(["a"], a_ids, torch.tensor([1, 2]), w[:3])).values(), 3 * unweighted[:, :4])
+    torch.testing.assert_close(plain({"a": (a_ids, a_starts, w[:3]), "b": (ids[3:], torch.tensor([0, 2]))}).values(),
+                               torch.cat([3 * unweighted[:, :4], unweighted[:, 4:]], 1))
+    ec = tieredemb.TieredEmbeddingCollection([tieredemb.EmbeddingConfig("u", 50, 4, ["a"])])
+    torch.testing.assert_close(ec(KJT(["a"], a_ids, torch.tensor([1, 2]), w[:3]))["a"].values(),
+                               ec(KJT(["a"], a_ids, torch.tensor([1, 2])))["a"].values())
+    with pytest.raises(TypeError, match="is_weighted must be a bool, got 1"):
+        TieredEmbeddingBagCollection(tables, is_weighted=1)
 
 
 def test_without_torchrec_the_outputs_behave_as_torchrecs(monkeypatch):

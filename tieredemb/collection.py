@@ -35,7 +35,7 @@ from .collection_prefetch import CollectionPrefetch, Prepared
 from .collection_state import CollectionState
 from .config import Init, TableConfig, parse_budget
 from .keyed import (InverseKeyed, KeyedEmbeddings, features_of, is_keyed_jagged, jagged, keyed,  # noqa: F401
-                    keyed_lengths)  # (InverseKeyed and KeyedEmbeddings re-exported)
+                    keyed_lengths, variable_batch)  # (InverseKeyed and KeyedEmbeddings re-exported)
 from . import lookup
 from .gpu import to_device
 from .module import _MODES, TieredEmbedding, TieredEmbeddingBag
@@ -134,6 +134,8 @@ _ARGS = """(unique names; a feature read by one table). cache_bytes:
 class _Collection(CollectionPrefetch, CollectionState, nn.Module):
     """What both collections share: tables in groups, one engine per group, the budgets, rows,
     statistics. Subclasses say what a group's engine is, and what a lookup returns."""
+
+    _is_weighted = False  # whether a KeyedJaggedTensor's weights are per-sample weights
 
     def _kind(self, t) -> tuple:
         raise NotImplementedError
@@ -239,7 +241,7 @@ class _Collection(CollectionPrefetch, CollectionState, nn.Module):
         group's lookup. A KeyedJaggedTensor on the tables' GPU is checked before it is cut into
         features (_keyed_on_device), its verdict read with its lengths."""
         keyed_check = self._keyed_on_device(features)
-        given = features_of(features, None if keyed_check is None else keyed_check[0])
+        given = features_of(features, None if keyed_check is None else keyed_check[0], self._is_weighted)
         missing = [f for f in self.feature_table if f not in given]
         unknown = [f for f in given if f not in self.feature_table]
         if missing or unknown:
@@ -310,8 +312,8 @@ class _Collection(CollectionPrefetch, CollectionState, nn.Module):
         (lengths on the host, fault, faulty). One wait, where cutting it into features (its
         lengths read) and then reading the verdict took two. None for other inputs, and for a
         malformed one (the host's checks then name what is wrong)."""
-        if not is_keyed_jagged(features):
-            return None
+        if not is_keyed_jagged(features) or variable_batch(features):
+            return None  # (a batch size per key: the host cuts it into features first)
         engine, values = self.engines[0], features.values()
         if not (isinstance(values, Tensor) and engine._on_device(values)):
             return None  # (a host KJT: features_of takes its lengths, once)
@@ -442,9 +444,21 @@ class _Collection(CollectionPrefetch, CollectionState, nn.Module):
 class TieredEmbeddingBagCollection(_Collection):
     __doc__ = f"""EmbeddingBagCollection whose tables live in tiers under one budget per tier.
 
-    tables: EmbeddingBagConfig list {_ARGS}"""
+    tables: EmbeddingBagConfig list {_ARGS} is_weighted: whether a KeyedJaggedTensor's weights
+    are per-sample weights (False, as torchrec's default: they are left alone, as its collection
+    leaves them); a dict's per_sample_weights are always applied."""
 
     _state_prefix = "embedding_bags"  # (TorchRec's: its state_dict keys)
+
+    def __init__(self, tables: list, *, is_weighted: bool = False, **args):
+        if not isinstance(is_weighted, bool):
+            raise TypeError(f"is_weighted must be a bool, got {is_weighted!r}")
+        super().__init__(tables, **args)
+        self._is_weighted = is_weighted
+
+    def is_weighted(self) -> bool:
+        """Whether a KeyedJaggedTensor's weights are taken (torchrec's EmbeddingBagCollection's)."""
+        return self._is_weighted
 
     def embedding_bag_configs(self) -> list:
         """The tables' configs, in order (as TorchRec's EmbeddingBagCollection answers: its models,

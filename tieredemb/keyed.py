@@ -144,15 +144,16 @@ def keyed_lengths(kjt) -> Tensor:
     return kjt.lengths() if callable(getattr(kjt, "lengths", None)) else torch.diff(kjt.offsets())
 
 
-def features_of(features, lengths: Tensor | None = None) -> dict:
+def features_of(features, lengths: Tensor | None = None, keyed_weights: bool = True) -> dict:
     """A KeyedJaggedTensor (duck-typed: keys(), values(), lengths() or offsets(), weights_or_none()), or
     {feature: (ids, offsets[, per_sample_weights])} with offsets [B] bag starts, or {feature:
     InverseKeyed} -> {feature: (ids [N], bag boundaries int64 [B + 1] on the host, weights or
     None, inverse int64 [B] or None)}. Every feature is checked (ValueError or TypeError naming
     it and the rule) before any is returned. lengths: a KeyedJaggedTensor's, already read to the
-    host (int64)."""
+    host (int64). keyed_weights: whether a KeyedJaggedTensor's weights are taken (else left
+    alone, as torchrec's unweighted collections leave them)."""
     if is_keyed_jagged(features):
-        return _keyed_jagged(features, lengths)
+        return _keyed_jagged(features, lengths, keyed_weights)
     if not isinstance(features, dict):
         raise TypeError(f"features must be a KeyedJaggedTensor or a dict of feature -> (ids, offsets[, "
                         f"per_sample_weights]) or InverseKeyed, got {type(features).__name__}")
@@ -173,10 +174,10 @@ def features_of(features, lengths: Tensor | None = None) -> dict:
     return out
 
 
-def _keyed_jagged(kjt, lengths: Tensor | None) -> dict:
+def _keyed_jagged(kjt, lengths: Tensor | None, keyed_weights: bool) -> dict:
     keys = list(kjt.keys())
     values = _ids("KeyedJaggedTensor values()", kjt.values())
-    weights = kjt.weights_or_none()
+    weights = _call(kjt, "weights_or_none") if keyed_weights else None
     lengths = (keyed_lengths(kjt) if lengths is None else lengths).to("cpu", torch.int64)
     if not keys:
         raise ValueError("KeyedJaggedTensor: no keys")
@@ -209,6 +210,11 @@ def _call(kjt, method: str):
     return f() if callable(f) else None
 
 
+def variable_batch(kjt) -> bool:
+    """Whether a KeyedJaggedTensor has a batch size per key (torchrec's variable_stride_per_key)."""
+    return bool(_call(kjt, "variable_stride_per_key"))
+
+
 def _strides(kjt, keys: list, n: int) -> tuple[list, dict | None]:
     """Each key's number of bags, and each key's inverse indices (its samples' bags) where the
     KeyedJaggedTensor has them (torchrec's variable batch per key: every key's distinct bags and
@@ -222,7 +228,7 @@ def _strides(kjt, keys: list, n: int) -> tuple[list, dict | None]:
             raise ValueError(f"KeyedJaggedTensor: inverse_indices must be (its keys, a [keys, batch] tensor), got "
                              f"keys {list(names)} and {getattr(table, 'shape', type(table).__name__)}")
         inverse = dict(zip(names, table.unbind(0)))
-    if _call(kjt, "variable_stride_per_key"):
+    if variable_batch(kjt):
         strides = [int(s) for s in kjt.stride_per_key()]
         if len(strides) != len(keys) or sum(strides) != n or min(strides, default=0) < 0:
             raise ValueError(f"KeyedJaggedTensor: stride_per_key() {strides} does not split its {n} lengths into "
