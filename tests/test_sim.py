@@ -20,6 +20,8 @@ from tieredemb.sim import (
     simulate,
     stack_distances,
 )
+from tieredemb.sim import kernel as kernel_module
+from tieredemb.sim import simulator as simulator_module
 from tieredemb.sim.cli import mrc as mrc_command
 from tieredemb.sim.cli import simulate as simulate_command
 from tieredemb.trace import TableInfo, TraceError, TraceWriter
@@ -288,6 +290,31 @@ def test_belady_is_optimal_and_lookahead_sits_between():
                                                                                  "s3fifo", "belady", "lookahead")}
     assert hit["belady"] == max(hit.values())
     assert hit["lookahead"] > hit["lru"]
+
+
+@pytest.mark.parametrize("policy", ["lfu", "clock", "fifo"])
+def test_a_chunk_of_one_lookup_writes_within_its_arrays(monkeypatch, policy):
+    """A policy that does not look ahead feeds a dummy next-use array; with a chunk of one lookup
+    (a trace's last), its size matched the keys' and the kernel wrote knext[key] past the end of
+    a one-slot array (a segfault or a corrupted heap, compiled). The kernel's own code run by
+    Python checks every index: it raised IndexError there."""
+    monkeypatch.setattr(simulator_module, "run_batches", kernel_module.run_batches.py_func)
+    sim = Simulator(policy, [2], nkeys=9001)
+    sim.feed(np.array([5000]), np.array([0, 1]))
+    sim.feed(np.array([5000, 7]), np.array([0, 1, 2]))
+    assert sim.result().tiers[0].misses == 2 and sim.result().tiers[0].hits == 1
+
+
+def test_the_streaming_lru_tier_refuses_keys_past_its_arrays():
+    """LruTier's kernel does not check its indices: a key past nkeys (a trace whose keys exceed its
+    declared rows) is refused by name, as Simulator.feed refuses it."""
+    from tieredemb.sim.lru import LruTier
+
+    tier = LruTier(10, 4, 8, per_request=False)
+    with pytest.raises(SimError, match=r"key 12 at lookup 1 is beyond this simulator's 10 keys"):
+        tier.feed(np.array([3, 12, 4]), np.array([0, 3]))
+    tier.feed(np.array([3, 9, 4]), np.array([0, 3]))
+    assert tier.distinct == 3
 
 
 def test_per_table_breakdown_adds_up():

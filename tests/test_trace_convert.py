@@ -175,6 +175,9 @@ def test_oracle_import_batches_by_time_skips_size_zero_and_remaps(tmp_path):
     assert [b.tolist() for b in open_trace(tmp_path / "y.trace").batches()] == [[0, 1, 0, 1], [2, 1]]
     with pytest.raises(TraceError, match=r"id 9223372036854775813 of record 0 \(byte 0\) does not fit"):
         convert(tmp_path / "x.oracleGeneral", tmp_path / "z.trace")
+    # (before, renumbered ids past the rows given went unchecked: out of a simulator's arrays)
+    with pytest.raises(TraceError, match=r"3 distinct ids, renumbered 0..2 \(remap\), do not fit the table's 2 rows"):
+        convert(tmp_path / "x.oracleGeneral", tmp_path / "z.trace", remap=True, rows=2)
     with open(tmp_path / "x.oracleGeneral", "ab") as f:
         f.write(b"\0" * 10)
     with pytest.raises(TraceError, match=r"x.oracleGeneral: truncated record at byte 168"):

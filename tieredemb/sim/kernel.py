@@ -221,12 +221,12 @@ def _touch_all(slot, where0, sc, buf, n, knext, table_of, tstats):
 def run_batches(slot, where, ghost, sc, buf, keys, offsets, b0, b1, batch_id0, per_request, train, nxt, knext,
                 seen, lookahead, table_of, tstats, err):
     """Batches b0..b1-1 (request mode: lookups b0..b1-1). nxt: per lookup, the next batch that
-    uses its key (next_use; size 1 when no policy needs it); knext: per key, the same for its
+    uses its key (next_use; empty when no policy needs it); knext: per key, the same for its
     latest use; lookahead: the window of lookahead-k. batch_id0 + b identifies batch b across
     calls (chunks). Returns False with err = (batch, tier, rows) when a batch needs more rows
     than a tier holds."""
     ntiers = where.shape[0]
-    use_next = nxt.size == keys.size and keys.size > 0
+    use_next = nxt.size > 0  # (not its size against the keys': a dummy of one matched a chunk of one lookup)
     where0, prev, succ = where[0], slot[PA], slot[PB]
     for b in range(b0, b1):
         if per_request:

@@ -12,7 +12,7 @@ import numpy as np
 from tieredemb.trace.jit import kernel, popcount, prefetch
 from tieredemb.trace.reuse import renumber, scratch
 
-from .errors import too_wide
+from .errors import check_below, too_wide
 
 _AHEAD = 16
 
@@ -111,7 +111,7 @@ class LruTier:
     `lookups` lookups in all; table_of [nkeys] (or None) splits the counts per table."""
 
     def __init__(self, nkeys: int, cap: int, lookups: int, *, per_request: bool, table_of: np.ndarray | None = None):
-        self.cap, self.per_request = int(cap), per_request
+        self.cap, self.per_request, self.nkeys = int(cap), per_request, int(nkeys)
         self._table_of = np.zeros(1, np.int64) if table_of is None else np.ascontiguousarray(table_of, np.int64)
         tables = int(self._table_of.max(initial=0)) + 1
         self.hits, self.misses = np.zeros(tables, np.int64), np.zeros(tables, np.int64)
@@ -123,7 +123,9 @@ class LruTier:
 
     def feed(self, dense: np.ndarray, offsets: np.ndarray | None) -> None:
         """The next batches: dense keys, and offsets [b+1] (None in request mode). Raises
-        SimError (too_wide) for a batch with more unique keys than the tier holds."""
+        SimError (too_wide) for a batch with more unique keys than the tier holds, or for a key
+        past nkeys."""
+        check_below(dense, self.nkeys)
         if not _lru_one_size(dense, np.zeros(1, np.int64) if self.per_request else offsets, self.per_request,
                              self.cap, self._last, self._seen, self._owner, self._dead, self._table_of, self.hits,
                              self.misses, self._st):

@@ -15,7 +15,7 @@ import numpy as np
 from tieredemb.trace.format import TraceSource
 from tieredemb.trace.keys import check_keys, check_offsets, compact
 
-from .errors import SimError, too_wide
+from .errors import SimError, check_below, too_wide
 from .kernel import next_use, run_batches
 from .lru import LruTier
 from .state import (
@@ -186,15 +186,13 @@ class Simulator:
         batch); next_batch [n]: for each lookup the index of the next batch that uses its key
         (kernel.next_use over the whole trace; belady / lookahead)."""
         keys = check_keys(keys)
-        if keys.size and keys.max() >= self.nkeys:
-            i = int(np.argmax(keys >= self.nkeys))
-            raise SimError(f"key {int(keys[i])} at lookup {i} is beyond this simulator's {self.nkeys} keys")
+        check_below(keys, self.nkeys)
         per_request = self.mode == "request" or batch_offsets is None
         offsets = np.zeros(1, np.int64) if per_request else check_offsets(batch_offsets, keys.size)
         nb = keys.size if per_request else offsets.size - 1
         if self.needs_future and (next_batch is None or next_batch.size != keys.size):
             raise SimError(f"policies {self.names} look ahead: feed() needs next_batch for every lookup")
-        nxt = np.ascontiguousarray(next_batch, np.int64) if self.needs_future else np.zeros(1, np.int64)
+        nxt = np.ascontiguousarray(next_batch, np.int64) if self.needs_future else np.zeros(0, np.int64)
         width = 1 if per_request else int(np.diff(offsets).max(initial=1))
         if self._st.buf.shape[2] < width:  # scratch only: nothing in it survives a batch
             self._st = self._st._replace(buf=make_buffers(len(self._caps), width))
