@@ -226,6 +226,12 @@ def test_plan_command_writes_json_the_collection_takes_and_a_png(tmp_path, capsy
     assert "predicted over the batches after the first 40" in capsys.readouterr().out
     assert main(["plan", str(trace), "--cache-bytes", "400KiB", "--dim", "16", "--warmup", "60"]) == 2
     assert "warmup 60 must be in [0, 60)" in capsys.readouterr().err
+    # inference rows hold their weights only (they were priced with rowwise_adagrad's state word)
+    assert main(["plan", str(trace), "--cache-bytes", "400KiB", "--dim", "16", "32", "--json", str(out_json),
+                 "--inference"]) == 0
+    assert [t["row_bytes"] for t in json.loads(out_json.read_text())["planned"]["tables"]] == [64, 128]
+    assert main(["plan", str(trace), "--cache-bytes", "400KiB", "--dim", "16", "--inference", "--optimizer", "adam"]) == 2
+    assert "--optimizer adam: an inference table (--inference) has no optimizer state" in capsys.readouterr().err
 
 
 def test_record_a_collection_then_plan_from_its_trace(tmp_path, capsys):

@@ -65,6 +65,40 @@ def test_errors_return_1_with_the_reason(tmp_path, capsys):
         trace(["synth", str(tmp_path / "s.trace"), "--batches", "2", "--lookups", "3"])  # neither --zipf nor --logs
 
 
+@pytest.mark.parametrize("case", ["obj-size-csv", "obj-size-0", "obj-size-import", "seed", "csv-int64", "pt-batch-0",
+                                  "pt-tables"])
+def test_bad_options_and_values_are_named_not_tracebacks_or_ignored(tmp_path, capsys, case):
+    """Each was a traceback (TypeError, ValueError) or an option silently replaced or ignored."""
+    t = str(tmp_path / "t.trace")
+    with TraceWriter(t, [TableInfo("a", 10), TableInfo("b", 10)]) as w:
+        w.write_batch([1, 12])
+        w.write_batch([3, 14])
+    args, said = {
+        "obj-size-csv": (["convert", t, str(tmp_path / "x.csv"), "--obj-size", "3"],
+                         "exporting to csv: obj_size apply to an oracleGeneral export only"),
+        "obj-size-0": (["convert", t, str(tmp_path / "x.oracleGeneral"), "--obj-size", "0"],
+                       "obj_size 0 must lie in [1, 2**32)"),
+        "obj-size-import": (["convert", str(tmp_path / "x.csv"), str(tmp_path / "y.trace"), "--obj-size", "2"],
+                            "--obj-size applies to an export to oracleGeneral"),
+        "seed": (["synth", str(tmp_path / "s.trace"), "--zipf", "1", "--rows", "9", "--batches", "2", "--lookups", "3",
+                  "--seed", "-1"], "seed -1 must be an int in [0, 2**64)"),
+        "csv-int64": (["inspect", str(tmp_path / "x.csv")],
+                      "line 3 ('0,0,99999999999999999999') is not 3 integers (int64)"),
+        "pt-batch-0": (["convert", str(tmp_path / "x.pt"), str(tmp_path / "y.trace"), "--batch-size", "0"],
+                       "batch size 0 must be >= 1 sample"),
+        "pt-tables": (["convert", str(tmp_path / "x.pt"), str(tmp_path / "y.trace"), "--tables", "7"],
+                      "its lengths tensor [T, B] holds 2 tables, not the 7 given"),
+    }[case]
+    (tmp_path / "x.csv").write_text("batch,table,id\n0,0,5\n0,0,99999999999999999999\n" if case == "csv-int64"
+                                    else "batch,table,id\n0,0,5\n")
+    if case.startswith("pt"):
+        assert trace(["convert", t, str(tmp_path / "x.pt")]) == 0
+    capsys.readouterr()
+    assert trace(args) == 2
+    assert said in capsys.readouterr().err
+    assert not (tmp_path / "x.oracleGeneral").exists() and not (tmp_path / "y.trace").exists()
+
+
 def test_the_installed_command_dispatches_to_trace(tmp_path):
     with TraceWriter(tmp_path / "t.trace", [TableInfo("t", 10)]) as w:
         w.write_batch([1, 2, 1])

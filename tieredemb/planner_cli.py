@@ -32,12 +32,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--host-bytes", help="host memory for tables stored whole there; the rest go to SSD "
                                         "(default: every table in host memory)")
     p.add_argument("--dim", type=int, nargs="+", required=True, help="embedding dim: one for all tables or one per table")
-    p.add_argument("--optimizer", choices=OPTIMIZERS, default="rowwise_adagrad",
-                   help="its state travels with each row (default: rowwise_adagrad)")
+    p.add_argument("--optimizer", choices=OPTIMIZERS,
+                   help="its state travels with each row (default: rowwise_adagrad; none with --inference)")
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32", help="weights' dtype")
     p.add_argument("--row-alignment", type=int, default=4, metavar="BYTES",
                    help="the tables' row_alignment: rows padded to a whole number of BYTES (default 4: none)")
-    p.add_argument("--inference", action="store_true", help="rows are only read (none written back)")
+    p.add_argument("--inference", action="store_true",
+                   help="rows are only read (none written back), and hold no optimizer state")
     p.add_argument("--bandwidth-tier0", type=float, metavar="BYTES_PER_S",
                    help="host memory <-> tier 0 (default 20e9, about PCIe 4 x16; --probe measures a host tier 0)")
     p.add_argument("--bandwidth-ssd", type=float, metavar="BYTES_PER_S", help="SSD reads (default 2e9)")
@@ -81,8 +82,10 @@ def _plan(a) -> int:
     if len(a.dim) not in (1, len(names)):
         raise ValueError(f"--dim: {len(a.dim)} dims given for {len(names)} tables: give one, or one per table")
     dims = a.dim * len(names) if len(a.dim) == 1 else a.dim
-    opt = {"sgd": optim.SGD, "adagrad": optim.Adagrad, "rowwise_adagrad": optim.RowWiseAdagrad,
-           "adam": optim.Adam}[a.optimizer](lr=0.01)  # only its state width matters here
+    if a.inference and a.optimizer is not None:
+        raise ValueError(f"--optimizer {a.optimizer}: an inference table (--inference) has no optimizer state")
+    opt = None if a.inference else {"sgd": optim.SGD, "adagrad": optim.Adagrad, "rowwise_adagrad": optim.RowWiseAdagrad,
+                                    "adam": optim.Adam}[a.optimizer or "rowwise_adagrad"](lr=0.01)  # (its state width)
     dtype = getattr(torch, a.dtype)
     row_bytes = [TableConfig(1, d, optimizer=opt, dtype=dtype, row_alignment=a.row_alignment).width * 4 for d in dims]
     rows = {n: t.num_rows for n, t in zip(names, header.tables)}

@@ -102,8 +102,10 @@ def _convert(a, progress: bool) -> int:
         if given:
             raise TraceError(f"{a.src} is a tieredemb trace: {', '.join(given)} apply to the source of an import, "
                              f"not to an export")
-        options = {"obj_size": a.obj_size} if a.obj_size else {}
+        options = {} if a.obj_size is None else {"obj_size": a.obj_size}
     else:
+        if a.obj_size is not None:
+            raise TraceError(f"--obj-size applies to an export to oracleGeneral, not to an import of {a.src}")
         options = {k: v for k, v in input_options(a).items() if k != "fmt"} | {"chunk_lookups": a.chunk_lookups}
     result = convert(a.src, a.dst, src_format=src, dst_format=a.dst_format, progress=progress, **options)
     if isinstance(result, list):  # locality logs

@@ -48,15 +48,23 @@ def _blocks(path: str):
                 data = np.loadtxt(block, delimiter=",", dtype=np.int64, ndmin=2)
                 if data.shape[1] != len(cols):
                     raise ValueError(f"{data.shape[1]} columns")
-            except ValueError:
+            except ValueError as e:
                 for j, text in enumerate(block):
                     cells = text.split(",")
-                    if len(cells) != len(cols) or not all(c.strip().lstrip("-").isdigit() for c in cells):
+                    if len(cells) != len(cols) or not all(_int64(c) for c in cells):
                         raise TraceError(f"{path}: line {line + j} ({text.strip()!r}) is not {len(cols)} "
-                                         f"integers separated by commas") from None
-                raise
+                                         f"integers (int64) separated by commas") from None
+                raise TraceError(f"{path}: lines {line}-{line + len(block) - 1}: {e}") from None
             yield line, data, cols
             line += len(block)
+
+
+def _int64(cell: str) -> bool:
+    """Whether a cell reads as an int64 (as numpy's loadtxt reads it: signs and spaces allowed)."""
+    try:
+        return -2**63 <= int(cell) < 2**63
+    except ValueError:
+        return False
 
 
 def _labels(data, cols, seen: int, batch_size, path: str) -> np.ndarray:

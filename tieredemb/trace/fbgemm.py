@@ -63,6 +63,8 @@ def read_pt(path, *, rows=None, batch_size: int | None = None, num_tables: int |
     indices, offsets = parts[0].astype(np.int64, copy=False), parts[1].astype(np.int64, copy=False)
     if len(parts) > 2 and parts[2].ndim == 2:
         t_count, samples = parts[2].shape
+        if num_tables is not None and num_tables != t_count:
+            raise TraceError(f"{path}: its lengths tensor [T, B] holds {t_count} tables, not the {num_tables} given")
     elif num_tables:
         t_count, samples = num_tables, (offsets.size - 1) // max(num_tables, 1)
     else:
@@ -82,7 +84,7 @@ def read_pt(path, *, rows=None, batch_size: int | None = None, num_tables: int |
     for t, (m, r) in enumerate(zip(max_ids, sizes)):
         if m >= r:
             raise TraceError(f"{path}: id {m} of table {t} out of range [0, {r})")
-    k = batch_size or samples
+    k = samples if batch_size is None else batch_size
     if k < 1:
         raise TraceError(f"{path}: batch size {k} must be >= 1 sample")
     header = header_of(path, "pt", sizes, how, -(-samples // k), int(offsets[-1] - offsets[0]), samples_per_batch=k)

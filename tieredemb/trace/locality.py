@@ -25,7 +25,7 @@ import numpy as np
 
 from .format import TableInfo, TraceError, TraceHeader, open_trace
 from .reuse import stack_distances
-from .synth import per_table, write_synthetic
+from .synth import check_seed, per_table, write_synthetic
 
 
 @dataclass
@@ -194,6 +194,7 @@ def synth_locality(path, logs: list[LocalityLog], num_batches: int, lookups, *, 
                    names: list[str] | None = None, chunk_lookups: int = 1 << 20,
                    progress: bool = False) -> TraceHeader:
     """A trace with one table per log; rows: None (max id of line 1 + 1), an int, or one per table."""
+    check_seed(seed)
     rows = [int(log.unique.max()) + 1 for log in logs] if rows is None else per_table(rows, len(logs), "rows")
     names = names or [f"table{t}" for t in range(len(logs))]
     gens = [LocalityGenerator(log, seed=int(np.random.SeedSequence([seed, t]).generate_state(1)[0]))

@@ -124,6 +124,7 @@ class ZipfSampler:
             raise TraceError(f"alpha {alpha} must be >= 0 (0 = uniform)")
         if not 0.0 <= reuse <= 1.0:
             raise TraceError(f"reuse {reuse} must lie in [0, 1]")
+        check_seed(seed)
         self.rows, self.alpha, self.reuse, self.seed, self.table = rows, float(alpha), reuse, seed, table
         self._half_bits = max(1, (max(1, (rows - 1).bit_length()) + 1) // 2)
         seq = np.random.SeedSequence([seed, table])
@@ -184,6 +185,12 @@ def write_synthetic(path, tables: list[TableInfo], num_batches: int, lookups, dr
             ids = np.concatenate([draw(t, lookups[t]) for t in every])
             w.write_batch(w.header.keys(np.repeat(every, lookups), ids))
     return w.header
+
+
+def check_seed(seed) -> None:
+    """A trace generator's seed: an int in [0, 2**64) (numpy's SeedSequence takes no other)."""
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2**64:
+        raise TraceError(f"seed {seed!r} must be an int in [0, 2**64)")
 
 
 def synth_zipf(path, rows, num_batches: int, lookups, *, alpha: float = 1.05, reuse: float = 0.0, seed: int = 0,
