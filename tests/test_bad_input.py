@@ -320,6 +320,7 @@ def test_write_rows_rejects_bad_input(case):
     ({"padding_idx": N}, ValueError, f"padding_idx {N} out of range"),
     ({"padding_idx": -N - 1}, ValueError, "padding_idx"),
     ({"seed": -1}, ValueError, "seed.*-1"),
+    ({"seed": 2**64}, ValueError, r"seed must be an int in \[0, 2\*\*64\), got 18446744073709551616"),
     ({"dtype": torch.float64}, ValueError, "float64"),
     ({"device": "meta"}, ValueError, "meta"),
     ({"optimizer": "sgd"}, TypeError, "optimizer"),
@@ -346,11 +347,22 @@ def test_torch_optimizer_is_rejected():
     (lambda: te.Adam(betas=(1.0, 0.999)), "betas"),
     (lambda: te.Adam(betas=(0.9, -0.1)), "betas"),
     (lambda: te.Adam(eps=0.0), "eps"),
-    (lambda: te.MomentumScaledRowWiseAdagrad(lr=0.1, scale=0), r"scale=0: must be a finite number > 0"),
+    (lambda: te.MomentumScaledRowWiseAdagrad(lr=0.1, scale=0), r"scale=0: must be > 0"),
     (lambda: te.MomentumScaledRowWiseAdagrad(lr=0.1, scale=float("inf")), "scale=inf"),
+    # (each of these was accepted, then failed or overflowed at the first lookup or update)
+    (lambda: te.SGD(lr=1e40), r"lr=1e\+40: must be >= 0 \(a finite number float32 holds\)"),
+    (lambda: te.Adagrad(lr=0.1, eps="1e-8"), "eps='1e-8'"),
+    (lambda: te.Adam(betas=(0.9,)), r"betas=\(0.9,\): must be two numbers"),
+    (lambda: te.Adam(betas=(0.9, 1.0)), r"betas\[1\]=1.0: must be in \[0, 1\)"),
+    (lambda: te.Init("normal", "0", 1.0), "init 'normal': a='0' must be a finite number"),
+    (lambda: te.Init("normal", 0.0, float("nan")), "b=nan must be a finite number"),
+    (lambda: te.Init("normal", 0.0, -1.0), r"b=-1.0 \(the std\) must be >= 0"),
+    (lambda: te.Init("uniform", 1.0, 0.0), r"a=1.0 \(low\) must be <= b=0.0"),
 ], ids=["sgd-neg-lr", "sgd-nan-lr", "sgd-inf-lr", "adagrad-neg-lr", "adagrad-eps0", "rowwise-eps",
-        "adam-neg-lr", "adam-beta1", "adam-beta2", "adam-eps0", "msrowwise-scale0", "msrowwise-scale-inf"])
-def test_bad_optimizer_hyper_parameters(make, match):
+        "adam-neg-lr", "adam-beta1", "adam-beta2", "adam-eps0", "msrowwise-scale0", "msrowwise-scale-inf",
+        "sgd-lr-past-float32", "adagrad-eps-str", "adam-one-beta", "adam-beta2-1", "init-str", "init-nan",
+        "init-neg-std", "init-uniform-reversed"])
+def test_bad_optimizer_and_init_arguments(make, match):
     with pytest.raises(ValueError, match=match):
         make()
 

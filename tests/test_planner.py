@@ -230,7 +230,8 @@ def test_plan_command_writes_json_the_collection_takes_and_a_png(tmp_path, capsy
     assert main(["plan", str(trace), "--cache-bytes", "400KiB", "--dim", "16", "32", "--json", str(out_json),
                  "--inference"]) == 0
     assert [t["row_bytes"] for t in json.loads(out_json.read_text())["planned"]["tables"]] == [64, 128]
-    assert main(["plan", str(trace), "--cache-bytes", "400KiB", "--dim", "16", "--inference", "--optimizer", "adam"]) == 2
+    assert main(["plan", str(trace), "--cache-bytes", "400KiB", "--dim", "16", "--inference",
+                 "--optimizer", "adam"]) == 2
     assert "--optimizer adam: an inference table (--inference) has no optimizer state" in capsys.readouterr().err
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import numbers
 import os
 import re
@@ -80,6 +81,13 @@ class Init:
     def __post_init__(self):
         if self.kind not in ("normal", "uniform", "zeros"):
             raise ValueError(f"init kind {self.kind!r} is not one of 'normal', 'uniform', 'zeros'")
+        for name, v in (("a", self.a), ("b", self.b)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise ValueError(f"init {self.kind!r}: {name}={v!r} must be a finite number")
+        if self.kind == "normal" and self.b < 0:
+            raise ValueError(f"init 'normal': b={self.b!r} (the std) must be >= 0")
+        if self.kind == "uniform" and self.a > self.b:
+            raise ValueError(f"init 'uniform': a={self.a!r} (low) must be <= b={self.b!r} (high)")
 
     @property
     def code(self) -> int:
@@ -201,8 +209,8 @@ class TableConfig:
                             f"MomentumScaledRowWiseAdagrad, Adam), got {type(self.optimizer).__name__}")
         if not isinstance(self.init, Init):
             raise TypeError(f"init must be a tieredemb.Init, got {type(self.init).__name__}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
-            raise ValueError(f"seed must be an int >= 0, got {self.seed!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**64:
+            raise ValueError(f"seed must be an int in [0, 2**64), got {self.seed!r}")
         device = torch.device(self.device)
         if device.type not in ("cpu", "cuda"):
             raise ValueError(f"device {device} is not supported: use 'cpu' or 'cuda'")

@@ -53,8 +53,8 @@ inline void apply_optimizer(const OptimizerArgs& o, int64_t dim, float* __restri
       float* __restrict m = state;
       float* __restrict v = state + dim;
       for (int64_t d = 0; d < dim; ++d) {
-        float m_update = (g[d] - m[d]) * (1.f - o.beta1);
-        float v_update = (g[d] * g[d] - v[d]) * (1.f - o.beta2);
+        float m_update = (g[d] - m[d]) * o.one_minus_beta1;
+        float v_update = (g[d] * g[d] - v[d]) * o.one_minus_beta2;
         float numer = m_update + m[d];
         float vv = v_update + v[d];
         m[d] = numer;

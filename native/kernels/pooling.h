@@ -43,7 +43,9 @@ void pool_forward(const PoolingArgs& a, const float* pool, float* out, int64_t* 
 
 struct OptimizerArgs {
   OptimizerKind kind = OptimizerKind::kSGD;
-  float lr = 0.01f, eps = 1e-8f, beta1 = 0.9f, beta2 = 0.999f;
+  // Adam's 1 - beta1 and 1 - beta2, taken in double by the caller (as torch's SparseAdam takes them):
+  // 1.f - 0.999f is off by a relative 1.3e-5.
+  float lr = 0.01f, eps = 1e-8f, one_minus_beta1 = 0.1f, one_minus_beta2 = 0.001f;
   float adam_step_size = 0.f;  // lr * sqrt(1 - beta2^t) / (1 - beta1^t), set per step
   // Row-wise Adagrad divides its accumulator by this before the square root: 1 for plain
   // row-wise Adagrad, c for momentum-scaled row-wise Adagrad (tieredemb/optim.py).

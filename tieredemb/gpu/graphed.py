@@ -564,7 +564,7 @@ def _arguments(a) -> tuple:
     """What a backward graph holds of the optimizer (a: its native_args): the arguments that stay
     from step to step (Adam's step size and the step are read from device tensors: see
     pooling.backward_update's scalars)."""
-    return a.kind, a.lr, a.eps, a.beta1, a.beta2, a.accumulator_divisor
+    return a.kind, a.lr, a.eps, a.one_minus_beta1, a.one_minus_beta2, a.accumulator_divisor
 
 
 class _Replayed(torch.autograd.Function):
