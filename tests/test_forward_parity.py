@@ -3,6 +3,7 @@ of a few rows so nearly every batch evicts."""
 
 import math
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -98,6 +99,30 @@ def test_per_sample_weights_gradient_matches_torch(kernels):
     ref(ids, off, per_sample_weights=w_ref).backward(g)
     ours(ids, off, per_sample_weights=w_ours).backward(g)
     torch.testing.assert_close(w_ours.grad, w_ref.grad)
+
+
+@pytest.mark.parametrize("padding_idx", [None, 9])
+def test_per_sample_weights_learn_over_a_frozen_table_as_torch(kernels, padding_idx):
+    """from_pretrained(freeze=True) with weights that require grad: the output requires grad and the
+    weights get torch's gradient (the padding id's is 0), the rows stay as they were. Before, no
+    autograd node was made for a frozen table: backward raised, the weights got nothing."""
+    weight = torch.randn(NUM, DIM, generator=torch.Generator().manual_seed(3))
+    ref = torch.nn.EmbeddingBag.from_pretrained(weight, freeze=True, mode="sum", padding_idx=padding_idx)
+    ours = tieredemb.TieredEmbeddingBag.from_pretrained(weight, freeze=True, mode="sum", padding_idx=padding_idx,
+                                                        cache_rows=3)
+    ids, off = torch.tensor([1, 2, 2, 9, 1, 30, 31]), torch.tensor([0, 2, 5])
+    rows = ours.read_rows(torch.arange(NUM))
+    for step in range(2):
+        w_ref = torch.rand(7, generator=torch.Generator().manual_seed(step), requires_grad=True)
+        w_ours = w_ref.detach().clone().requires_grad_(True)
+        g = torch.randn(3, DIM, generator=torch.Generator().manual_seed(10 + step))
+        out = ours(ids, off, per_sample_weights=w_ours)
+        assert out.requires_grad
+        ref(ids, off, per_sample_weights=w_ref).backward(g)
+        out.backward(g)
+        torch.testing.assert_close(w_ours.grad, w_ref.grad)
+    assert torch.equal(ours.read_rows(torch.arange(NUM)), rows)
+    assert ours._store.tier0.index.pinned == 0
 
 
 def test_native_and_torch_kernels_agree(monkeypatch):

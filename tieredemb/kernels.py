@@ -51,7 +51,7 @@ def implementation(pool) -> str:
     return pool.kernels
 
 
-def _unique_index(batch, row_id: int) -> int:
+def unique_index(batch, row_id: int) -> int:
     """The position of row_id among the batch's distinct ids, -1 if absent (host code paths;
     numpy: torch's intra-op threads cost milliseconds per call on a busy 2-core machine)."""
     if row_id < 0:
@@ -76,7 +76,7 @@ def forward(tier0, config, batch, bags: Bags, out: torch.Tensor | None = None):
     if how == "native":
         argmax = torch.empty((len(bags.offsets) - 1) * dim, dtype=torch.int64) if bags.mode == 2 else None
         _C.pool_forward(pool.rows, dim, batch.slots, batch.inverse, bags.offsets, _psw_cpu(bags.psw), bags.mode,
-                        _unique_index(batch, bags.skip_id), out, argmax, weights=layout.code, out_at=bags.out_at)
+                        unique_index(batch, bags.skip_id), out, argmax, weights=layout.code, out_at=bags.out_at)
         return out, argmax
     if how == "triton":
         from .gpu import pooling
@@ -93,7 +93,7 @@ def forward(tier0, config, batch, bags: Bags, out: torch.Tensor | None = None):
     psw = None
     if bags.psw is not None:
         psw = bags.psw.detach().to(dev, torch.float32).requires_grad_(bags.psw.requires_grad)
-    skip_u = _unique_index(batch, bags.skip_id)
+    skip_u = unique_index(batch, bags.skip_id)
     with torch.enable_grad():
         pooled = F.embedding_bag(batch.inverse.to(dev), leaf, bags.offsets.to(dev), mode=_MODE_NAMES[bags.mode],
                                  per_sample_weights=psw, include_last_offset=True,
@@ -101,7 +101,7 @@ def forward(tier0, config, batch, bags: Bags, out: torch.Tensor | None = None):
     if bags.out_at is None:
         out.copy_(pooled.detach())
     else:
-        out.view(-1)[_row_floats(bags, dim, dev)] = pooled.detach()
+        out.view(-1)[row_floats(bags, dim, dev)] = pooled.detach()
     return out, (pooled, leaf, psw)
 
 
@@ -111,7 +111,7 @@ def _current(device: torch.device):
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
-def _row_floats(bags: Bags, dim: int, device) -> torch.Tensor:
+def row_floats(bags: Bags, dim: int, device) -> torch.Tensor:
     """[B, dim]: the positions of each bag's output row in the flat block (bags.out_at's)."""
     return bags.out_at.to(device)[:, None] + torch.arange(dim, device=device)
 
@@ -137,7 +137,7 @@ def backward_update(tier0, config, batch, bags: Bags, saved, grad_out: torch.Ten
                                                need_psw_grad, layout.code, config.stochastic_rounding, config.seed,
                                                bags.out_at, batch.groups, scalars)
         return None if psw_grad is None else psw_grad.to(bags.psw.device, bags.psw.dtype)
-    skip_u, frozen_u = _unique_index(batch, bags.skip_id), _unique_index(batch, bags.frozen_id)
+    skip_u, frozen_u = unique_index(batch, bags.skip_id), unique_index(batch, bags.frozen_id)
     count = int(batch.count)
     left_alone = [u for u in (frozen_u, skip_u) if u >= 0]
     keep = np.delete(np.arange(count), left_alone)  # the unique rows the update touches
@@ -161,7 +161,7 @@ def backward_update(tier0, config, batch, bags: Bags, saved, grad_out: torch.Ten
     inputs = [leaf] + ([psw] if need_psw_grad and psw is not None else [])
     grad_out = grad_out.to(out.device, out.dtype)
     if bags.out_at is not None:
-        grad_out = grad_out.reshape(-1)[_row_floats(bags, dim, out.device)]
+        grad_out = grad_out.reshape(-1)[row_floats(bags, dim, out.device)]
     grads = torch.autograd.grad(out, inputs, grad_out, allow_unused=True)
     grad = grads[0] if grads[0] is not None else torch.zeros_like(leaf)
     stored = pool.gather(updated)

@@ -59,7 +59,7 @@ class _Pool(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, resident: list, shape: tuple, samples: int, expand: list, *inputs) -> Tensor:
-        block, ctx.saved = _forward(resident, shape)
+        block, ctx.saved = _forward(resident, shape, graph=True)
         ctx.resident, ctx.shape, ctx.expand = resident, shape, expand
         ctx.versions = _versions(resident)
         return _result(block, samples, expand)
@@ -72,16 +72,47 @@ class _Pool(torch.autograd.Function):
             _check_before_updates(ctx.resident, ctx.saved, ctx.versions)
             grad = _grad_block(grad, ctx.shape, ctx.expand)
             for (part, batch, bags), saved, needs in zip(ctx.resident, ctx.saved, ctx.needs_input_grad[4::2]):
-                trained = saved is not _FROZEN
-                grads += [_backward(part.table, batch, bags, saved, grad, need_psw_grad=needs) if trained else None,
-                          None]
+                if isinstance(saved, _Frozen):
+                    grads += [saved.psw_grad(part, bags, grad) if needs else None, None]
+                else:
+                    grads += [_backward(part.table, batch, bags, saved, grad, need_psw_grad=needs), None]
         finally:  # (a part that raised leaves the later ones unpinned too)
             for _, batch, _ in ctx.resident:
                 batch.release()
         return None, None, None, None, *grads
 
 
-_FROZEN = object()  # a part's saved state when its table takes no update
+class _Frozen(NamedTuple):
+    """A part's saved state when its table takes no update (its batch released at once): where
+    its per-sample weights want their gradient, the rows of its distinct ids (float32 [U, D], a
+    row its bags leave out zeroed) and each id's position among them; else None, None."""
+
+    rows: Tensor | None
+    inverse: Tensor | None
+
+    def psw_grad(self, part: Part, bags, grad: Tensor) -> Tensor:
+        """d(out[b])/d(psw[i]) = grad[b] . row of id i, for each id i of bag b (sum pooling: the one
+        that takes weights)."""
+        dim, dev = self.rows.shape[1], self.rows.device
+        lengths = (bags.offsets[1:] - bags.offsets[:-1]).to(dev)
+        bag = torch.repeat_interleave(torch.arange(len(lengths), device=dev), lengths)
+        rows = grad.reshape(-1)[kernels.row_floats(bags, dim, dev)] if bags.out_at is not None else grad.to(dev)
+        return (rows[bag] * self.rows[self.inverse]).sum(1).to(part.psw.device, part.psw.dtype)
+
+    @staticmethod
+    def of(part: Part, batch, bags) -> "_Frozen":
+        if part.psw is None or not part.psw.requires_grad:
+            return _FROZEN
+        tier0, layout = part.table._store.tier0, part.table.config.layout
+        count = int(batch.count)
+        rows = layout.weights(tier0.pool.gather(batch.slots[:count])).to(torch.float32)
+        skip = kernels.unique_index(batch, bags.skip_id)
+        if skip >= 0:
+            rows[skip] = 0.0
+        return _Frozen(rows, batch.inverse.to(rows.device))
+
+
+_FROZEN = _Frozen(None, None)  # a frozen part whose weights want no gradient
 
 
 def _versions(resident: list) -> list:
@@ -95,7 +126,7 @@ def _check_before_updates(resident: list, saved: list, versions: list) -> None:
     the forward used was changed in place since (as torch's autograd does for the tensors it
     saves: backward would pool other bags or weights)."""
     for (part, batch, _), s in zip(resident, saved):
-        if s is not _FROZEN and part.table.optimizer is None:
+        if not isinstance(s, _Frozen) and part.table.optimizer is None:
             raise RuntimeError(f"{part.table.described()} has no optimizer: pass "
                                "optimizer=tieredemb.SGD(lr=...) (or Adagrad, RowWiseAdagrad, Adam); its update is "
                                "fused into backward")
@@ -147,7 +178,8 @@ def pooled_block(parts: list, shape: tuple, samples: int, expand: tuple = ()) ->
         resident.append((part, batch, Bags(to_device(part.offsets, dev), part.psw, part.mode,
                                            pad if part.exclude_padding else -1, pad, out_at)))
     try:
-        if torch.is_grad_enabled() and any(p.table._grad_anchor.requires_grad for p in parts):
+        if torch.is_grad_enabled() and any(p.table._grad_anchor.requires_grad
+                                           or (p.psw is not None and p.psw.requires_grad) for p in parts):
             inputs = [t for p in parts for t in (p.psw, p.table._grad_anchor)]
             return _Pool.apply(resident, shape, samples, list(expand), *inputs)
     except BaseException:
@@ -155,22 +187,24 @@ def pooled_block(parts: list, shape: tuple, samples: int, expand: tuple = ()) ->
             batch.release()
         raise
     try:  # no graph: nothing to update
-        return _result(_forward(resident, shape)[0], samples, expand)
+        return _result(_forward(resident, shape, graph=False)[0], samples, expand)
     finally:
         for batch in taken:
             batch.release()
 
 
-def _forward(resident: list, shape: tuple) -> tuple[Tensor, list]:
-    """The block with every part's bags pooled in, and what each part's backward needs (_FROZEN
-    for a table that takes no update: its batch is released at once)."""
+def _forward(resident: list, shape: tuple, graph: bool) -> tuple[Tensor, list]:
+    """The block with every part's bags pooled in, and what each part's backward needs (a _Frozen
+    for a table that takes no update: its batch is released at once). graph: whether a backward
+    will run (a frozen part's weights may then want their gradient)."""
     block = torch.empty(shape, dtype=torch.float32, device=resident[0][0].table._store.tier0.pool.device)
     saved = []
     for part, batch, bags in resident:
         s = kernels.forward(part.table._store.tier0, part.table.config, batch, bags, block)[1]
-        saved.append(s if part.table._grad_anchor.requires_grad else _FROZEN)
+        trained = part.table._grad_anchor.requires_grad
+        saved.append(s if trained else _Frozen.of(part, batch, bags) if graph else _FROZEN)
     for (_, batch, _), s in zip(resident, saved):
-        if s is _FROZEN:
+        if isinstance(s, _Frozen):
             batch.release()
     return block, saved
 
