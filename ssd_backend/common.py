@@ -10,6 +10,7 @@ RocksDBStore and SlotFileStore behave the same.
 from __future__ import annotations
 
 import atexit
+import errno
 import itertools
 import json
 import os
@@ -487,7 +488,12 @@ def copy_sparse(src: str, dst: str) -> None:
                 end = os.lseek(fin, start, os.SEEK_HOLE)
                 off = start
                 while off < end:
-                    n = os.copy_file_range(fin, fout, end - off, off, off)
+                    try:
+                        n = os.copy_file_range(fin, fout, end - off, off, off)
+                    except OSError as e:  # across filesystems (EXDEV on some kernels), or not offered
+                        if e.errno not in (errno.EXDEV, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                            raise
+                        n = _copy_range(fin, fout, min(end - off, 8 << 20), off)
                     if n == 0:
                         raise StoreError(f"cannot copy {src} to {dst}: unexpected end at {off}")
                     off += n
@@ -497,6 +503,15 @@ def copy_sparse(src: str, dst: str) -> None:
             os.close(fout)
     finally:
         os.close(fin)
+
+
+def _copy_range(fin: int, fout: int, n: int, off: int) -> int:
+    """Copies up to n bytes at off from fin to fout by reads and writes; returns the bytes copied."""
+    data = os.pread(fin, n, off)
+    done = 0
+    while done < len(data):
+        done += os.pwrite(fout, data[done:], off + done)
+    return len(data)
 
 
 def write_json_atomic(path: str, record: dict) -> None:

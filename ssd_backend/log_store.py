@@ -26,7 +26,6 @@ import re
 
 import torch
 
-from .common import StoreError
 from .native_store import NativeStore, native
 
 FORMAT = "tieredemb.ssd.log/1"
@@ -71,14 +70,7 @@ class LogStore(NativeStore):
         included) to path, a new directory; it opens as a table. flush(), then hard links
         to the segments (copies across filesystems) with a flush mark, the metadata last.
         The table appends to a new segment afterwards: a linked file is never written."""
-        try:
-            path = self._new_checkpoint_dir(path)
-            self._file.checkpoint(path)
-            self._copy_record(path)
-        except RuntimeError as e:
-            raise self._classify("write checkpoint " + str(path), e) from None
-        except OSError as e:
-            raise StoreError(f"ssd_path {self.path}: cannot write checkpoint {path}: {e}") from None
+        self._checkpoint(path, lambda to: self._file.checkpoint(to))
 
     def write_from(self, ids: torch.Tensor, src: torch.Tensor, src_rows: torch.Tensor) -> None:
         """Stores src[src_rows] (a float32 host block, e.g. a cache tier's pool) as the rows of

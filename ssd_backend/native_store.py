@@ -16,16 +16,18 @@ import errno
 import fcntl
 import json
 import os
+import shutil
 
 import numpy as np
 import torch
 
 from .common import (DTYPE_BY_NAME, STORAGE_DTYPES, StoreBase, StoreCorruptedError, StoreError,
                      StoreWriteError, check_record, check_width, initialize, locked_error, new_stats,
-                     normalize_meta, write_json_atomic)
+                     fsync_dir, normalize_meta, write_json_atomic)
 from .options import make_options
 
 LOCK_FILE = "LOCK"
+CREATING_FILE = "CREATING"  # present while a table is created, until its record is written
 
 
 def native():
@@ -116,8 +118,12 @@ class NativeStore(StoreBase):
                     self._file = None
         finally:
             if self._lock_fd is not None:
-                os.close(self._lock_fd)  # releases the flock
-                self._lock_fd = None
+                try:  # (explicitly: a process forked since shares the lock's file description, which
+                    # closing this descriptor alone would leave locked)
+                    fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+                finally:
+                    os.close(self._lock_fd)
+                    self._lock_fd = None
 
     def _classify(self, what: str, exc: Exception) -> Exception:
         msg = str(exc)
@@ -134,14 +140,22 @@ class NativeStore(StoreBase):
             check_record(self.path, record, width, storage_dtype, meta)
             self._open_native(record, create=False)
         else:
-            others = sorted(n for n in os.listdir(self.path)
-                            if n not in (LOCK_FILE, self.META_FILE + ".tmp") and not self._is_own_file(n))
+            names = os.listdir(self.path)
+            others = sorted(n for n in names if n not in (LOCK_FILE, CREATING_FILE, self.META_FILE + ".tmp")
+                            and not self._is_own_file(n))
             if others:
                 raise ValueError(
                     f"ssd_path {self.path}: not a {self.KIND} (no {self.META_FILE}) and not empty "
                     f"({others[:3]}); refusing to create a table in a directory that holds "
                     f"other files")
-            # Empty, or a creation cut short before the record: (re)create under the lock.
+            own = sorted(n for n in names if self._is_own_file(n))
+            creating = os.path.join(self.path, CREATING_FILE)
+            if own and not os.path.exists(creating):
+                raise StoreCorruptedError(
+                    f"ssd_path {self.path}: holds a {self.KIND}'s files ({own[:3]}) but no {self.META_FILE}: a "
+                    f"damaged table, or a checkpoint cut short; refusing to open it or to create a table over it "
+                    f"(move its files away to create a new table here)")
+            # Empty, or a creation cut short before the record (CREATING left): (re)create under the lock.
             if width is None:
                 raise ValueError(f"ssd_path {self.path}: new table needs a width (got None)")
             requested = normalize_meta(meta) if meta is not None else {}
@@ -158,8 +172,13 @@ class NativeStore(StoreBase):
                       "storage_dtype": STORAGE_DTYPES[storage_dtype], "num_rows": num_rows,
                       "row_bytes": row_bytes, **self._layout(row_bytes, num_rows), "meta": requested}
             record["state"] = {}
+            with open(creating, "w"):
+                pass
+            fsync_dir(self.path)
             self._open_native(record, create=True)
             write_json_atomic(os.path.join(self.path, self.META_FILE), record)
+            os.unlink(creating)
+            fsync_dir(self.path)
         self.width = record["width"]
         self.storage_dtype = DTYPE_BY_NAME[record["storage_dtype"]]
         self.meta = record["meta"]
@@ -300,15 +319,28 @@ class NativeStore(StoreBase):
         self._check_written_ids_args(start, limit)
         return torch.from_numpy(self._file.written_ids(start, -1 if limit is None else limit))
 
-    def _new_checkpoint_dir(self, path) -> str:
-        """flush(), then a new directory for a checkpoint (ValueError if path exists)."""
+    def _checkpoint(self, path, copy) -> None:
+        """flush(), then copy(a new directory at path: ValueError if path exists) and the table's
+        record last (its presence = a table). A checkpoint that fails leaves no directory behind."""
         self._check_open()
         path = os.path.abspath(os.fspath(path))
         if os.path.exists(path):
             raise ValueError(f"checkpoint path {path}: already exists; give a new directory")
         self.flush()  # the caller's thread is the only writer: nothing changes while we copy
-        os.makedirs(path)
-        return path
+        try:
+            os.makedirs(path)
+        except OSError as e:
+            raise StoreError(f"ssd_path {self.path}: cannot write checkpoint {path}: {e}") from None
+        try:
+            copy(path)
+            self._copy_record(path)
+        except BaseException as e:
+            shutil.rmtree(path, ignore_errors=True)
+            if isinstance(e, RuntimeError):
+                raise self._classify("write checkpoint " + path, e) from None
+            if isinstance(e, OSError):
+                raise StoreError(f"ssd_path {self.path}: cannot write checkpoint {path}: {e}") from None
+            raise
 
     # ------------------------------------------------------------------------------- admin
 

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import os
 
-from .common import StoreError, copy_sparse
+from .common import copy_sparse
 from .native_store import NativeStore, native
 
 FORMAT = "tieredemb.ssd.slots/1"
@@ -83,10 +83,8 @@ class SlotFileStore(NativeStore):
         files keeping holes (`cp --reflink=auto --sparse=always` semantics: copy_file_range
         per data extent, a reflink on filesystems that share extents; not the redo log:
         after the flush it holds nothing new), the metadata last."""
-        try:
-            path = self._new_checkpoint_dir(path)
+        def copy(to: str) -> None:
             for name in (DATA_FILE, BITMAP_FILE):
-                copy_sparse(os.path.join(self.path, name), os.path.join(path, name))
-            self._copy_record(path)
-        except OSError as e:
-            raise StoreError(f"ssd_path {self.path}: cannot write checkpoint {path}: {e}") from None
+                copy_sparse(os.path.join(self.path, name), os.path.join(to, name))
+
+        self._checkpoint(path, copy)

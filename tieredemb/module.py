@@ -120,15 +120,18 @@ class _TieredBase(Persistence, nn.Module):
 
     def close(self) -> None:
         """Flushes and releases the tiers (the SSD store's lock); the table is unusable after.
-        Closing twice is allowed."""
+        A flush that fails is raised, and the tiers and the store are let go all the same; a
+        second close does nothing (the first let everything go: there is nothing to try again)."""
         if self._closed:
             return
         self._prefetch.shutdown()
         try:
             self.flush()
-        finally:  # (the tiers and the store's lock let go even when the flush failed: it is raised)
-            self._store.close()
-            self._closed = True  # (not if the store's close failed: a second close tries again)
+        finally:
+            try:
+                self._store.close()
+            finally:
+                self._closed = True
 
     def _prefetchers(self) -> list:
         return [self._prefetch]

@@ -104,6 +104,12 @@ Status LogFile::Open(const std::string& dir, int64_t num_rows, int64_t row_bytes
   } else if (errno != ENOENT) {
     return Status::RuntimeError("cannot open " + mark_path + ": " + errno_text(errno));
   }
+  // A flushed log whose newest records are gone (no segment from the mark's on; compaction moves
+  // rows only forward, into newer segments) was damaged, not cut by a crash.
+  if (m.offset > 0 && (seqs.empty() || seqs.back() < m.seq))
+    return Status::RuntimeError("corrupted: " + dir + ": the flushed log reaches " +
+                                segment_name(static_cast<uint32_t>(m.seq)) + " (the mark in " + mark_path +
+                                "), which is missing");
   for (uint32_t seq : seqs) {
     Segment* seg;
     Status s = f->open_segment(seq, false, &seg);
@@ -262,6 +268,13 @@ Status LogFile::replay(Segment* seg, uint32_t mark_seq, int64_t mark_offset) {
     if (trusted) trusted_end = off + rec; else replayed_ += n;
     off += rec;
   }
+  // Every flushed record must be there: a segment before the mark's is its records, whole; the
+  // mark's up to the mark. A log that ends before (a file cut, a record damaged) is not a crash's.
+  const int64_t flushed = seg->seq < mark_seq ? seg->capacity : seg->seq == mark_seq ? mark_offset : 0;
+  if (off < flushed)
+    return Status::RuntimeError("corrupted: " + seg->path + ": its records end at byte " + std::to_string(off) +
+                                ", before the flushed log's " + std::to_string(flushed) +
+                                " (the file is cut or damaged)");
   seg->end = off;
   seg->synced = trusted_end;
   return Status::Ok();

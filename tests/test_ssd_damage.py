@@ -1,0 +1,164 @@
+"""The native SSD stores (log and slots) on damage and interruptions, on real files and real
+processes: a table whose record is gone, a creation and a checkpoint cut by SIGKILL, a flushed log
+cut or missing its newest segment, a checkpoint to another filesystem or onto a full one, and the
+lock after a fork. Each of these was a silent wrong answer or a refused reopen before."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from native_store_rows import META, WIDTH, init_rows, read, rows_for
+from ssd_backend import LogStore, SlotFileStore, StoreCorruptedError, StoreError
+from test_ssd_store import small_disk  # noqa: F401 - a fixture: a real 3 MiB tmpfs
+
+STORES = {"log": LogStore, "slots": SlotFileStore}
+
+
+def make(kind: str, path, meta=META, **kw):
+    return STORES[kind](path, WIDTH, init_rows, meta, **kw)
+
+
+def trained(kind: str, path, n: int = 300):
+    """A closed table whose rows 0..n-1 are written and flushed; returns them."""
+    ids = torch.arange(n)
+    with make(kind, path) as s:
+        s.write(ids, rows_for(ids))
+    return ids
+
+
+def _killed_at(kind: str, path, where: str, then: str) -> subprocess.CompletedProcess:
+    """A child that SIGKILLs itself when it reaches `where` (a method of the native store base),
+    while doing `then` to the table at path."""
+    code = textwrap.dedent(f"""
+        import os, signal, sys, torch
+        import ssd_backend.native_store as ns
+        from native_store_rows import META, WIDTH, init_rows, rows_for
+        from ssd_backend import {STORES[kind].__name__} as Store
+        path = sys.argv[1]
+        kill = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
+        if {then!r} == "checkpoint":
+            s = Store(path, WIDTH, init_rows, META)
+            s.write(torch.arange(50), rows_for(torch.arange(50)))
+            setattr(ns.NativeStore, {where!r}, kill)
+            s.checkpoint(path + "-ck")
+        else:
+            setattr(ns, {where!r}, kill)
+            Store(path, WIDTH, init_rows, META)
+    """)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    return subprocess.run([sys.executable, "-c", code, str(path)], env=env, capture_output=True, text=True)
+
+
+@pytest.mark.parametrize("kind", STORES)
+def test_a_table_without_its_record_is_refused_and_kept(tmp_path, kind):
+    """Its files were taken for a creation cut short: the table was wiped and made anew, empty."""
+    path = tmp_path / "t"
+    trained(kind, path)
+    record = path / STORES[kind].META_FILE
+    record.rename(tmp_path / "record")
+    before = sorted(os.listdir(path))
+    with pytest.raises(StoreCorruptedError, match=f"holds a .* table's files .* but no {record.name}"):
+        make(kind, path)
+    assert sorted(os.listdir(path)) == before
+    (tmp_path / "record").rename(record)
+    with make(kind, path) as s:
+        assert torch.equal(read(s, torch.arange(300)), rows_for(torch.arange(300)))
+
+
+@pytest.mark.parametrize("kind", STORES)
+def test_a_creation_killed_before_its_record_creates_again(tmp_path, kind):
+    path = tmp_path / "t"
+    child = _killed_at(kind, path, "write_json_atomic", "create")
+    assert child.returncode == -signal.SIGKILL, child.stderr
+    assert "CREATING" in os.listdir(path) and not (path / STORES[kind].META_FILE).exists()
+    with make(kind, path) as s:
+        s.write(torch.arange(5), rows_for(torch.arange(5)))
+    assert "CREATING" not in os.listdir(path)
+    with make(kind, path) as s:
+        assert torch.equal(read(s, torch.arange(5)), rows_for(torch.arange(5)))
+
+
+@pytest.mark.parametrize("kind", STORES)
+def test_a_checkpoint_killed_before_its_record_does_not_open_as_a_table(tmp_path, kind):
+    """It opened as a new, empty table (its files wiped); now it is refused, and its table is whole."""
+    path = tmp_path / "t"
+    child = _killed_at(kind, path, "_copy_record", "checkpoint")
+    assert child.returncode == -signal.SIGKILL, child.stderr
+    ck = tmp_path / "t-ck"
+    assert os.listdir(ck)
+    with pytest.raises(StoreCorruptedError, match="a damaged table, or a checkpoint cut short"):
+        make(kind, ck)
+    with make(kind, path) as s:
+        assert torch.equal(read(s, torch.arange(50)), rows_for(torch.arange(50)))
+
+
+def test_a_flushed_log_cut_short_is_refused_not_shortened(tmp_path):
+    """A segment cut inside the flushed log read as a log ending there (rows reverted, the file then
+    cut for good); its newest segment missing, likewise. (A cut between two records of a segment
+    before the mark's, or an older segment missing, still reads as a shorter log: the mark records
+    where the log ends, not each segment's length.)"""
+    path = tmp_path / "t"
+    ids = torch.arange(3000)
+    with make("log", path, segment_bytes=64 << 10) as s:
+        for k in range(4):
+            s.write(ids, rows_for(ids, float(k)))
+    segs = sorted(n for n in os.listdir(path) if n.startswith("seg-"))
+    assert len(segs) > 2
+    middle = path / segs[len(segs) // 2]
+    size = middle.stat().st_size
+    os.truncate(middle, size - 1000)  # (inside its last record)
+    with pytest.raises(StoreCorruptedError, match=f"{middle.name}: its records end at byte .* before the flushed"):
+        make("log", path)
+    assert middle.stat().st_size == size - 1000  # (not cut further)
+    newest = path / segs[-1]
+    newest.rename(tmp_path / "kept")
+    os.truncate(middle, size)  # (the cut bytes are zeros now: refused all the same)
+    with pytest.raises(StoreCorruptedError):
+        make("log", path)
+
+
+def test_a_slot_checkpoint_to_another_filesystem(tmp_path, small_disk):  # noqa: F811 - the fixture
+    """copy_file_range fails across filesystems on some kernels (EXDEV): the copy falls back to
+    reads and writes. A checkpoint too large for its disk leaves no directory behind (one was left,
+    and then opened as an empty table)."""
+    path, meta = tmp_path / "t", {**META, "num_embeddings": 100_000}
+    ids = torch.arange(2000)
+    with make("slots", path, meta) as s:
+        s.write(ids, rows_for(ids))
+        s.checkpoint(small_disk / "ck")
+        big = torch.arange(80_000)  # (3.7 MiB of rows)
+        s.write(big, rows_for(big, 1.0))
+        with pytest.raises(StoreError, match="cannot write checkpoint"):
+            s.checkpoint(small_disk / "full")
+    assert not (small_disk / "full").exists()
+    with make("slots", small_disk / "ck", meta) as s:
+        assert torch.equal(read(s, ids), rows_for(ids))
+
+
+@pytest.mark.parametrize("kind", STORES)
+def test_close_lets_the_lock_go_though_a_forked_child_holds_it(tmp_path, kind):
+    """A child forked while the table was open (a DataLoader's worker) shares the lock's file
+    description: closing ours alone left it locked, and reopening was refused."""
+    path = tmp_path / "t"
+    s = make(kind, path)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: holds what it inherited until the parent has reopened
+        os.close(w)
+        os.read(r, 1)
+        os._exit(0)
+    os.close(r)
+    try:
+        s.close()
+        make(kind, path).close()
+    finally:
+        os.write(w, b"x")
+        os.close(w)
+        os.waitpid(pid, 0)
