@@ -344,6 +344,13 @@ def test_export_import_table_by_table_and_into_a_single_table(tmp_path):
             tmp_path / "exp" / "b")
     with pytest.raises(FileNotFoundError, match=r"holds no export"):
         other.import_rows(tmp_path / "nothing")
+    # into a collection whose table c has a row written: refused before any table's row is written
+    fresh = make()
+    fresh.write_rows("c", torch.tensor([4]), torch.ones(1, 4))
+    before = rows_of(fresh)
+    with pytest.raises(ValueError, match=r"into table 'c': it has rows written already \(id 4\)"):
+        fresh.import_rows(tmp_path / "exp")
+    assert all(torch.equal(before[t][k], rows_of(fresh)[t][k]) for t in before for k in (0, 1))
     with pytest.raises(ValueError, match=r"chunk_rows 0 must be an int >= 1"):
         ebc.export_rows(tmp_path / "zero", chunk_rows=0)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import glob
+import json
 import os
 
 import psutil
@@ -559,6 +560,42 @@ def test_iter_rows_lists_written_rows_only(cfg):
     assert all(len(c[0]) <= 2 for c in chunks)
     w = torch.cat([c[1] for c in chunks])
     assert torch.equal(w, m.read_rows(torch.tensor(ids)))
+
+
+@pytest.mark.parametrize("damage", ["chunk-missing", "chunk-truncated", "rows-miscounted", "state-width",
+                                    "into-a-trained-table"])
+def test_an_import_is_checked_whole_before_any_row_is_written(tmp_path, damage):
+    """Each was imported part way (a missing chunk silently: its rows left at their initial values;
+    a damaged one after the earlier chunks were written), or into a trained table, whose rows the
+    export leaves out kept their trained values: a blend of two tables."""
+    a = te.TieredEmbeddingBag(N, D, "sum", cache_rows=4, optimizer=te.Adagrad(lr=0.2))
+    train(a, random_batches(15, N, 3, seed=7))
+    exp = tmp_path / "exp"
+    a.export_rows(exp, chunk_rows=3)
+    b = te.TieredEmbeddingBag(N, D, "sum", cache_rows=2, optimizer=te.Adagrad(lr=0.2))
+    chunk = exp / "chunk_000002.pt"
+    if damage == "chunk-missing":
+        chunk.unlink()
+        match = "chunk_000002.pt is missing"
+    elif damage == "chunk-truncated":
+        chunk.write_bytes(chunk.read_bytes()[:100])
+        match = "chunk_000002.pt: not a readable chunk of an export"
+    elif damage == "rows-miscounted":
+        meta = json.loads((exp / "meta.json").read_text())
+        (exp / "meta.json").write_text(json.dumps({**meta, "rows": meta["rows"] + 1}))
+        match = r"its chunks hold \d+ rows, its meta.json says"
+    elif damage == "state-width":
+        c = torch.load(chunk)
+        torch.save({**c, "state": torch.zeros(len(c["ids"]), D + 3)}, chunk)
+        match = rf"chunk_000002.pt: a chunk holds ids int64 \[k\], weights \[k, {D}\] and state \[k, {D}\]"
+    else:
+        train(b, [[N - 1]])
+        match = rf"into TieredEmbeddingBag: it has rows written already \(id {N - 1}\)"
+    rows, state, step = b.read_rows(torch.arange(N)), b.read_optimizer_state(torch.arange(N)), b.step
+    with pytest.raises(ValueError, match=match):
+        b.import_rows(exp)
+    assert torch.equal(b.read_rows(torch.arange(N)), rows) and b.step == step
+    assert torch.equal(b.read_optimizer_state(torch.arange(N)), state)
 
 
 def test_export_of_a_table_that_was_only_read_is_empty(tmp_path):

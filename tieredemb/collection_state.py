@@ -29,8 +29,8 @@ import torch
 import ssd_backend
 from ssd_backend.common import write_json_atomic
 
-from .persistence import (check_chunk_rows, import_chunks, read_export_meta, rows_in_state_dict, save_rows,
-                          write_export)
+from .persistence import (check_chunk_rows, check_chunks, import_chunks, read_export_meta, refuse_written,
+                          rows_in_state_dict, save_rows, write_export)
 
 MANIFEST = "collection.json"
 _FORMAT = "tieredemb-collection-1"
@@ -148,19 +148,26 @@ class CollectionState:
         return out
 
     def import_rows(self, directory) -> dict:
-        """Loads what export_rows wrote: every table from directory/<table>, each export checked
-        (rows, dim, row width; a group's tables one step count) before any row is written.
-        Returns {table: rows}."""
-        metas = {t.name: read_export_meta(os.path.join(os.fspath(directory), t.name), self._export_shape(t, e))
-                 for t, e, _ in self._table_places()}
+        """Loads what export_rows wrote: every table from directory/<table>, into tables with no
+        row written yet (rows an export leaves out then read as their initial values). Each export
+        is checked whole (rows, dim, row width, its chunks; a group's tables one step count)
+        before any row is written. Returns {table: rows}."""
+        places = list(self._table_places())
+        where = {t.name: os.path.join(os.fspath(directory), t.name) for t, _, _ in places}
+        metas = {t.name: read_export_meta(where[t.name], self._export_shape(t, e)) for t, e, _ in places}
         for engine, group in zip(self.engines, self.groups):
             steps = {t.name: metas[t.name].get("step", 0) for t in group.tables}
             if len(set(steps.values())) > 1:
                 raise ValueError(f"{directory}: tables {sorted(steps)} share a group and so a step count, but "
                                  f"were exported at different steps: {steps}")
+        chunks = {t.name: check_chunks(where[t.name], metas[t.name], t.embedding_dim, e.layout.state_width)
+                  for t, e, _ in places}
+        for t, engine, base in places:
+            written = engine._store.written_ids(base, 1)
+            refuse_written(where[t.name], written[written < base + t.num_embeddings] - base, f"table {t.name!r}")
         out = {}
-        for t, engine, _ in self._table_places():
-            out[t.name] = import_chunks(os.path.join(os.fspath(directory), t.name),
+        for t, engine, _ in places:
+            out[t.name] = import_chunks(chunks[t.name],
                                         lambda ids, w, s, name=t.name: self.write_rows(name, ids, w, s))
             engine.step = metas[t.name].get("step", 0)
         return out

@@ -75,9 +75,14 @@ class Persistence:
         return write_export(directory, self.iter_rows(chunk_rows), {**self.config.meta(), "step": self.step})
 
     def import_rows(self, directory) -> int:
-        """Loads what export_rows wrote into this table (same shape and optimizer). Returns rows."""
+        """Loads what export_rows wrote into this table (same shape and optimizer), which must have
+        no row written yet (rows the export leaves out then read as their initial values). The
+        export is checked whole (its meta, every chunk's shapes and ids, their count) before any
+        row is written. Returns rows."""
         meta = read_export_meta(directory, self.config.meta())
-        total = import_chunks(directory, self.write_rows)
+        chunks = check_chunks(directory, meta, self.config.embedding_dim, self.layout.state_width)
+        refuse_written(directory, self._store.written_ids(0, 1), type(self).__name__)
+        total = import_chunks(chunks, self.write_rows)
         self.step = meta.get("step", 0)
         return total
 
@@ -196,10 +201,55 @@ def read_export_meta(directory, mine: dict) -> dict:
     return meta
 
 
-def import_chunks(directory, write) -> int:
-    """Each chunk of an export given to write(ids, weights, optimizer_state or None). Returns rows."""
+def check_chunks(directory, meta: dict, dim: int, state_width: int) -> list[str]:
+    """The chunk files of an export (meta: its meta.json, read_export_meta's), checked before any
+    row is written: numbered from 0 without a gap, each {ids int64 [k] in [0, rows), weights [k,
+    dim], state [k, state_width or 0]}, and as many rows in all as meta.json says. ValueError
+    naming the file and the rule. (Read mapped: the rows themselves are not read here.)"""
+    directory = os.fspath(directory)
+    paths = sorted(glob.glob(os.path.join(directory, "chunk_*.pt")))
+    for k, path in enumerate(paths):
+        if os.path.basename(path) != f"chunk_{k:06d}.pt":
+            raise ValueError(f"{directory}: chunk_{k:06d}.pt is missing (found {os.path.basename(path)})")
+    rows, total = meta["num_embeddings"], 0
+    for path in paths:
+        try:
+            c = torch.load(path, mmap=True)
+            ids, w, st = c["ids"], c["weights"], c["state"]
+        except Exception as e:  # (a damaged or foreign file: torch's error, named)
+            raise ValueError(f"{path}: not a readable chunk of an export ({type(e).__name__}: {e})") from None
+        k = len(ids) if isinstance(ids, Tensor) and ids.dim() == 1 else -1
+        state_ok = isinstance(st, Tensor) and st.dim() == 2 and st.shape[0] == k and st.shape[1] in (0, state_width)
+        if k < 0 or ids.dtype != torch.int64 or not isinstance(w, Tensor) or tuple(w.shape) != (k, dim) or not state_ok:
+            raise ValueError(f"{path}: a chunk holds ids int64 [k], weights [k, {dim}] and state [k, {state_width}] "
+                             f"(or [k, 0]), got {_shapes(ids, w, st)}")
+        if k and not (0 <= int(ids.min()) and int(ids.max()) < rows):
+            raise ValueError(f"{path}: ids must lie in [0, {rows}), got [{int(ids.min())}, {int(ids.max())}]")
+        total += k
+    if total != meta.get("rows", total):
+        raise ValueError(f"{directory}: its chunks hold {total} rows, its meta.json says {meta['rows']}: a chunk "
+                         f"is missing or damaged")
+    return paths
+
+
+def _shapes(*tensors) -> str:
+    return ", ".join(f"{t.dtype} {tuple(t.shape)}" if isinstance(t, Tensor) else type(t).__name__ for t in tensors)
+
+
+def refuse_written(directory, written: Tensor, table: str) -> None:
+    """ValueError if a table importing an export has rows written already (written: some of their
+    ids): the rows the export leaves out would keep them, not read as their initial values."""
+    if len(written):
+        raise ValueError(f"cannot import {os.fspath(directory)} into {table}: it has rows written already (id "
+                         f"{int(written[0])}); an import fills a table with none, so that rows the export leaves out "
+                         f"read as their initial values (import into a new table)")
+
+
+def import_chunks(paths: list[str], write) -> int:
+    """Each chunk (check_chunks' paths) given to write(ids, weights, optimizer_state or None).
+    Returns rows."""
     total = 0
-    for path in sorted(glob.glob(os.path.join(os.fspath(directory), "chunk_*.pt"))):
+    for path in paths:
         c = torch.load(path)
         write(c["ids"], c["weights"], c["state"] if c["state"].shape[1] else None)
         total += len(c["ids"])
