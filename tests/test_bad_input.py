@@ -111,6 +111,15 @@ def test_embedding_non_integer_ids_are_a_type_error():
         m(torch.tensor([[0.0, 1.0]]))
 
 
+@pytest.mark.parametrize("shape", [(3, 0), (0, 0)])
+def test_2d_bag_input_without_ids(shape):
+    m = make_trained()
+    before = snapshot(m)
+    with pytest.raises(ValueError, match=rf"input of shape \({shape[0]}, 0\): a 2-D input's bags \(rows\) need"):
+        m(torch.zeros(shape, dtype=torch.int64))  # (a ZeroDivisionError before)
+    assert_same(before, snapshot(m))
+
+
 @pytest.mark.parametrize("shape", [(2, 2, 2), ()])
 def test_bag_input_of_wrong_rank(shape):
     m = make_trained()

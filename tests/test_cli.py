@@ -87,6 +87,11 @@ def test_version(capsys):
     assert capsys.readouterr().out == f"tieredemb {tieredemb.__version__}\n"
 
 
+def test_python_dash_m_runs_the_command():
+    run = subprocess.run([sys.executable, "-m", "tieredemb", "--version"], capture_output=True, text=True, timeout=120)
+    assert (run.returncode, run.stdout) == (0, f"tieredemb {tieredemb.__version__}\n"), run.stderr
+
+
 def _run_command(args: list[str], env=None) -> tuple[subprocess.CompletedProcess, list[str]]:
     """Runs `tieredemb ARGS` in a fresh interpreter; returns it and which of torch / numba it imported."""
     code = ("import sys\nfrom tieredemb.cli import main\ntry:\n    status = main(sys.argv[1:])\n"

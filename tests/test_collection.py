@@ -182,6 +182,9 @@ def test_equal_to_torchrec_where_it_imports():
 def test_bad_collections_and_inputs():
     with pytest.raises(ValueError, match=r"table names must be unique"):
         TieredEmbeddingBagCollection([TABLES[0], TABLES[0]])
+    for name in ("../up", "a/b", ".."):  # (an export writes directory/<table name>)
+        with pytest.raises(ValueError, match=f"table name {name!r}: a table's name names its directory"):
+            EmbeddingBagConfig(name, 5, 8, ["f"])
     with pytest.raises(ValueError, match=r"features \['user_id'\] appear in several"):
         TieredEmbeddingBagCollection([TABLES[0], EmbeddingBagConfig("x", 5, 8, ["user_id"])])
     ebc = TieredEmbeddingBagCollection(TABLES, optimizer=tieredemb.SGD(lr=0.1))

@@ -382,6 +382,7 @@ def test_loader_argument_errors(batches):
     assert emb.prefetch_lookahead == 0
     with pytest.raises(TypeError, match="modules must be tiered modules"):
         tieredemb.PrefetchLoader(batches, [torch.nn.Linear(2, 2)], ids_fn=lambda b: {})
+    assert tieredemb.PrefetchLoader(batches, emb).modules == [emb]  # (one module, not in a list: 'not iterable')
     with pytest.raises(ValueError, match="missing"):
         list(tieredemb.PrefetchLoader(batches, [emb], ids_fn=lambda b: {}))
     emb.prefetch(*batches[0][:2])

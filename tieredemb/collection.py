@@ -45,6 +45,9 @@ from .optim import Optimizer
 def _check_table(t) -> None:
     if not isinstance(t.name, str) or not t.name:
         raise TypeError(f"a table's name must be a non-empty str, got {t.name!r}")
+    if t.name in (".", "..") or any(c in t.name for c in "/\\\0"):
+        raise ValueError(f"table name {t.name!r}: a table's name names its directory in an export: no '/', '\\' "
+                         "or NUL, and not '.' or '..'")
     for field in ("num_embeddings", "embedding_dim"):
         value = getattr(t, field)
         if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:

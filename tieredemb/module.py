@@ -257,6 +257,9 @@ class TieredEmbeddingBag(_TieredBase):
             if offsets is not None:
                 raise ValueError("offsets must be None when input is 2-D [B, L] (each row is a bag)")
             bags, length = input.shape
+            if length == 0:
+                raise ValueError(f"input of shape {tuple(input.shape)}: a 2-D input's bags (rows) need at least one "
+                                 "id each (torch.nn.EmbeddingBag refuses it too)")
             if self._on_device(input):
                 return input.reshape(-1), torch.arange(0, (bags + 1) * length, length, device=input.device), None
             return input.reshape(-1), torch.from_numpy(np.arange(0, (bags + 1) * length, length, dtype=np.int64)[:bags + 1]), None

@@ -450,7 +450,7 @@ class PrefetchLoader:
     at the next call on the training thread (next() or a forward), as the original exception."""
 
     def __init__(self, loader, modules, depth: int = 1, *, ids_fn=None, lookahead: int | None = None):
-        modules = list(modules)
+        modules = [modules] if hasattr(modules, "_prefetchers") else list(modules)  # (one module, or several)
         if not modules or any(not hasattr(m, "_prefetchers") for m in modules):
             raise TypeError("modules must be tiered modules (TieredEmbeddingBag / TieredEmbedding, or a collection), "
                             f"got {modules!r}")
