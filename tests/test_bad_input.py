@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 
+import numpy as np
 import pytest
 import torch
 
@@ -359,21 +360,29 @@ def test_torch_optimizer_is_rejected():
     (lambda: te.MomentumScaledRowWiseAdagrad(lr=0.1, scale=0), r"scale=0: must be > 0"),
     (lambda: te.MomentumScaledRowWiseAdagrad(lr=0.1, scale=float("inf")), "scale=inf"),
     # (each of these was accepted, then failed or overflowed at the first lookup or update)
-    (lambda: te.SGD(lr=1e40), r"lr=1e\+40: must be >= 0 \(a finite number float32 holds\)"),
+    (lambda: te.SGD(lr=1e40), r"lr=1e\+40: must be a real number float32 holds \(finite, not rounding to 0\)"),
+    (lambda: te.Adagrad(lr=0.1, eps=1e-50), r"eps=1e-50: must be a real number float32 holds"),  # (0: nan rows)
     (lambda: te.Adagrad(lr=0.1, eps="1e-8"), "eps='1e-8'"),
     (lambda: te.Adam(betas=(0.9,)), r"betas=\(0.9,\): must be two numbers"),
     (lambda: te.Adam(betas=(0.9, 1.0)), r"betas\[1\]=1.0: must be in \[0, 1\)"),
-    (lambda: te.Init("normal", "0", 1.0), "init 'normal': a='0' must be a finite number"),
-    (lambda: te.Init("normal", 0.0, float("nan")), "b=nan must be a finite number"),
+    (lambda: te.Init("normal", "0", 1.0), "init 'normal': a='0' must be a finite real number"),
+    (lambda: te.Init("normal", 0.0, float("nan")), "b=nan must be a finite real number"),
     (lambda: te.Init("normal", 0.0, -1.0), r"b=-1.0 \(the std\) must be >= 0"),
     (lambda: te.Init("uniform", 1.0, 0.0), r"a=1.0 \(low\) must be <= b=0.0"),
 ], ids=["sgd-neg-lr", "sgd-nan-lr", "sgd-inf-lr", "adagrad-neg-lr", "adagrad-eps0", "rowwise-eps",
         "adam-neg-lr", "adam-beta1", "adam-beta2", "adam-eps0", "msrowwise-scale0", "msrowwise-scale-inf",
-        "sgd-lr-past-float32", "adagrad-eps-str", "adam-one-beta", "adam-beta2-1", "init-str", "init-nan",
-        "init-neg-std", "init-uniform-reversed"])
+        "sgd-lr-past-float32", "adagrad-eps-rounds-to-0", "adagrad-eps-str", "adam-one-beta", "adam-beta2-1",
+        "init-str", "init-nan", "init-neg-std", "init-uniform-reversed"])
 def test_bad_optimizer_and_init_arguments(make, match):
     with pytest.raises(ValueError, match=match):
         make()
+
+
+def test_numpy_numbers_are_numbers():
+    te.Adagrad(lr=np.float64(0.1), eps=np.float32(1e-8))
+    te.Adam(betas=np.array([0.9, 0.999]))
+    te.Adam(betas=(np.float32(0.9), 0.999))
+    te.Init("uniform", np.float32(-0.1), 0.1)
 
 
 def test_rejected_constructor_does_not_disturb_a_live_table():

@@ -93,6 +93,26 @@ def test_per_sample_weights_and_unpooled_lookups():
     torch.testing.assert_close(rows_and_state(dev_e), rows_and_state(ref_e), rtol=1e-5, atol=1e-5)
 
 
+def test_per_sample_weights_learn_over_a_frozen_device_table():
+    """A frozen table (from_pretrained(freeze=True)) on the GPU path: the weights' gradient as the
+    CPU path's (its rows gathered from the device pool), the rows unchanged, nothing left pinned."""
+    grads = []
+    for cache_rows in (None, 32):
+        emb = tieredemb.TieredEmbeddingBag.from_pretrained(weights(), freeze=True, mode="sum", cache_rows=cache_rows)
+        if cache_rows:
+            emb = device_tier(emb, cache_rows)
+        before = emb.read_rows(torch.arange(NUM))
+        got = []
+        for ids, offsets, grad in batches(seed=4, steps=3):
+            psw = torch.linspace(0.5, 1.5, len(ids), requires_grad=True)
+            emb(ids, offsets, per_sample_weights=psw).backward(grad)
+            got.append(psw.grad)
+        grads.append(torch.cat(got))
+        assert torch.equal(emb.read_rows(torch.arange(NUM)), before)
+        assert emb._store.tier0.index.pinned == 0
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-5, atol=1e-5)
+
+
 def test_flush_writes_every_update_down_and_rows_read_where_they_live():
     dev = device_tier(tieredemb.TieredEmbeddingBag(NUM, D, "sum", optimizer=tieredemb.SGD(lr=0.1), cache_rows=32,
                                                    host_rows=64), 32)

@@ -118,10 +118,49 @@ def test_a_flushed_log_cut_short_is_refused_not_shortened(tmp_path):
         make("log", path)
     assert middle.stat().st_size == size - 1000  # (not cut further)
     newest = path / segs[-1]
-    newest.rename(tmp_path / "kept")
-    os.truncate(middle, size)  # (the cut bytes are zeros now: refused all the same)
-    with pytest.raises(StoreCorruptedError):
+    newest.rename(tmp_path / "kept")  # (a record's payload zeroed in place is not seen: flushed records
+    os.truncate(middle, size)         # are trusted, not checksummed again)
+    with pytest.raises(StoreCorruptedError, match=f"the flushed log reaches {newest.name} .* which is missing"):
         make("log", path)
+
+
+_SHORT_WRITE = textwrap.dedent("""
+    import resource, signal, sys, torch
+    from ssd_backend import LogStore
+    W = 16  # 64-byte rows: a 64 KiB segment's records hold 454 rows at most
+    init = lambda i, o, r=None: o.zero_() if r is None else o.index_fill_(0, r, 0.0)
+    rows = lambda ids, t: ids[:, None].float() + t + torch.zeros(1, W)
+    s = LogStore(sys.argv[1], W, init, {"num_embeddings": 100000}, segment_bytes=65536)
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (32720 + 15000, hard))  # (a full disk, cutting a record)
+    try:
+        s.write(torch.arange(754), rows(torch.arange(754), 0.0))  # two records: the second is cut
+        sys.exit("the write did not fail")
+    except Exception as e:
+        print("failed:", type(e).__name__, flush=True)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    s.write(torch.arange(1000, 1010), rows(torch.arange(1000, 1010), 1.0))  # (the store goes on)
+    s.write(torch.arange(2000, 2454), rows(torch.arange(2000, 2454), 2.0))  # (a new segment)
+    s.close()
+""")
+
+
+def test_a_log_that_went_on_after_a_failed_write_opens(tmp_path):
+    """A record cut by a real short write (RLIMIT_FSIZE, as a full disk cuts one) left its bytes past
+    the segment's records; the store went on and flushed past that segment, which then read as a
+    flushed log cut short: a good table refused. The failed record is cut off now."""
+    path = tmp_path / "t"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    child = subprocess.run([sys.executable, "-c", _SHORT_WRITE, str(path)], env=env, capture_output=True, text=True)
+    assert child.returncode == 0 and child.stdout.startswith("failed: Store"), child.stdout + child.stderr
+    s = LogStore(path, 16, lambda i, o, r=None: o.zero_() if r is None else o.index_fill_(0, r, 0.0),
+                 {"num_embeddings": 100000})
+    try:
+        for ids, tag in ((torch.arange(1000, 1010), 1.0), (torch.arange(2000, 2454), 2.0)):
+            assert torch.equal(read(s, ids), ids[:, None].float() + tag + torch.zeros(1, 16))
+    finally:
+        s.close()
 
 
 def test_a_slot_checkpoint_to_another_filesystem(tmp_path, small_disk):  # noqa: F811 - the fixture

@@ -82,8 +82,8 @@ class Init:
         if self.kind not in ("normal", "uniform", "zeros"):
             raise ValueError(f"init kind {self.kind!r} is not one of 'normal', 'uniform', 'zeros'")
         for name, v in (("a", self.a), ("b", self.b)):
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-                raise ValueError(f"init {self.kind!r}: {name}={v!r} must be a finite number")
+            if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v):
+                raise ValueError(f"init {self.kind!r}: {name}={v!r} must be a finite real number")
         if self.kind == "normal" and self.b < 0:
             raise ValueError(f"init 'normal': b={self.b!r} (the std) must be >= 0")
         if self.kind == "uniform" and self.a > self.b:

@@ -10,22 +10,31 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 
+import numpy as np
 import torch
 
 from . import _C
 
 
-_FLOAT32_MAX = 3.4028234663852886e38  # (the kernels take the hyper-parameters as float32)
+def float32_number(value) -> bool:
+    """Whether value is a real number (Python's or numpy's, not a bool) that float32 holds: finite,
+    and neither past its range nor so small that it becomes 0 (the kernels take it as float32)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        return False
+    with np.errstate(over="ignore", under="ignore"):
+        f = np.float32(value)
+    return bool(np.isfinite(f)) and (f != 0 or value == 0)
 
 
-def _check(name: str, value: float, rule: str, ok) -> None:
-    """ValueError naming the value and the rule unless value is a real number float32 holds
-    (not a bool) and ok(value)."""
-    number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) \
-        and abs(value) <= _FLOAT32_MAX
-    if not (number and ok(value)):
-        raise ValueError(f"{name}={value!r}: must be {rule} (a finite number float32 holds)")
+def _check(name: str, value, rule: str, ok) -> None:
+    """ValueError naming the value and the rule unless float32_number(value) and ok(value)."""
+    if not float32_number(value):
+        raise ValueError(f"{name}={value!r}: must be a real number float32 holds (finite, not rounding to 0), "
+                         f"{rule}")
+    if not ok(value):
+        raise ValueError(f"{name}={value!r}: must be {rule}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,7 +173,7 @@ class Adam(Optimizer):
 
     def __post_init__(self):
         super().__post_init__()
-        if not isinstance(self.betas, (tuple, list)) or len(self.betas) != 2:
+        if isinstance(self.betas, (str, bytes)) or not hasattr(self.betas, "__len__") or len(self.betas) != 2:
             raise ValueError(f"betas={self.betas!r}: must be two numbers in [0, 1)")
         for k, b in enumerate(self.betas):
             _check(f"betas[{k}]", b, "in [0, 1)", lambda v: 0 <= v < 1)

@@ -322,9 +322,17 @@ Status LogFile::append_record(const int64_t* ids, int64_t n, const uint8_t* rows
   const int64_t rec = record_bytes(n, row_bytes_);
   Status s = make_room(rec);
   if (!s.ok()) return s;
-  if (int err = write_record(current_->fd, current_->end, ids, n, rows, row_bytes_))
+  if (int err = write_record(current_->fd, current_->end, ids, n, rows, row_bytes_)) {
+    // What it wrote is cut off again: a segment's file is its records (Open refuses a segment
+    // before the flush mark's that holds more), and the table goes on after this error.
+    std::string cut;
+    if (::ftruncate(current_->fd, current_->end) != 0) {
+      cut = "; cutting it back to " + std::to_string(current_->end) + " bytes failed too: " + errno_text(errno);
+      current_->capacity = current_->end;  // (sealed: nothing more is appended to it)
+    }
     return Status::RuntimeError("cannot write " + current_->path + " at offset " + std::to_string(current_->end) + ": " +
-                                errno_text(err));
+                                errno_text(err) + cut);
+  }
   const int64_t first_row = current_->end + record_bytes(0, row_bytes_) + n * 8;
   for (int64_t k = 0; k < n; ++k) place(ids[k], current_, first_row + k * row_bytes_);
   current_->end += rec;
