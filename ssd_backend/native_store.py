@@ -106,7 +106,7 @@ class NativeStore(StoreBase):
             if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
                 raise locked_error(self.path, lock_path, "open the table", str(e)) from None
             raise StoreError(f"ssd_path {self.path}: cannot lock {lock_path}: {e}") from None
-        self._lock_fd = fd
+        self._lock_fd, self._lock_pid = fd, os.getpid()
 
     def _release(self) -> None:
         """Closes the files, then releases the lock, even when closing the files fails."""
@@ -117,13 +117,19 @@ class NativeStore(StoreBase):
                 finally:
                     self._file = None
         finally:
-            if self._lock_fd is not None:
-                try:  # (explicitly: a process forked since shares the lock's file description, which
-                    # closing this descriptor alone would leave locked)
-                    fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
-                finally:
-                    os.close(self._lock_fd)
-                    self._lock_fd = None
+            self._unlock()
+
+    def _unlock(self) -> None:
+        if self._lock_fd is None:
+            return
+        try:  # (explicitly: a process forked since shares the lock's file description, which closing
+            # this descriptor alone would leave locked; not from such a child, whose unlock would
+            # release its parent's table)
+            if os.getpid() == self._lock_pid:
+                fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+        finally:
+            os.close(self._lock_fd)
+            self._lock_fd = None
 
     def _classify(self, what: str, exc: Exception) -> Exception:
         msg = str(exc)

@@ -201,3 +201,27 @@ def test_close_lets_the_lock_go_though_a_forked_child_holds_it(tmp_path, kind):
         os.write(w, b"x")
         os.close(w)
         os.waitpid(pid, 0)
+
+
+@pytest.mark.parametrize("kind", STORES)
+def test_a_forked_child_letting_go_of_the_lock_leaves_its_parent_locked(tmp_path, kind):
+    """The explicit unlock acts on the lock's file description, which a forked child shares: a child
+    that let go of its copy (the lock part of its store's release: the native files are not a
+    forked child's to close) would have unlocked its parent's table. Another process must still
+    find it locked."""
+    path = tmp_path / "t"
+    s = make(kind, path)
+    try:
+        pid = os.fork()
+        if pid == 0:
+            s._unlock()
+            os._exit(0)
+        assert os.waitpid(pid, 0)[1] == 0
+        code = (f"from ssd_backend import {STORES[kind].__name__} as S, StoreLockedError\n"
+                "try:\n    S(__import__('sys').argv[1], None, None, None)\n"
+                "except StoreLockedError:\n    print('locked')\n")
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+        other = subprocess.run([sys.executable, "-c", code, str(path)], env=env, capture_output=True, text=True)
+        assert other.stdout.strip() == "locked", other.stdout + other.stderr
+    finally:
+        s.close()
