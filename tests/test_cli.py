@@ -73,6 +73,12 @@ def test_every_demo_option_has_help_and_a_default(capsys):
                    "--batch", "--bag-len", "--alpha", "--policy", "--prefetch-depth", "--tables"):
         line = text[text.index(option):].split("\n  -")[0]
         assert "default" in line, option
+    assert "(default: None)" not in text  # (it followed the options that say their default themselves)
+
+
+def test_a_demo_of_tables_whose_budget_holds_no_batch_says_so(capsys):
+    assert main(["demo", "--rows", "20000", "--steps", "10", "--batch", "256", "--tables", "3"]) == 2  # (a traceback)
+    assert "tieredemb demo: error: cache_bytes 255744 cannot hold every table's widest batch" in capsys.readouterr().err
 
 
 def test_usage_and_unknown_command(capsys):
@@ -85,6 +91,19 @@ def test_usage_and_unknown_command(capsys):
 def test_version(capsys):
     assert main(["--version"]) == 0
     assert capsys.readouterr().out == f"tieredemb {tieredemb.__version__}\n"
+
+
+def test_submodules_read_as_attributes_after_a_plain_import():
+    """The README's tieredemb.metrics.prometheus(...), tieredemb.trace.open_any, tieredemb.sim.replay
+    .replay_trace: an AttributeError after `import tieredemb` alone (a fresh process: nothing imported
+    them before)."""
+    code = ("import sys, tieredemb\n"
+            "names = [tieredemb.metrics.prometheus, tieredemb.trace.open_any, tieredemb.sim.replay.replay_trace,\n"
+            "         tieredemb.planner.report]\n"
+            "print(len(names))\n"
+            "try:\n    tieredemb.no_such_thing\nexcept AttributeError as e:\n    print(e)\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.stdout.split("\n")[:2] == ["4", "module 'tieredemb' has no attribute 'no_such_thing'"], run.stderr
 
 
 def test_python_dash_m_runs_the_command():

@@ -344,12 +344,17 @@ def test_exceptions_end_the_iteration_cleanly(batches, where):
             raise KeyError("bad record")
         return {emb: (b[0], b[1])}
 
+    trained = 0
     with pytest.raises(KeyError, match="bad record"):
         with tieredemb.PrefetchLoader(source(), [emb], depth=2, ids_fn=ids_fn) as loader:
             for k, (ids, offsets, grad) in enumerate(loader):
                 emb(ids, offsets).backward(grad)
+                trained += 1
                 if where == "training" and k == 5:
                     raise KeyError("bad record")
+    # A source's or ids_fn's error comes where it stopped: the batches before it are trained first
+    # (3 and 5 were: the error was raised as soon as the read-ahead met it).
+    assert trained == {"training": 6, "source": 7, "ids_fn": 9}[where]
     assert emb._store.tier0.index.pinned == 0 and stopped(emb)
     assert train_loader(emb, batches[:5], depth=1)[0].shape == (BAGS, DIM)  # usable afterwards
 

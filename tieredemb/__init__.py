@@ -27,8 +27,10 @@ __all__ = sorted(_EXPORTS)
 
 def __getattr__(name):
     where = _EXPORTS.get(name)
-    if where is None:
-        raise AttributeError(f"module 'tieredemb' has no attribute {name!r}")
+    if where is None:  # (a submodule, as tieredemb.metrics.prometheus reads after `import tieredemb`)
+        from .trace.lazy import submodule
+
+        return submodule(__name__, name)
     value = getattr(import_module(f"{__name__}.{where}"), name)
     globals()[name] = value  # later lookups skip this function
     return value

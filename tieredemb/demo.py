@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 
 import numpy as np
@@ -15,9 +16,15 @@ from tieredemb import planner
 from tieredemb.trace.synth import ZipfSampler
 
 
+class _Defaults(argparse.ArgumentDefaultsHelpFormatter):
+    """Each option's default, where its help does not say it already (those default to None)."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tieredemb demo", description=__doc__,
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(prog="tieredemb demo", description=__doc__, formatter_class=_Defaults)
     p.add_argument("--rows", type=int, default=2_000_000, help="rows of the embedding table")
     p.add_argument("--dim", type=int, default=64, help="embedding dimension")
     p.add_argument("--cache-rows", type=int, default=None,
@@ -155,7 +162,11 @@ def _demo_collection(args) -> int:
     sizes = {t.name: (t.num_embeddings, tieredemb.TableConfig(1, t.embedding_dim, optimizer=opt).width * 4)
              for t in tables}
     # (with an SSD directory every table is stored there: 1 byte of host memory holds no whole table)
-    plans = tieredemb.plan(traces, sizes, cache_bytes=budget, host_bytes=1 if args.ssd_path else None)
+    try:
+        plans = tieredemb.plan(traces, sizes, cache_bytes=budget, host_bytes=1 if args.ssd_path else None)
+    except ValueError as e:  # (the planner needs every table's widest batch in tier 0)
+        print(f"tieredemb demo: error: {e} (--cache-rows; --batch, --bag-len)", file=sys.stderr)
+        return 2
     print(f"{args.tables} tables of {min(rows):,} to {max(rows):,} rows (dims 32 and 64, Zipf alpha "
           f"{min(alphas):.2f} to {max(alphas):.2f}); tier-0 budget {budget / 2**20:,.1f} MiB, planned from the first "
           f"{ahead} batches:")

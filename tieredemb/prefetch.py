@@ -496,8 +496,9 @@ class PrefetchLoader:
         for m in self.modules:
             queued = sum(len(p.queue) for p in m._prefetchers())
             if queued:
-                raise RuntimeError(f"{type(m).__name__} already has {queued} batches registered "
-                                   "by prefetch(): train them before iterating a PrefetchLoader over it")
+                raise RuntimeError(f"{type(m).__name__} already has {queued} batches registered, by prefetch() or "
+                                   "by another PrefetchLoader still iterating: train them (or close that loader) "
+                                   "before iterating a PrefetchLoader over it")
         previous = [m.prefetch_lookahead for m in self.modules]
         source = None
         ahead: deque = deque()  # registered batches not yet yielded, oldest first
@@ -506,19 +507,27 @@ class PrefetchLoader:
                 m.prefetch_lookahead = self.lookahead
             source = iter(self.loader)
             counted = 0  # batches registered, or counted as registered once the source ran out
+            failed = None  # the source's or ids_fn's error: raised where it stopped, after the batches before it
             for yielded in itertools.count():
                 # Before batch s is yielded, s .. s+depth+lookahead count as registered.
                 while counted <= yielded + self.depth + self.lookahead:
-                    batch = next(source, _END) if source is not None else _END
+                    try:
+                        batch = next(source, _END) if source is not None else _END
+                        if batch is not _END:
+                            self._register(batch)  # (a module it reached before one that refused it
+                            # keeps it registered, after every batch yielded: shut down at the end)
+                    except Exception as e:
+                        failed, batch = e, _END
                     if batch is _END:
                         source = _close(source)
                         for p in self._prefetchers():
                             p.advance(1)
                     else:
-                        self._register(batch)
                         ahead.append(batch)
                     counted += 1
                 if not ahead:
+                    if failed is not None:
+                        raise failed
                     return
                 yield ahead.popleft()
         finally:
