@@ -69,17 +69,23 @@ def check_record(path: str, record: dict, width, storage_dtype, meta) -> None:
         checks = checks[1:]
     if meta is None:
         checks = checks[:-1] if width is not None else []  # adopt the stored dtype too
+    differs = [] if meta is None else _meta_differs(record["meta"], normalize_meta(meta))
     for field, stored, requested in checks:
-        if stored != requested:
-            raise ValueError(f"ssd_path {path}: stored {field} {stored} != requested {requested}")
-    if meta is not None:
-        requested_meta = normalize_meta(meta)
-        stored_meta = record["meta"]
-        for field in sorted(set(stored_meta) | set(requested_meta)):
-            s = stored_meta.get(field, "<absent>")
-            r = requested_meta.get(field, "<absent>")
-            if s != r:
-                raise ValueError(f"ssd_path {path}: stored {field} {s!r} != requested {r!r}")
+        if stored != requested:  # (with the table's field that makes the rows' width differ, where one does)
+            why = next((f" (stored {f} {s!r} != requested {r!r})" for f, s, r in differs if f != "width"), "")
+            raise ValueError(f"ssd_path {path}: stored {field} {stored} != requested {requested}{why}")
+    for field, s, r in differs:
+        raise ValueError(f"ssd_path {path}: stored {field} {s!r} != requested {r!r}")
+
+
+def _meta_differs(stored: dict, requested: dict) -> list:
+    """(field, stored, requested) of every field where two tables' meta differ, by name."""
+    out = []
+    for field in sorted(set(stored) | set(requested)):
+        s, r = stored.get(field, "<absent>"), requested.get(field, "<absent>")
+        if s != r:
+            out.append((field, s, r))
+    return out
 
 
 def check_width(width) -> None:

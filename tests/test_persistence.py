@@ -110,3 +110,11 @@ def test_a_table_whose_flush_fails_at_close_still_lets_its_store_go(tmp_path):
     emb.close()  # (nothing left to let go: it raised "the store is closed" before)
     again = table(path, "log")  # (refused as locked if the first still held the store)
     again.close()
+
+
+def test_a_table_reopened_with_another_dim_names_the_dim(tmp_path):
+    """The rows' width differs first; the error names the table's field that makes it differ (it
+    named the internal width alone)."""
+    tieredemb.TieredEmbeddingBag(100, 4, "sum", ssd_path=tmp_path / "t", ssd_options={"backend": "log"}).close()
+    with pytest.raises(ValueError, match=r"stored width 4 != requested 8 \(stored embedding_dim 4 != requested 8\)"):
+        tieredemb.TieredEmbeddingBag(100, 8, "sum", ssd_path=tmp_path / "t")
