@@ -572,6 +572,25 @@ def test_partitioned_tier_keeps_each_parts_rows_and_counts_each_part():
     assert after[0]["resident"] == p[0]["resident"] and index.pinned == 0
 
 
+def test_a_small_partition_leaves_the_others_their_ways():
+    """A 1-row part made every part's sets 1-way (ways = the smallest part's capacity): a table
+    whose hot rows fit its 202 rows evicted them all the same (139 evictions, 69 % more misses
+    than the CPU path). Every set has the largest part's ways now; the small part gets one set."""
+    parts = ((2000, 202), (10, 1))
+    hot = torch.randperm(2000, generator=torch.Generator().manual_seed(5))[:150]
+    stats = []
+    for on_device in (False, True):
+        emb = tieredemb.TieredEmbeddingBag(2010, 4, "sum", optimizer=tieredemb.SGD(lr=0.1), partitions=parts)
+        if on_device:
+            emb = device_tier(emb, None, partitions=parts)
+        g = torch.Generator().manual_seed(0)
+        for _ in range(10):
+            emb(hot[torch.randint(0, 150, (64,), generator=g)], torch.arange(0, 64, 8)).sum().backward()
+        stats.append(emb.stats()["tier0"]["partitions"][0])
+    assert stats[1]["evictions"] == stats[0]["evictions"] == 0
+    assert (stats[1]["hits"], stats[1]["misses"]) == (stats[0]["hits"], stats[0]["misses"])
+
+
 def test_the_backward_finds_each_occurrences_bag_and_each_hot_rows_tiles():
     """_prep_kernel: the bag of the occurrence at each sorted position, and (asked for, as the
     per-sample weights' gradient asks) each occurrence's bag, by a binary search of the offsets

@@ -71,7 +71,10 @@ class SetIndex:
 
     partitions ((rows, capacity), ...) in id order (PartitionedIndex's, native/index): each part
     has sets of its own (its capacity rounded up to whole sets), so one part's misses never evict
-    another's rows; capacity is then the sum. Each part's counters are kept too."""
+    another's rows; capacity is then the sum. Each part's counters are kept too. Every set has the
+    ways of the largest part (up to `ways`): a small part gets one whole set, more slots than its
+    capacity, rather than every other part sets of its few ways (a 1-row part made a collection's
+    every table direct-mapped)."""
 
     kernels = "triton"
 
@@ -81,7 +84,7 @@ class SetIndex:
             raise ValueError(f"policy {policy!r} is not one a GPU tier 0 has: 'lru' or 'lfu' "
                              "(clock is for CPU tiers)")
         caps = [c for _, c in partitions] if partitions else [capacity]
-        self.ways = min(ways, min(caps))
+        self.ways = min(ways, max(caps))
         part_sets = [-(-c // self.ways) for c in caps]
         self.sets = sum(part_sets)
         self.capacity = self.sets * self.ways
