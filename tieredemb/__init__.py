@@ -5,36 +5,24 @@ The public names are imported on first use: `import tieredemb` alone loads neith
 numba, so the command-line tools that need neither start in milliseconds.
 """
 
-from importlib import import_module
+from .trace.lazy import lazy_exports
 
 __version__ = "0.1.0"
 
 # public name -> the submodule that defines it
 _EXPORTS = {
-    "TieredEmbeddingBag": "module", "TieredEmbedding": "module",
-    "SGD": "optim", "Adagrad": "optim", "RowWiseAdagrad": "optim", "MomentumScaledRowWiseAdagrad": "optim", "Adam": "optim", "Optimizer": "optim",
-    "TableConfig": "config", "Init": "config", "parse_bytes": "config",
-    "RocksDBOptions": "config", "LogOptions": "config", "SlotOptions": "config",
-    "PrefetchLoader": "prefetch", "PrefetchOrderError": "prefetch",
-    "record": "trace",
-    "TieredEmbeddingBagCollection": "collection", "EmbeddingBagConfig": "collection", "InverseKeyed": "collection",
-    "TieredEmbeddingCollection": "collection", "EmbeddingConfig": "collection",
-    "plan": "planner",
+    "TieredEmbeddingBag": ".module", "TieredEmbedding": ".module",
+    "SGD": ".optim", "Adagrad": ".optim", "RowWiseAdagrad": ".optim", "MomentumScaledRowWiseAdagrad": ".optim",
+    "Adam": ".optim", "Optimizer": ".optim",
+    "TableConfig": ".config", "Init": ".config", "parse_bytes": ".config",
+    "RocksDBOptions": ".config", "LogOptions": ".config", "SlotOptions": ".config",
+    "PrefetchLoader": ".prefetch", "PrefetchOrderError": ".prefetch",
+    "record": ".trace",
+    "TieredEmbeddingBagCollection": ".collection", "EmbeddingBagConfig": ".collection", "InverseKeyed": ".collection",
+    "TieredEmbeddingCollection": ".collection", "EmbeddingConfig": ".collection",
+    "plan": ".planner",
 }
 
 __all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name):
-    where = _EXPORTS.get(name)
-    if where is None:  # (a submodule, as tieredemb.metrics.prometheus reads after `import tieredemb`)
-        from .trace.lazy import submodule
-
-        return submodule(__name__, name)
-    value = getattr(import_module(f"{__name__}.{where}"), name)
-    globals()[name] = value  # later lookups skip this function
-    return value
-
-
-def __dir__():
-    return sorted(set(globals()) | set(_EXPORTS))
+# (submodules too, as tieredemb.metrics.prometheus reads after `import tieredemb`)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -237,7 +237,7 @@ def _strides(kjt, keys: list, n: int) -> tuple[list, dict | None]:
             raise ValueError(f"KeyedJaggedTensor: keys of different batch sizes {strides} need inverse_indices "
                              f"(each sample's bag of each key), as torchrec's EmbeddingBagCollection does")
         return strides, inverse
-    if not keys or n % len(keys):
+    if n % len(keys):  # (keys: not empty, _keyed_jagged's check)
         raise ValueError(f"KeyedJaggedTensor: {n} lengths do not split into {len(keys)} keys' batches")
     return [n // len(keys)] * len(keys), inverse
 

@@ -202,8 +202,8 @@ class Adam(Optimizer):
 
     def apply_torch(self, rows, grad, dim, step):
         w, m, v = rows[:, :dim], rows[:, dim:2 * dim], rows[:, 2 * dim:3 * dim]
-        m_update = (grad - m) * (1 - self.beta1)
-        v_update = (grad * grad - v) * (1 - self.beta2)
+        m_update = (grad - m) * self.one_minus_beta1
+        v_update = (grad * grad - v) * self.one_minus_beta2
         numer = m_update + m
         vv = v_update + v
         m.copy_(numer)
