@@ -10,14 +10,15 @@ one segment on disk.
 Layout on disk (one directory per table):
 - seg-<seq>.log  segments of segment_bytes (reserved when created), each a run of batch
                  records: header {magic, n, row_bytes, checksum}, n int64 ids, n rows.
-- flushed        how far the log was durable at the last flush (records before it are
-                 trusted at open; later ones are replayed while their checksum holds).
+- flushed        every segment's length at the last flush (those records are trusted at open,
+                 and a segment missing or shorter is refused; later records are replayed while
+                 their checksum holds); replaced whole through flushed.tmp and a rename.
 - log.json       {"format", "width", "storage_dtype", "num_rows", "row_bytes",
                  "segment_bytes", "meta"}, written last when a table is created.
 - LOCK           fcntl.flock'ed while a store has the table open.
 Durability: flush() fdatasyncs the segments written since the last flush, then replaces the
-flush mark. A write cut by kill -9 is either whole in the log or not at all: no row reads
-torn. Checkpoints are hard links to the segments (free on one filesystem).
+flush mark (a new file renamed over it). A write cut by kill -9 is either whole in the log or not
+at all: no row reads torn. Checkpoints are hard links to the segments (free on one filesystem).
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """The native SSD stores (log and slots) on damage and interruptions, on real files and real
 processes: a table whose record is gone, a creation and a checkpoint cut by SIGKILL, a flushed log
-cut or missing its newest segment, a checkpoint to another filesystem or onto a full one, and the
+cut or missing a segment, a compaction cut between its mark and its removal, an older version's
+mark, a checkpoint to another filesystem or onto a full one, and the
 lock after a fork. Each of these was a silent wrong answer or a refused reopen before."""
 
 from __future__ import annotations
@@ -99,29 +100,135 @@ def test_a_checkpoint_killed_before_its_record_does_not_open_as_a_table(tmp_path
         assert torch.equal(read(s, torch.arange(50)), rows_for(torch.arange(50)))
 
 
-def test_a_flushed_log_cut_short_is_refused_not_shortened(tmp_path):
-    """A segment cut inside the flushed log read as a log ending there (rows reverted, the file then
-    cut for good); its newest segment missing, likewise. (A cut between two records of a segment
-    before the mark's, or an older segment missing, still reads as a shorter log: the mark records
-    where the log ends, not each segment's length.)"""
-    path = tmp_path / "t"
-    ids = torch.arange(3000)
+def _segments(path) -> list:
+    return sorted(path / n for n in os.listdir(path) if n.startswith("seg-"))
+
+
+def _logged(path, ids, rounds: int = 4) -> None:
+    """A closed log table of 64 KiB segments: rounds of ids, each round's rows tagged with it."""
     with make("log", path, segment_bytes=64 << 10) as s:
-        for k in range(4):
+        for k in range(rounds):
             s.write(ids, rows_for(ids, float(k)))
-    segs = sorted(n for n in os.listdir(path) if n.startswith("seg-"))
-    assert len(segs) > 2
-    middle = path / segs[len(segs) // 2]
-    size = middle.stat().st_size
-    os.truncate(middle, size - 1000)  # (inside its last record)
-    with pytest.raises(StoreCorruptedError, match=f"{middle.name}: its records end at byte .* before the flushed"):
+
+
+def test_a_flushed_log_cut_short_is_refused_not_shortened(tmp_path):
+    """A segment cut inside the flushed log, or cut exactly after one of its records, or an older
+    segment missing, or the newest: each read as a shorter log (rows reverted, the file then cut
+    for good). The mark lists every segment's length now. (A record's payload changed in place is
+    not seen: flushed records are trusted, not checksummed again.)"""
+    path = tmp_path / "t"
+    _logged(path, torch.arange(3000))
+    segs = _segments(path)
+    assert len(segs) > 3
+    middle = segs[len(segs) // 2]
+    whole = middle.read_bytes()
+    size = len(whole)
+    first_record = 32 + int.from_bytes(whole[8:16], "little") * (8 + 4 * WIDTH)
+    assert first_record < size
+    for cut in (size - 1000, first_record):  # (inside its last record; between its first two)
+        os.truncate(middle, cut)
+        with pytest.raises(StoreCorruptedError, match=f"{middle.name}: its records end at byte [0-9]+, before "
+                                                      f"the flushed log's {size}"):
+            make("log", path)
+        assert middle.stat().st_size == cut  # (not cut further)
+    middle.write_bytes(whole)
+    for gone in (segs[1], segs[-1]):
+        gone.rename(tmp_path / "kept")
+        with pytest.raises(StoreCorruptedError, match=f"the flushed log holds {gone.name} .* which is missing"):
+            make("log", path)
+        (tmp_path / "kept").rename(gone)
+    with make("log", path) as s:  # (put back whole, it opens)
+        assert torch.equal(read(s, torch.arange(3000)), rows_for(torch.arange(3000), 3.0))
+
+
+def test_a_segment_compacted_away_but_not_yet_removed_opens(tmp_path):
+    """Compaction removes a segment's file only once a mark without it is durable: a crash in
+    between leaves a file the mark does not list, whose copies are all older than the log's."""
+    path, ids, aside = tmp_path / "t", torch.arange(1000), tmp_path / "aside"
+    aside.mkdir()
+    with make("log", path, segment_bytes=64 << 10) as s:
+        for k in range(30):
+            s.write(ids, rows_for(ids, float(k)))
+            s.flush()
+            for seg in _segments(path):  # (each segment as it was flushed)
+                if not (aside / seg.name).exists():
+                    os.link(seg, aside / seg.name)
+        assert s.stats()["compactions"] > 0
+    gone = [seg for seg in sorted(aside.iterdir()) if not (path / seg.name).exists()]
+    assert gone
+    for seg in gone:
+        seg.rename(path / seg.name)
+    with make("log", path) as s:
+        assert torch.equal(read(s, ids), rows_for(ids, 29.0))
+    with make("log", path) as s:  # (and again, after the open's own flush)
+        assert torch.equal(read(s, ids), rows_for(ids, 29.0))
+
+
+_KILLED_AFTER_COMPACTION = textwrap.dedent("""
+    import os, signal, sys, torch
+    from native_store_rows import META, WIDTH, init_rows, rows_for
+    from ssd_backend import LogStore
+    s = LogStore(sys.argv[1], WIDTH, init_rows, META, segment_bytes=65536)
+    ids = torch.arange(1000)
+    for k in range(100):
+        s.write(ids, rows_for(ids, float(k)))
+        if s.stats()["compactions"] > 0:  # (the compaction's flush made every write durable)
+            print(k, flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+""")
+
+
+def test_a_table_killed_right_after_a_compaction_opens(tmp_path):
+    """The mark written by a compaction must not list the segment it removes (a table killed before
+    its next flush would then be refused, its segment missing)."""
+    path = tmp_path / "t"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    child = subprocess.run([sys.executable, "-c", _KILLED_AFTER_COMPACTION, str(path)], env=env,
+                           capture_output=True, text=True)
+    assert child.returncode == -signal.SIGKILL, child.stdout + child.stderr
+    last = int(child.stdout)
+    with make("log", path) as s:
+        assert torch.equal(read(s, torch.arange(1000)), rows_for(torch.arange(1000), float(last)))
+
+
+def _v1_mark(seq: int, end: int) -> bytes:
+    """The flush mark as tables flushed before the segment list kept it: the newest segment and its
+    length, under file_io.h's checksum (for 24 bytes: the merged seed lanes, then byte by byte)."""
+    m64, k1, k2 = (1 << 64) - 1, 0x9E3779B185EBCA87, 0xC2B2AE3D27D4EB4F
+
+    def mix(h, w):
+        h = (h + w * k2) & m64
+        return (((h << 31) | (h >> 33)) & m64) * k1 & m64
+
+    magic = int.from_bytes(b"logmark1", "little")
+    body = b"".join(v.to_bytes(8, "little") for v in (magic, seq, end))
+    lanes = [(magic + k1) & m64, magic ^ k2, (magic - k1) & m64, ~magic & m64]
+    h = 24 * k1 & m64
+    for k, lane in enumerate(lanes):
+        h = mix(h ^ lane, k)
+    for byte in body:
+        h = mix(h, byte)
+    return body + (h ^ (h >> 29)).to_bytes(8, "little")
+
+
+def test_a_table_flushed_by_an_older_version_opens(tmp_path):
+    """An older version's mark (the newest segment's length only) still opens its table, and still
+    refuses the newest segment missing or cut inside the flushed log."""
+    path, ids = tmp_path / "t", torch.arange(3000)
+    _logged(path, ids)
+    newest = _segments(path)[-1]
+    whole = newest.read_bytes()
+    (path / "flushed").write_bytes(_v1_mark(int(newest.name[4:14]), len(whole)))
+    os.truncate(newest, len(whole) - 100)
+    with pytest.raises(StoreCorruptedError, match=f"{newest.name}: its records end at byte"):
         make("log", path)
-    assert middle.stat().st_size == size - 1000  # (not cut further)
-    newest = path / segs[-1]
-    newest.rename(tmp_path / "kept")  # (a record's payload zeroed in place is not seen: flushed records
-    os.truncate(middle, size)         # are trusted, not checksummed again)
-    with pytest.raises(StoreCorruptedError, match=f"the flushed log reaches {newest.name} .* which is missing"):
-        make("log", path)
+    newest.write_bytes(whole)
+    with make("log", path) as s:
+        assert torch.equal(read(s, ids), rows_for(ids, 3.0))
+        s.write(ids[:10], rows_for(ids[:10], 7.0))
+    assert (path / "flushed").read_bytes()[:8] == b"logmark2"  # (the close rewrote it)
+    with make("log", path) as s:
+        assert torch.equal(read(s, ids[:10]), rows_for(ids[:10], 7.0))
 
 
 _SHORT_WRITE = textwrap.dedent("""

@@ -19,13 +19,51 @@ namespace tieredemb {
 namespace {
 
 constexpr int64_t kReadTask = 8;  // ids per read task: many reads in flight
-constexpr uint64_t kMarkMagic = 0x316b72616d676f6cULL;  // "logmark1"
+constexpr uint64_t kMarkMagic1 = 0x316b72616d676f6cULL;  // "logmark1": the newest segment and its end
+constexpr uint64_t kMarkMagic2 = 0x326b72616d676f6cULL;  // "logmark2": every segment and its end
 constexpr uint64_t kOffsetBits = 40;
 constexpr uint64_t kOffsetMask = (uint64_t{1} << kOffsetBits) - 1;
+constexpr int64_t kMaxMarkBytes = int64_t{1} << 30;
 
-struct Mark {
-  uint64_t magic, seq, offset, checksum;
+// The flush mark, as read at open: how long each segment was when the log was last durable.
+// logmark2 (written now): {magic, n, n x {seq, end}, checksum}, every segment with records, in
+// seq order. logmark1 (older tables): {magic, seq, end, checksum}, the newest segment only, every
+// older one flushed whole (its length then was not kept).
+struct FlushedLog {
+  std::vector<std::pair<uint32_t, int64_t>> ends;  // (seq, flushed end), in seq order
+  uint32_t whole_below = 0;                        // logmark1: segments before it were flushed whole
+  // How far the segment `seq` (of `capacity` bytes now) was flushed: 0 if not at all.
+  int64_t end_of(uint32_t seq, int64_t capacity) const {
+    if (seq < whole_below) return capacity;
+    auto it = std::lower_bound(ends.begin(), ends.end(), std::make_pair(seq, int64_t{0}));
+    return it != ends.end() && it->first == seq ? it->second : 0;
+  }
 };
+
+// Parses a mark file's bytes; an empty FlushedLog (trust nothing) for one that is damaged.
+FlushedLog parse_mark(const std::vector<uint8_t>& bytes) {
+  FlushedLog out;
+  const size_t words = bytes.size() / 8;
+  if (bytes.size() % 8 != 0 || words < 3) return out;
+  std::vector<uint64_t> w(words);
+  std::memcpy(w.data(), bytes.data(), bytes.size());
+  if (checksum(bytes.data(), bytes.size() - 8, w[0]) != w.back()) return out;
+  if (w[0] == kMarkMagic1 && words == 4) {
+    if (w[2] > 0 && w[1] <= UINT32_MAX) {
+      out.whole_below = static_cast<uint32_t>(w[1]);
+      out.ends.emplace_back(static_cast<uint32_t>(w[1]), static_cast<int64_t>(w[2]));
+    }
+    return out;
+  }
+  if (w[0] != kMarkMagic2 || w[1] != (words - 3) / 2 || words != 3 + 2 * w[1]) return out;
+  for (uint64_t k = 0; k < w[1]; ++k) {
+    const uint64_t seq = w[2 + 2 * k], end = w[3 + 2 * k];
+    if (seq > UINT32_MAX || end > kOffsetMask || (!out.ends.empty() && seq <= out.ends.back().first))
+      return FlushedLog{};
+    out.ends.emplace_back(static_cast<uint32_t>(seq), static_cast<int64_t>(end));
+  }
+  return out;
+}
 
 std::string segment_name(uint32_t seq) {
   char buf[32];
@@ -92,33 +130,38 @@ Status LogFile::Open(const std::string& dir, int64_t num_rows, int64_t row_bytes
     *out = std::move(f);
     return Status::Ok();
   }
-  // The mark only saves checksum work: one that is missing or damaged trusts nothing.
-  Mark m{0, 0, 0, 0};
+  // The mark saves checksum work, and says which flushed records must be there. One that is
+  // missing or damaged trusts nothing (every record is replayed while its checksum holds).
+  FlushedLog flushed;
   int mfd = ::open(mark_path.c_str(), O_RDONLY | O_CLOEXEC);
   if (mfd >= 0) {
-    int err = pread_full(mfd, reinterpret_cast<uint8_t*>(&m), sizeof m, 0);
+    struct stat st;
+    int err = ::fstat(mfd, &st) != 0 ? errno : 0;
+    if (err == 0 && st.st_size > kMaxMarkBytes) err = EFBIG;
+    std::vector<uint8_t> bytes(err == 0 ? static_cast<size_t>(st.st_size) : 0);
+    if (err == 0) err = pread_full(mfd, bytes.data(), static_cast<int64_t>(bytes.size()), 0);
     ::close(mfd);
-    if (err != 0 || m.magic != kMarkMagic ||
-        m.checksum != checksum(reinterpret_cast<const uint8_t*>(&m), 24, kMarkMagic))
-      m = Mark{0, 0, 0, 0};
+    if (err != 0) return Status::RuntimeError("cannot read " + mark_path + ": " + errno_text(err));
+    flushed = parse_mark(bytes);
   } else if (errno != ENOENT) {
     return Status::RuntimeError("cannot open " + mark_path + ": " + errno_text(errno));
   }
-  // A flushed log whose newest records are gone (no segment from the mark's on; compaction moves
-  // rows only forward, into newer segments) was damaged, not cut by a crash.
-  if (m.offset > 0 && (seqs.empty() || seqs.back() < m.seq))
-    return Status::RuntimeError("corrupted: " + dir + ": the flushed log reaches " +
-                                segment_name(static_cast<uint32_t>(m.seq)) + " (the mark in " + mark_path +
-                                "), which is missing");
+  // A flushed segment that is gone was lost, not cut by a crash: compaction removes a segment only
+  // once a mark without it is durable.
+  for (const auto& [seq, end] : flushed.ends) {
+    if (end > 0 && !std::binary_search(seqs.begin(), seqs.end(), seq))
+      return Status::RuntimeError("corrupted: " + dir + ": the flushed log holds " + segment_name(seq) + " (" +
+                                  std::to_string(end) + " bytes, the mark in " + mark_path + "), which is missing");
+  }
   for (uint32_t seq : seqs) {
     Segment* seg;
     Status s = f->open_segment(seq, false, &seg);
     if (!s.ok()) return s;
-    s = f->replay(seg, static_cast<uint32_t>(m.seq), static_cast<int64_t>(m.offset));
+    s = f->replay(seg, flushed.end_of(seq, seg->capacity));
     if (!s.ok()) return s;
     // A reopened table never appends to an old segment (a checkpoint may link to it).
     if (seg->end == 0) {
-      f->drop_segment(seg);
+      f->drop_segment(seg, true);
     } else if (Status t = f->seal(seg); !t.ok()) {
       return t;
     }
@@ -243,7 +286,7 @@ Status LogFile::open_segment(uint32_t seq, bool create, Segment** out) {
   return Status::Ok();
 }
 
-Status LogFile::replay(Segment* seg, uint32_t mark_seq, int64_t mark_offset) {
+Status LogFile::replay(Segment* seg, int64_t flushed) {
   int64_t off = 0, trusted_end = 0;
   const int64_t header = record_bytes(0, row_bytes_);
   while (off + header <= seg->capacity) {
@@ -255,7 +298,7 @@ Status LogFile::replay(Segment* seg, uint32_t mark_seq, int64_t mark_offset) {
     const int64_t n = static_cast<int64_t>(h.n), rec = record_bytes(n, row_bytes_);
     if (off + rec > seg->capacity) break;
     const uint8_t* payload = seg->map + off + header;
-    const bool trusted = seg->seq < mark_seq || (seg->seq == mark_seq && off + rec <= mark_offset);
+    const bool trusted = off + rec <= flushed;
     if (!trusted && !record_intact(h, payload, row_bytes_)) break;  // cut by a crash: the log ends here
     const auto* ids = reinterpret_cast<const int64_t*>(payload);
     Status s = check_ids(ids, n);
@@ -268,9 +311,8 @@ Status LogFile::replay(Segment* seg, uint32_t mark_seq, int64_t mark_offset) {
     if (trusted) trusted_end = off + rec; else replayed_ += n;
     off += rec;
   }
-  // Every flushed record must be there: a segment before the mark's is its records, whole; the
-  // mark's up to the mark. A log that ends before (a file cut, a record damaged) is not a crash's.
-  const int64_t flushed = seg->seq < mark_seq ? seg->capacity : seg->seq == mark_seq ? mark_offset : 0;
+  // Every flushed record must be there: a log that ends before (a file cut, a record damaged) is
+  // not a crash's.
   if (off < flushed)
     return Status::RuntimeError("corrupted: " + seg->path + ": its records end at byte " + std::to_string(off) +
                                 ", before the flushed log's " + std::to_string(flushed) +
@@ -466,37 +508,50 @@ Status LogFile::compact(Segment* seg) {
     Status s = flush_batch();
     if (!s.ok()) return s;
   }
+  // The file goes once a mark without it is durable (Open refuses a flushed segment that is
+  // missing). Should the sync fail, the file stays: the next open replays it, and the newer copies
+  // of its rows, if durable, override it.
+  const std::string path = seg->path;
+  drop_segment(seg, false);
   Status s = Sync();
   if (!s.ok()) return s;
-  drop_segment(seg);
+  if (::unlink(path.c_str()) != 0) return Status::RuntimeError("cannot remove " + path + ": " + errno_text(errno));
   if (int err = fsync_dir(dir_)) return Status::RuntimeError("cannot sync " + dir_ + ": " + errno_text(err));
   ++compactions_;
   rows_compacted_ += moved;
   return Status::Ok();
 }
 
-void LogFile::drop_segment(Segment* seg) {
+void LogFile::drop_segment(Segment* seg, bool remove_file) {
   const uint32_t seq = seg->seq;
   if (seg->map != nullptr) ::munmap(seg->map, static_cast<size_t>(seg->mapped));
   if (seg->fd >= 0) ::close(seg->fd);
   if (seg->direct_fd >= 0) ::close(seg->direct_fd);
-  ::unlink(seg->path.c_str());
+  if (remove_file) ::unlink(seg->path.c_str());
   if (current_ == seg) current_ = nullptr;
   if (staged_seg_ == seg) staged_seg_ = nullptr;
   segments_[seq].reset();
 }
 
-Status LogFile::write_mark(const std::string& dir, uint32_t seq, int64_t offset) const {
-  // Rewritten in place (32 bytes: one sector, never torn by a kill), so that a flush needs no
-  // new disk block; a mark torn by a power loss fails its checksum and trusts nothing.
-  Mark m{kMarkMagic, seq, static_cast<uint64_t>(offset), 0};
-  m.checksum = checksum(reinterpret_cast<const uint8_t*>(&m), 24, kMarkMagic);
-  const std::string path = dir + "/flushed";
-  int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0644);
-  if (fd < 0) return Status::RuntimeError("cannot open " + path + ": " + errno_text(errno));
-  int err = pwrite_full(fd, reinterpret_cast<const uint8_t*>(&m), sizeof m, 0);
+Status LogFile::write_mark(const std::string& dir) const {
+  // Every segment with records and its end, written whole to a new file that then replaces the
+  // mark: a crash or a power loss leaves the old mark or the new one, never a torn one.
+  std::vector<uint64_t> w{kMarkMagic2, 0};
+  for (const auto& seg : segments_) {
+    if (!seg || seg->end == 0) continue;
+    w.push_back(seg->seq);
+    w.push_back(static_cast<uint64_t>(seg->end));
+  }
+  w[1] = (w.size() - 2) / 2;
+  w.push_back(checksum(reinterpret_cast<const uint8_t*>(w.data()), w.size() * 8, kMarkMagic2));
+  const std::string path = dir + "/flushed", tmp = path + ".tmp";
+  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) return Status::RuntimeError("cannot create " + tmp + ": " + errno_text(errno));
+  int err = pwrite_full(fd, reinterpret_cast<const uint8_t*>(w.data()), static_cast<int64_t>(w.size() * 8), 0);
   if (err == 0 && ::fdatasync(fd) != 0) err = errno;
   ::close(fd);
+  if (err == 0 && ::rename(tmp.c_str(), path.c_str()) != 0) err = errno;
+  if (err == 0) err = fsync_dir(dir);
   if (err != 0) return Status::RuntimeError("cannot write " + path + ": " + errno_text(err));
   return Status::Ok();
 }
@@ -507,31 +562,22 @@ Status LogFile::Sync() {
     Status s = drain();
     if (!s.ok()) return s;
   }
-  bool created = false;
-  const Segment* last = nullptr;
   for (auto& seg : segments_) {
     if (!seg) continue;
-    last = seg.get();
     if (seg->end > seg->synced || seg->synced == 0) {
-      created = created || seg->synced == 0;
       if (::fdatasync(seg->fd) != 0)
         return Status::RuntimeError("cannot fdatasync " + seg->path + ": " + errno_text(errno));
       seg->synced = std::max<int64_t>(seg->end, 1);  // 1: the file itself is durable
     }
   }
-  if (created) {
-    if (int err = fsync_dir(dir_)) return Status::RuntimeError("cannot sync " + dir_ + ": " + errno_text(err));
-  }
-  return last == nullptr ? Status::Ok() : write_mark(dir_, last->seq, last->end);
+  return write_mark(dir_);  // (it syncs the directory: new segments' entries too)
 }
 
 Status LogFile::Checkpoint(const std::string& dst_dir) {
   Status s = Sync();
   if (!s.ok()) return s;
-  const Segment* last = nullptr;
   for (auto& seg : segments_) {
     if (!seg) continue;
-    last = seg.get();
     const std::string dst = dst_dir + "/" + segment_name(seg->seq);
     if (::link(seg->path.c_str(), dst.c_str()) == 0) continue;
     if (errno != EXDEV) return Status::RuntimeError("cannot link " + seg->path + " to " + dst + ": " + errno_text(errno));
@@ -543,10 +589,8 @@ Status LogFile::Checkpoint(const std::string& dst_dir) {
     ::close(out);
     if (err != 0) return Status::RuntimeError("cannot copy " + seg->path + " to " + dst + ": " + errno_text(err));
   }
-  if (last != nullptr) {
-    s = write_mark(dst_dir, last->seq, last->end);
-    if (!s.ok()) return s;
-  }
+  s = write_mark(dst_dir);
+  if (!s.ok()) return s;
   // The linked files are never appended to again.
   if (current_ != nullptr) {
     current_->capacity = current_->end;

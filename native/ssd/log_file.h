@@ -10,16 +10,18 @@
 // appends (a full disk is an error from Write), each a sequence of batch records:
 // header {magic, n, row_bytes, checksum}, n int64 ids, n rows (file_io.h). A segment is
 // appended to by the process that created it only; a reopened table starts a new one.
-// `flushed` marks how far the log was durable at the last Sync: records before it are trusted
-// at open, records after it are replayed only while their checksum holds (a record cut by
-// kill -9 or a power loss ends the segment's log). A missing or damaged mark trusts nothing.
+// `flushed` lists every segment and its length at the last Sync (replaced whole, by a rename):
+// those records are trusted at open and must all be there (a listed segment missing or shorter is
+// refused as corrupted); records past them are replayed only while their checksum holds (a
+// record cut by kill -9 or a power loss ends the segment's log). A missing or damaged mark
+// trusts nothing. (Tables flushed before the list kept the newest segment's length only.)
 // In memory: per row, where its newest copy lives (segment, offset), 8 bytes per row in a
 // lazily reserved array; reads copy from the segments' read-only mappings (or pread with
 // O_DIRECT). Rows never written read as not found.
 // Compaction: when the bytes of copies that are no longer newest exceed both the live bytes
 // and one segment, the sealed segment with the fewest live bytes is compacted: its live rows
-// are appended again, made durable, and the segment file is removed (space amplification at
-// most ~2x plus a segment).
+// are appended again, made durable with a mark without the segment, and then its file is removed
+// (space amplification at most ~2x plus a segment).
 // Checkpoint: Sync, then hard links to every segment plus a `flushed` mark in a new
 // directory (copies across filesystems); the table then appends to a new segment, so no
 // linked file is ever written again.
@@ -89,16 +91,16 @@ class LogFile {
   explicit LogFile(int io_threads) : io_(io_threads) {}
   Status check_ids(const int64_t* ids, int64_t n) const;
   Status open_segment(uint32_t seq, bool create, Segment** out);
-  Status replay(Segment* seg, uint32_t mark_seq, int64_t mark_offset);
+  Status replay(Segment* seg, int64_t flushed);  // flushed: its length at the last flush
   Status append(const int64_t* ids, int64_t n, const uint8_t* rows);
   Status append_record(const int64_t* ids, int64_t n, const uint8_t* rows);
   Status make_room(int64_t rec);  // seals the current segment and opens a new one unless rec fits
   Status maybe_compact();
   Status compact(Segment* seg);
-  Status write_mark(const std::string& dir, uint32_t seq, int64_t offset) const;
+  Status write_mark(const std::string& dir) const;  // every segment's end, as flushed
   Status drain();           // waits for the staged append; its error, if any (sticky)
   void writer_loop();
-  void drop_segment(Segment* seg);
+  void drop_segment(Segment* seg, bool remove_file);
   Status seal(Segment* seg);
   void place(int64_t id, Segment* seg, int64_t row_offset);
   Segment* segment_of(uint64_t loc) const { return segments_[loc >> 40].get(); }
