@@ -171,15 +171,17 @@ def _stop_writers_at_exit() -> None:
 class WriteBehind:
     """The write queue and its background thread, shared by the SSD backends.
 
-    apply(batches) writes a list of QueuedBatch to the backend's files (not yet durable);
-    classify(exc) turns its exception into a StoreError. max_batch_rows bounds the rows
+    apply: a weakref.WeakMethod of the store's apply(batches), which writes a list of QueuedBatch
+    to the backend's files (not yet durable): the thread does not keep the store alive, so a store
+    dropped unclosed is collected (its files closed, its lock let go) and its queue with it, as
+    writes not flushed may be. classify(exc) turns apply's exception into a StoreError. max_batch_rows bounds the rows
     handed to one apply() call. stats: the store's counter dict (writes, rows_written,
     bytes_written, rows_queued_hits are counted here).
     Threading: enqueue/take_queued/drain from the store's caller thread; apply runs on
     the writer thread. After apply fails the error sticks: every later call raises it.
     """
 
-    def __init__(self, path: str, apply: Callable[[list], int],
+    def __init__(self, path: str, apply: "weakref.WeakMethod[Callable[[list], int]]",
                  classify: Callable[[Exception], Exception], queue_rows: int,
                  max_batch_rows: int, stats: dict, name: str = "ssd-writer"):
         self.path = path
@@ -271,8 +273,11 @@ class WriteBehind:
                     b = self._queue.popleft()
                     batches.append(b)
                     rows += len(b.ids)
+            apply = self._apply()
+            if apply is None:
+                return  # the store was dropped unclosed: its queue goes with it
             try:
-                nbytes = self._apply(batches)
+                nbytes = apply(batches)
             except BaseException as e:  # noqa: BLE001 - any failure must reach the caller
                 with self._cond:
                     self.error = self._classify(e) if isinstance(e, Exception) else e
@@ -292,6 +297,7 @@ class WriteBehind:
                 elif len(self._pending) > 2 * self.queue_rows:
                     self._pending = {k: b for k, b in self._pending.items() if not b.done}
                 self._cond.notify_all()
+            del apply
 
     def drain(self) -> None:
         """Waits until every enqueue() made before the call has been applied."""
@@ -312,7 +318,8 @@ class WriteBehind:
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
-        if self.error is None:
+        # (not from the thread itself: a store dropped while its apply ran is finalized there)
+        if self.error is None and threading.current_thread() is not self._thread:
             self._thread.join()
 
 

@@ -17,6 +17,7 @@ import fcntl
 import json
 import os
 import shutil
+import weakref
 
 import numpy as np
 import torch
@@ -33,6 +34,17 @@ CREATING_FILE = "CREATING"  # present while a table is created, until its record
 def native():
     from . import _C
     return _C
+
+
+def _unlock(fd: int, pid: int) -> None:
+    """Releases a store's lock: explicitly, since a process forked since shares the lock's file
+    description, which closing this descriptor alone would leave locked; but not from such a child
+    (pid is the locker's), whose unlock would release its parent's table."""
+    try:
+        if os.getpid() == pid:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
 
 
 class NativeStore(StoreBase):
@@ -106,7 +118,9 @@ class NativeStore(StoreBase):
             if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
                 raise locked_error(self.path, lock_path, "open the table", str(e)) from None
             raise StoreError(f"ssd_path {self.path}: cannot lock {lock_path}: {e}") from None
-        self._lock_fd, self._lock_pid = fd, os.getpid()
+        self._lock_fd = fd
+        # (a store dropped unclosed lets its table go when collected, as its native files do)
+        self._unlock_once = weakref.finalize(self, _unlock, fd, os.getpid())
 
     def _release(self) -> None:
         """Closes the files, then releases the lock, even when closing the files fails."""
@@ -122,14 +136,8 @@ class NativeStore(StoreBase):
     def _unlock(self) -> None:
         if self._lock_fd is None:
             return
-        try:  # (explicitly: a process forked since shares the lock's file description, which closing
-            # this descriptor alone would leave locked; not from such a child, whose unlock would
-            # release its parent's table)
-            if os.getpid() == self._lock_pid:
-                fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
-        finally:
-            os.close(self._lock_fd)
-            self._lock_fd = None
+        self._lock_fd = None
+        self._unlock_once()
 
     def _classify(self, what: str, exc: Exception) -> Exception:
         msg = str(exc)

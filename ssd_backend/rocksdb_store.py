@@ -14,9 +14,11 @@ a pool of reader threads serves each read, one background writer drains the writ
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import struct
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -128,9 +130,10 @@ class RocksDBStore(QueuedStore):
         self._readers = ThreadPoolExecutor(reader_threads, thread_name_prefix="ssd-reader")
 
         self._stats = new_stats()
-        self._wb = WriteBehind(self.path, self._apply_batches,
-                               lambda e: _classify(self.path, "write rows", e),
+        self._wb = WriteBehind(self.path, weakref.WeakMethod(self._apply_batches),
+                               functools.partial(_classify, self.path, "write rows"),
                                write_queue_rows, _MAX_WRITE_BATCH_ROWS, self._stats)
+        weakref.finalize(self, self._wb.stop)  # (dropped unclosed: the thread ends, the files close)
 
     # ----------------------------------------------------------------------------- opening
 
