@@ -61,6 +61,10 @@ class CacheTier:
         # releasing a batch never waits for another batch's rows to be read. (A batch the garbage
         # collector frees while its thread holds this lock is released later: see locks.py.)
         self.index_lock = locks.Counted(reentrant=True)
+        # Held by a backward's update of its pinned rows and by write_back's copy of dirty ones: a
+        # row is copied down whole before or after an update, never half way (a flush on another
+        # thread stored rows that mixed two steps).
+        self.pool_lock = locks.Counted()
 
     @property
     def state(self) -> dict:
@@ -152,7 +156,8 @@ class CacheTier:
         """Writes every dirty row down (they stay resident, now clean). Each chunk is marked clean
         before it is copied: a backward (which marks its rows after updating them) that updates
         a pinned row meanwhile, on another thread, leaves it dirty, to be written again (marked
-        after the copy, it would lose that update). A copy that fails marks its chunk dirty again."""
+        after the copy, it would lose that update); the copy and the update exclude each other
+        (pool_lock). A copy that fails marks its chunk dirty again."""
         with self.index_lock:
             ids, slots = (torch.from_numpy(a) for a in self.index.dirty_rows())
         for start in range(0, len(ids), self._chunk()):
@@ -160,7 +165,8 @@ class CacheTier:
             with self.index_lock:
                 self.index.mark_clean(slots[start:end])
             try:
-                self.pool.drain_to(self.lower, ids[start:end], slots[start:end])
+                with self.pool_lock:
+                    self.pool.drain_to(self.lower, ids[start:end], slots[start:end])
             except BaseException:
                 self.mark_dirty(slots[start:end])
                 raise
