@@ -443,6 +443,17 @@ class _Collection(CollectionPrefetch, CollectionState, nn.Module):
         if failed is not None:
             raise failed
 
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError(f"{type(self).__name__} cannot be pickled or copied (copy.deepcopy, torch.save of the "
+                        "module): its tables' rows live in tiers, which a copy could neither share nor duplicate. "
+                        "Save state_dict() or export_rows() (over SSD: flush() or checkpoint()) and build a new one")
+
 
 class TieredEmbeddingBagCollection(_Collection):
     __doc__ = f"""EmbeddingBagCollection whose tables live in tiers under one budget per tier.
@@ -475,6 +486,7 @@ class TieredEmbeddingBagCollection(_Collection):
         t0 = group.tables[0]
         return TieredEmbeddingBag(group.rows, t0.embedding_dim, t0.pooling, **args)
 
+    @torch.compiler.disable  # (host work: run eagerly within a compiled model)
     def forward(self, features):
         """features: a KeyedJaggedTensor, or {feature: (ids, offsets[, per_sample_weights])} with
         offsets [B] bag starts, or {feature: InverseKeyed}. Every feature of every table must be
@@ -545,6 +557,7 @@ class TieredEmbeddingCollection(_Collection):
     def _engine(self, group, **args) -> nn.Module:
         return TieredEmbedding(group.rows, group.tables[0].embedding_dim, **args)
 
+    @torch.compiler.disable  # (as TieredEmbeddingBagCollection's)
     def forward(self, features) -> dict:
         """features: as TieredEmbeddingBagCollection's (per_sample_weights aside; offsets [B]
         start each sample's ids). Returns {feature: its rows, one per id, as a torchrec

@@ -29,8 +29,8 @@ import torch
 import ssd_backend
 from ssd_backend.common import write_json_atomic
 
-from .persistence import (check_chunk_rows, check_chunks, import_chunks, read_export_meta, refuse_written,
-                          rows_in_state_dict, save_rows, write_export)
+from .persistence import (TABLE_KEYS, check_chunk_rows, check_chunks, import_chunks, read_export_meta,
+                          refuse_written, rows_in_state_dict, save_rows, write_export)
 
 MANIFEST = "collection.json"
 _FORMAT = "tieredemb-collection-1"
@@ -56,7 +56,7 @@ class CollectionState:
 
     def _keys(self, prefix: str) -> set:
         return {f"{prefix}{self._state_prefix}.{t.name}.{field}" for t in self.tables
-                for field in ("weight", "optimizer_state", "optimizer_step")}
+                for field in TABLE_KEYS}
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """torch's, but a strict load with a table missing or a key unknown raises before any table

@@ -155,6 +155,10 @@ def pooled_block(parts: list, shape: tuple, samples: int, expand: tuple = ()) ->
     gradient where its row went. Returns the block's first `samples` rows, each Expand's columns
     filled from its distinct bags (which the rows after them hold). Each part's table is a
     different module (each has one batch in flight here)."""
+    for part in parts:
+        if part.table._closed:
+            raise RuntimeError(f"{part.table.described()} is closed (close() let its tiers go): it takes no more "
+                               "lookups")
     graphs = parts[0].table._store.tier0.graphs
     if graphs is not None:  # (replayed CUDA graphs: gpu/graphed.py; None where they do not apply)
         out = graphs.pooled(parts, shape, samples, expand)
@@ -242,6 +246,8 @@ def _backward(table, batch, bags: Bags, saved, grad_out: Tensor, need_psw_grad: 
     if batch.released:
         raise RuntimeError("this batch's rows were released before backward (was the forward run under "
                            "no_grad, or backward called twice?)")
+    if table._closed:
+        raise RuntimeError(f"{table.described()} was closed before this batch's backward: its update would be lost")
     table.step += 1
     return kernels.backward_update(table._store.tier0, table.config, batch, bags, saved, grad_out, table.step,
                                    need_psw_grad)

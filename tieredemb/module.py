@@ -40,6 +40,17 @@ def _make_config(num_embeddings, embedding_dim, padding_idx, options: dict) -> T
     return TableConfig(num_embeddings, embedding_dim, padding_idx=padding_idx, **options)
 
 
+def _torch_args(max_norm, scale_grad_by_freq) -> None:
+    """torch's arguments that a tiered table takes at their defaults only. (norm_type matters only
+    with max_norm; sparse only says how torch hands out the gradient: the rows here are updated by
+    the fused optimizer in backward either way. Both are accepted and have no effect.)"""
+    if max_norm is not None:
+        raise ValueError(f"max_norm={max_norm!r} is not supported: torch renormalizes every looked-up row in "
+                         "place at each lookup; a tiered table's rows change only by its optimizer (leave it None)")
+    if scale_grad_by_freq:
+        raise ValueError(f"scale_grad_by_freq={scale_grad_by_freq!r} is not supported (leave it False)")
+
+
 class _TieredBase(Persistence, nn.Module):
     def __init__(self, config: TableConfig, _weight: Tensor | None):
         super().__init__()
@@ -59,6 +70,42 @@ class _TieredBase(Persistence, nn.Module):
             self.write_rows(torch.arange(config.num_embeddings), _weight.detach())
 
     _tables = None  # a collection's group engine: its tables' names (errors name them)
+
+    # -- where a torch module's habits do not fit: said, not silently done ------------------------
+    def __getattr__(self, name: str):
+        if name == "weight":
+            raise AttributeError(f"{self.described()} has no weight tensor: its rows live in tiers. Read and set "
+                                 "them with read_rows() / write_rows(); state_dict() holds them as 'weight'")
+        return super().__getattr__(name)
+
+    def __setattr__(self, name: str, value) -> None:
+        if name == "weight":
+            raise AttributeError(f"{self.described()} cannot take a weight tensor: its rows live in tiers. Set "
+                                 "them with write_rows(ids, values) or load_state_dict({'weight': ...})")
+        super().__setattr__(name, value)
+
+    def _apply(self, fn, recurse: bool = True):
+        """.to(), .cuda(), .half() and the like: refused where they would change the dtype or device
+        (the rows stay where and as the table keeps them; its output would not follow)."""
+        anchor = self._grad_anchor
+        probe = fn(anchor.detach())
+        if probe.device != anchor.device or probe.dtype != anchor.dtype:
+            change = f"moved to {probe.device}" if probe.device != anchor.device else f"converted to {probe.dtype}"
+            raise RuntimeError(f"{self.described()} cannot be {change}: its rows stay on {anchor.device} as "
+                               f"{self.config.dtype}, its output is {anchor.dtype} (give device= and dtype= when "
+                               "building the table)")
+        return super()._apply(fn, recurse)
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError(f"{self.described()} cannot be pickled or copied (copy.deepcopy, torch.save of the "
+                        "module): its rows live in tiers, which a copy could neither share nor duplicate. Save "
+                        "state_dict() or export_rows() (an SSD table: flush() or checkpoint()) and build a new one")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def described(self) -> str:
         """The module as errors name it."""
@@ -124,7 +171,7 @@ class _TieredBase(Persistence, nn.Module):
         second close does nothing (the first let everything go: there is nothing to try again)."""
         if self._closed:
             return
-        self._prefetch.shutdown()
+        self._prefetch.close()
         try:
             self.flush()
         finally:
@@ -164,6 +211,8 @@ class _TieredBase(Persistence, nn.Module):
 
     def extra_repr(self) -> str:
         s = f"{self.num_embeddings}, {self.embedding_dim}"
+        if hasattr(self, "mode"):
+            s += f", mode={self.mode!r}" + (", include_last_offset=True" if self.include_last_offset else "")
         if self.padding_idx is not None:
             s += f", padding_idx={self.padding_idx}"
         return s + (f", cache_rows={self.cache_rows}, host_rows={self.host_rows}, policy={self.policy!r}, "
@@ -194,9 +243,12 @@ class TieredEmbeddingBag(_TieredBase):
 
     def __init__(self, num_embeddings: int | TableConfig, embedding_dim: int | None = None, mode: str = "mean", *,
                  padding_idx: int | None = None, include_last_offset: bool = False, _weight: Tensor | None = None,
+                 max_norm=None, norm_type: float = 2.0, scale_grad_by_freq: bool = False, sparse: bool = False,
                  **table_args):
-        if mode not in _MODES:
-            raise ValueError(f"mode {mode!r} is not one of 'sum', 'mean', 'max'")
+        if not isinstance(mode, str) or mode not in _MODES:
+            raise ValueError(f"mode {mode!r} is not one of 'sum', 'mean', 'max' (mode is the third positional "
+                             "argument here; torch's is max_norm, which tiered tables do not support)")
+        _torch_args(max_norm, scale_grad_by_freq)
         self.mode = mode
         self.include_last_offset = include_last_offset
         super().__init__(_make_config(num_embeddings, embedding_dim, padding_idx, table_args), _weight)
@@ -204,7 +256,8 @@ class TieredEmbeddingBag(_TieredBase):
     @classmethod
     def from_pretrained(cls, embeddings: Tensor, freeze: bool = True, mode: str = "mean", padding_idx=None,
                         include_last_offset: bool = False, **table_args) -> "TieredEmbeddingBag":
-        """Like torch.nn.EmbeddingBag.from_pretrained; table_args as the constructor's."""
+        """Like torch.nn.EmbeddingBag.from_pretrained (but mode is the third positional argument);
+        table_args as the constructor's."""
         if embeddings.dim() != 2:
             raise ValueError(f"embeddings must be 2-D, got shape {tuple(embeddings.shape)}")
         m = cls(embeddings.shape[0], embeddings.shape[1], mode, padding_idx=padding_idx,
@@ -212,6 +265,7 @@ class TieredEmbeddingBag(_TieredBase):
         m._grad_anchor.requires_grad_(not freeze)
         return m
 
+    @torch.compiler.disable  # (numpy and native calls on the host: run eagerly within a compiled model)
     def forward(self, input: Tensor, offsets: Tensor | None = None, per_sample_weights: Tensor | None = None) -> Tensor:
         """input: int [N] ids with offsets int [B] bag starts (B + 1 with include_last_offset),
         or int [B, L] with offsets None. per_sample_weights: float, input's shape, mode 'sum'.
@@ -301,9 +355,12 @@ class TieredEmbedding(_TieredBase):
 
     {_TABLE_ARGS}"""
 
-    def __init__(self, num_embeddings: int | TableConfig, embedding_dim: int | None = None, *,
-                 padding_idx: int | None = None, _weight: Tensor | None = None, **table_args):
+    def __init__(self, num_embeddings: int | TableConfig, embedding_dim: int | None = None,
+                 padding_idx: int | None = None, max_norm=None, norm_type: float = 2.0, scale_grad_by_freq: bool = False,
+                 sparse: bool = False, _weight: Tensor | None = None, _freeze: bool = False, **table_args):
+        _torch_args(max_norm, scale_grad_by_freq)
         super().__init__(_make_config(num_embeddings, embedding_dim, padding_idx, table_args), _weight)
+        self._grad_anchor.requires_grad_(not _freeze)
 
     @classmethod
     def from_pretrained(cls, embeddings: Tensor, freeze: bool = True, padding_idx=None,
@@ -311,10 +368,10 @@ class TieredEmbedding(_TieredBase):
         """Like torch.nn.Embedding.from_pretrained; table_args as the constructor's."""
         if embeddings.dim() != 2:
             raise ValueError(f"embeddings must be 2-D, got shape {tuple(embeddings.shape)}")
-        m = cls(embeddings.shape[0], embeddings.shape[1], padding_idx=padding_idx, _weight=embeddings, **table_args)
-        m._grad_anchor.requires_grad_(not freeze)
-        return m
+        return cls(embeddings.shape[0], embeddings.shape[1], padding_idx=padding_idx, _weight=embeddings,
+                   _freeze=freeze, **table_args)
 
+    @torch.compiler.disable  # (as TieredEmbeddingBag's)
     def forward(self, input: Tensor) -> Tensor:
         """input: int ids of any shape [*]. Returns [*, D]."""
         ids, bounds = (self._prefetch.registered((input,)) or self._bags(input))[:2]

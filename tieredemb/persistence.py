@@ -97,6 +97,8 @@ class Persistence:
                               error_msgs):
         if self._state_in_collection:
             return
+        if strict:  # (as torch's modules report keys under their prefix that are not theirs)
+            unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k[len(prefix):] not in TABLE_KEYS)
         n, d = self.config.num_embeddings, self.config.embedding_dim
         found = rows_in_state_dict(state_dict, prefix, n, d, self.layout.state_width, missing_keys, error_msgs)
         if found is None:
@@ -121,6 +123,9 @@ class Persistence:
 def check_chunk_rows(chunk_rows) -> None:
     if isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or chunk_rows < 1:
         raise ValueError(f"chunk_rows {chunk_rows!r} must be an int >= 1")
+
+
+TABLE_KEYS = ("weight", "optimizer_state", "optimizer_step")  # a table's entries of a state_dict, by save_rows
 
 
 def save_rows(destination: dict, prefix: str, rows: Tensor, layout, dtype: torch.dtype, step: int) -> None:

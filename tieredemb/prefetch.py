@@ -89,6 +89,7 @@ class Prefetcher:
         self.error: BaseException | None = None
         self.thread: threading.Thread | None = None
         self.stopping = False
+        self.closed = False  # its table was closed: no more batches
         self.room_wait = False  # the worker waits for a release (room for its batch)
         self.lookahead = 0
         self.phantoms = 0  # advance() calls: batches that count as registered for readiness
@@ -123,6 +124,8 @@ class Prefetcher:
         before anything changes. source: the caller's tensors
         (the forward's, given again, are recognized without comparing their values). segments:
         the ids' runs, as TableStore.dedup takes them."""
+        if self.closed:
+            raise RuntimeError("the table is closed (close() let its tiers go): it takes no more batches")
         # Copies (the caller may reuse its tensors); host ones made by numpy: a torch copy this
         # large runs on an OpenMP team of this thread's, whose threads spin between batches and
         # take CPU from the worker (measured: ~10 ms per batch on 2 cores). Device ids stay there
@@ -221,6 +224,11 @@ class Prefetcher:
             self.thread = None
             self.error = None
             self._forget_all()
+
+    def close(self) -> None:
+        """shutdown(), for good: a later register() raises."""
+        self.shutdown()
+        self.closed = True
 
     def stats(self) -> dict:
         """registered: batches registered; forwards: forwards run; prefetched_rows: tier-0
