@@ -182,6 +182,24 @@ def test_failed_plan_leaves_the_index_unchanged(policy):
 
 
 @pytest.mark.parametrize("policy", POLICIES)
+def test_a_failed_plans_selection_is_not_applied_by_a_later_commit(policy):
+    """A commit with no selection of its own (a batch of hits) applied the last failed plan's
+    clock sweep (its hand and cleared bits): later victims differed from a tier where no plan failed."""
+    victims = []
+    for failed in (False, True):
+        idx = _C.CacheIndex(4, policy)
+        access(idx, [0, 1, 2, 3])
+        access(idx, [0, 1], pin=True)
+        if failed:
+            with pytest.raises(ValueError, match="pinned"):
+                idx.plan(arr([4, 5, 6]))  # 3 new rows, 2 slots evictable
+        access(idx, [2])  # hits only
+        idx.unpin(idx.lookup(arr([0, 1])))
+        victims.append(idx.plan(arr([7])).victim_ids.tolist())
+    assert victims[0] == victims[1]
+
+
+@pytest.mark.parametrize("policy", POLICIES)
 def test_batch_larger_than_the_tier_is_refused(policy):
     idx = _C.CacheIndex(3, policy)
     _warm(idx)

@@ -31,6 +31,7 @@ CacheIndex::CacheIndex(int64_t capacity, std::unique_ptr<EvictionPolicy> policy,
 }
 
 Status CacheIndex::plan(const int64_t* ids, int64_t n, Plan* plan) {
+  policy_->forget();  // (an earlier plan's selection, never committed: raised, or evicted instead)
   ++stamp_;
   plan->slots.resize(n);
   plan->miss_index.clear();

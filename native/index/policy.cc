@@ -224,8 +224,12 @@ class ClockPolicy final : public EvictionPolicy {
 
   void accept() override {
     for (int64_t s : pending_clear_) referenced_[s] = 0;
-    pending_clear_.clear();
     hand_ = pending_hand_;
+    forget();
+  }
+  void forget() override {
+    pending_clear_.clear();
+    pending_hand_ = hand_;
   }
 
  private:

@@ -42,6 +42,8 @@ class EvictionPolicy {
   virtual void order(const SlotFilter& keep, std::vector<int64_t>* out) = 0;
   // Applies the side effects of the last select() (e.g. CLOCK's hand movement).
   virtual void accept() {}
+  // Drops them (the plan that selected was not committed): a later accept() applies nothing.
+  virtual void forget() {}
 };
 
 // Names: "lru", "lfu" (frequency with aging: counts halve every aging_period uses), "clock".
