@@ -315,11 +315,15 @@ class WriteBehind:
 
     def stop(self) -> None:
         """Lets the thread finish the queue and exit (after an error it has exited)."""
+        if threading.current_thread() is self._thread:
+            # (its store, dropped in a reference cycle, finalized by a collection on this thread,
+            # maybe inside _loop's hold of _cond: no lock taken; the loop sees the flag)
+            self._stopping = True
+            return
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
-        # (not from the thread itself: a store dropped while its apply ran is finalized there)
-        if self.error is None and threading.current_thread() is not self._thread:
+        if self.error is None:
             self._thread.join()
 
 

@@ -392,3 +392,31 @@ def test_model_based_read_your_writes(tmp_path_factory, ops):
     finally:
         s.close()
     shutil.rmtree(path)
+
+
+def test_a_writer_stopped_on_its_own_thread_does_not_wait_for_itself():
+    """A RocksDB store dropped in a reference cycle is finalized by whichever thread collects it:
+    its own writer thread, maybe while that holds the queue's lock (the collection runs at an
+    allocation inside _loop's hold). stop() then took that lock again and hung the thread, and
+    interpreter exit after it. Here stop() is called the same way, from the thread under the lock."""
+    import threading
+    import weakref
+
+    import numpy as np
+
+    from ssd_backend.common import WriteBehind
+
+    class Store:  # (a stand-in for the store: what is tested is the writer's own thread and lock)
+        def apply(self, batches):
+            with wb._cond:
+                wb.stop()
+            returned.set()
+            return 0
+
+    store, returned = Store(), threading.Event()
+    wb = WriteBehind("t", weakref.WeakMethod(store.apply), lambda e: e, 100, 100, dict.fromkeys(
+        ("writes", "rows_written", "bytes_written", "rows_queued_hits"), 0))
+    wb.enqueue(np.arange(2, dtype=np.int64), torch.zeros(2, 4))
+    assert returned.wait(10), "stop() on the writer's own thread, under its lock, hung"
+    wb._thread.join(10)
+    assert not wb._thread.is_alive()

@@ -38,7 +38,7 @@ from .keyed import (InverseKeyed, KeyedEmbeddings, features_of, is_keyed_jagged,
                     keyed_lengths, variable_batch)  # (InverseKeyed and KeyedEmbeddings re-exported)
 from . import lookup
 from .gpu import to_device
-from .module import _MODES, TieredEmbedding, TieredEmbeddingBag
+from .module import _MODES, TieredEmbedding, TieredEmbeddingBag, eager_when_compiled
 from .optim import Optimizer
 
 
@@ -486,7 +486,7 @@ class TieredEmbeddingBagCollection(_Collection):
         t0 = group.tables[0]
         return TieredEmbeddingBag(group.rows, t0.embedding_dim, t0.pooling, **args)
 
-    @torch.compiler.disable  # (host work: run eagerly within a compiled model)
+    @eager_when_compiled
     def forward(self, features):
         """features: a KeyedJaggedTensor, or {feature: (ids, offsets[, per_sample_weights])} with
         offsets [B] bag starts, or {feature: InverseKeyed}. Every feature of every table must be
@@ -557,7 +557,7 @@ class TieredEmbeddingCollection(_Collection):
     def _engine(self, group, **args) -> nn.Module:
         return TieredEmbedding(group.rows, group.tables[0].embedding_dim, **args)
 
-    @torch.compiler.disable  # (as TieredEmbeddingBagCollection's)
+    @eager_when_compiled
     def forward(self, features) -> dict:
         """features: as TieredEmbeddingBagCollection's (per_sample_weights aside; offsets [B]
         start each sample's ids). Returns {feature: its rows, one per id, as a torchrec

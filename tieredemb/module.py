@@ -5,6 +5,7 @@ lookup's flow is lookup.py, the tiers tiers/, saving and restoring persistence.p
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 import torch
@@ -38,6 +39,18 @@ def _make_config(num_embeddings, embedding_dim, padding_idx, options: dict) -> T
     if embedding_dim is None:
         raise TypeError("embedding_dim is required (or pass a TableConfig as the first argument)")
     return TableConfig(num_embeddings, embedding_dim, padding_idx=padding_idx, **options)
+
+
+def eager_when_compiled(method):
+    """method, run eagerly (a graph break) where torch.compile traces a call of it: a lookup's host
+    work (numpy, native calls) is not for tracing. torch.compiler.disable is applied there, not
+    here: applied when the class is made, it would import torch._dynamo (a second or more)."""
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        if torch.compiler.is_compiling():
+            return torch.compiler.disable(method)(self, *args, **kwargs)
+        return method(self, *args, **kwargs)
+    return call
 
 
 def _torch_args(max_norm, scale_grad_by_freq) -> None:
@@ -93,7 +106,7 @@ class _TieredBase(Persistence, nn.Module):
             change = f"moved to {probe.device}" if probe.device != anchor.device else f"converted to {probe.dtype}"
             raise RuntimeError(f"{self.described()} cannot be {change}: its rows stay on {anchor.device} as "
                                f"{self.config.dtype}, its output is {anchor.dtype} (give device= and dtype= when "
-                               "building the table)")
+                               "building the table; a model's modules before it were converted already)")
         return super()._apply(fn, recurse)
 
     def __reduce_ex__(self, protocol):
@@ -265,7 +278,7 @@ class TieredEmbeddingBag(_TieredBase):
         m._grad_anchor.requires_grad_(not freeze)
         return m
 
-    @torch.compiler.disable  # (numpy and native calls on the host: run eagerly within a compiled model)
+    @eager_when_compiled
     def forward(self, input: Tensor, offsets: Tensor | None = None, per_sample_weights: Tensor | None = None) -> Tensor:
         """input: int [N] ids with offsets int [B] bag starts (B + 1 with include_last_offset),
         or int [B, L] with offsets None. per_sample_weights: float, input's shape, mode 'sum'.
@@ -371,7 +384,7 @@ class TieredEmbedding(_TieredBase):
         return cls(embeddings.shape[0], embeddings.shape[1], padding_idx=padding_idx, _weight=embeddings,
                    _freeze=freeze, **table_args)
 
-    @torch.compiler.disable  # (as TieredEmbeddingBag's)
+    @eager_when_compiled
     def forward(self, input: Tensor) -> Tensor:
         """input: int ids of any shape [*]. Returns [*, D]."""
         ids, bounds = (self._prefetch.registered((input,)) or self._bags(input))[:2]

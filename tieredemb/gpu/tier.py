@@ -440,6 +440,10 @@ class DeviceTier:
         with self.index_lock:
             return self.index.lookup(ids.to(self.device)).cpu().numpy()
 
+    def copy_out(self, slots: torch.Tensor, dst: torch.Tensor, dst_rows: torch.Tensor) -> None:
+        """The resident rows in slots into dst[dst_rows] (host), copied on the current stream."""
+        self.pool.copy_out(slots, dst, dst_rows)
+
     def update(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
         self._after_residencies()
         self.pool.scatter(slots, rows)

@@ -61,9 +61,10 @@ class CacheTier:
         # releasing a batch never waits for another batch's rows to be read. (A batch the garbage
         # collector frees while its thread holds this lock is released later: see locks.py.)
         self.index_lock = locks.Counted(reentrant=True)
-        # Held by a backward's update of its pinned rows and by write_back's copy of dirty ones: a
-        # row is copied down whole before or after an update, never half way (a flush on another
-        # thread stored rows that mixed two steps).
+        # Held by a backward's update of its pinned rows and by every copy of rows out of the pool
+        # that may run beside it on another thread (write_back's, a read's, a write's): a row is
+        # copied whole before or after an update, never half way (a flush or a state_dict() on
+        # another thread got rows that mixed two steps).
         self.pool_lock = locks.Counted()
 
     @property
@@ -165,8 +166,9 @@ class CacheTier:
             with self.index_lock:
                 self.index.mark_clean(slots[start:end])
             try:
-                with self.pool_lock:
-                    self.pool.drain_to(self.lower, ids[start:end], slots[start:end])
+                with self.pool_lock:  # (the copy only: a backward does not wait for the write below)
+                    block = self.pool.gather(slots[start:end])
+                self.lower.write_from(ids[start:end], block, arange(len(block)))
             except BaseException:
                 self.mark_dirty(slots[start:end])
                 raise
@@ -182,9 +184,15 @@ class CacheTier:
         with self.index_lock:
             return self.index.lookup(ids)
 
+    def copy_out(self, slots: torch.Tensor, dst: torch.Tensor, dst_rows: torch.Tensor) -> None:
+        """The resident rows in slots into dst[dst_rows] (each whole: see pool_lock)."""
+        with self.pool_lock:
+            self.pool.copy_out(slots, dst, dst_rows)
+
     def update(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
         """rows [n, width] (host) become the values of the resident rows in slots (now dirty)."""
-        self.pool.copy_in(slots, rows, arange(len(slots)))
+        with self.pool_lock:
+            self.pool.copy_in(slots, rows, arange(len(slots)))
         with self.index_lock:
             self.index.mark_dirty(slots)
 

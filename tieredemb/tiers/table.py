@@ -308,7 +308,7 @@ class TableStore:
         rows = torch.empty(len(unique), self.width, dtype=torch.float32)
         found, rest = self._where(unique)
         for t, slots, at in found:
-            t.pool.copy_out(slots, rows, at)
+            t.copy_out(slots, rows, at)
         if len(rest):
             self.bottom.read_to(unique[rest], rows, rest)
         return rows[inverse]
