@@ -958,3 +958,63 @@ def test_the_interpreter_can_run_a_launchs_programs_out_of_order(order, request)
     assert sorted(seen) == list(range(24))
     assert seen == (list(range(23, -1, -1)) if order == "reversed" else seen) and seen != list(range(24))
     assert run() == list(range(24))
+
+
+@pytest.mark.parametrize("zero_copy", [False, True], ids=["waiting", "zero_copy"])
+def test_a_residency_that_fails_after_its_moves_changes_no_value(zero_copy):
+    """A residency that failed after the misses' rows were moved into the victims' slots, before
+    the commit (a CUDA out-of-memory inside it, a KeyboardInterrupt: injected here, as neither can
+    be had on CPU tensors), left the victims' ids naming slots that held other rows; a flush then
+    wrote those under the victims' ids. The slots are emptied now: every row reads as before."""
+    kw = dict(optimizer=tieredemb.SGD(lr=0.1), _weight=weights(), cache_rows=8)
+    emb = device_tier(tieredemb.TieredEmbeddingBag(NUM, D, "sum", **kw), 8, zero_copy=zero_copy)
+    ref = tieredemb.TieredEmbeddingBag(NUM, D, "sum", **kw)
+    data = batches(steps=3)
+    train(emb, data)
+    train(ref, data)
+    index = emb._store.tier0.index
+    name = "commit_queued" if zero_copy else "commit"  # (zero-copy's residencies are queued: gpu/queued.py)
+
+    def failing(plan, pin):
+        raise MemoryError("injected: out of memory in the commit")
+
+    setattr(index, name, failing)
+    with pytest.raises(MemoryError, match="injected"):
+        emb(torch.arange(250, 258), torch.tensor([0]))
+    delattr(index, name)
+    every = torch.arange(NUM)  # (within float tolerance: the GPU path's sums have other orders)
+    torch.testing.assert_close(emb.read_rows(every), ref.read_rows(every), rtol=1e-5, atol=1e-5)
+    emb.flush()
+    torch.testing.assert_close(emb.read_rows(every), ref.read_rows(every), rtol=1e-5, atol=1e-5)
+    train(emb, data)
+    train(ref, data)
+    torch.testing.assert_close(rows_and_state(emb), rows_and_state(ref), rtol=1e-5, atol=1e-5)
+
+
+def test_a_grow_out_of_memory_changes_nothing(monkeypatch):
+    """Adding overflow slots grew the index first, then allocated the grown pool: out of memory
+    there (injected: a GPU's cannot be had on CPU tensors) left the index larger than the pool, and
+    the next batch's overflow slots past the pool's end. The pool is allocated first now."""
+    from tieredemb.gpu import tier as tier_module
+
+    kw = dict(optimizer=tieredemb.SGD(lr=0.1), _weight=weights(3000), cache_rows=8)
+    emb = device_tier(tieredemb.TieredEmbeddingBag(3000, D, "sum", **kw), 8)
+    ref = tieredemb.TieredEmbeddingBag(3000, D, "sum", **kw)
+    tier = emb._store.tier0
+    zeros = torch.zeros
+
+    def out_of_memory(*shape, **kwargs):
+        if len(shape) == 2 and shape[1] == tier.width and shape[0] > tier.pool.rows.shape[0]:
+            raise torch.OutOfMemoryError("injected: out of memory for the grown pool")
+        return zeros(*shape, **kwargs)
+
+    ids, offsets = torch.arange(1500), torch.arange(0, 1500, 10)
+    monkeypatch.setattr(tier_module.torch, "zeros", out_of_memory)
+    with pytest.raises(torch.OutOfMemoryError, match="injected"):
+        emb(ids, offsets)
+    monkeypatch.setattr(tier_module.torch, "zeros", zeros)
+    assert tier.index.slots_total <= tier.pool.rows.shape[0]
+    for table in (emb, ref):
+        table(ids, offsets).sum().backward()
+    every = torch.arange(3000)
+    torch.testing.assert_close(emb.read_rows(every), ref.read_rows(every), rtol=1e-5, atol=1e-5)

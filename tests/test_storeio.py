@@ -135,3 +135,27 @@ def test_on_stream_is_only_for_a_log_store_of_float32_rows_right_below_a_cache(t
     on = {name: on_cpu_tensors(emb, rows)._store.tier0.on_stream is not None for name, (emb, rows) in tables.items()}
     assert on == dict.fromkeys(tables, False)
     assert _table(True, 8, tmp_path / "yes", monkeypatch)._store.tier0.on_stream is not None
+
+
+def test_a_residency_that_fails_after_its_moves_changes_no_value(tmp_path, monkeypatch):
+    """As test_gpu_tier.py's: a residency in stream order that failed after the misses' rows were
+    moved into the victims' slots (the commit's failure injected: an out-of-memory cannot be had
+    on CPU tensors) left the victims' ids naming other rows. Those slots are emptied now."""
+    plain = _table(False, 8, tmp_path / "plain", monkeypatch)
+    emb = _table(True, 8, tmp_path / "streamed", monkeypatch)
+    data = batches(6, 3)
+    train(plain, data)
+    train(emb, data)
+    index = emb._store.tier0.index
+
+    def failing(plan, pin):
+        raise MemoryError("injected: out of memory in the commit")
+
+    monkeypatch.setattr(index, "commit_queued", failing)
+    with pytest.raises(MemoryError, match="injected"):
+        emb(torch.arange(250, 258), torch.tensor([0]))
+    monkeypatch.undo()
+    every = torch.arange(NUM)
+    assert torch.equal(emb.read_rows(every), plain.read_rows(every))
+    emb.flush()
+    assert torch.equal(emb.read_rows(every), plain.read_rows(every))

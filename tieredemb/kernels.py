@@ -16,7 +16,6 @@ rounded (to the nearest, or stochastically).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 
 import numpy as np
@@ -24,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from . import _C
-from .gpu import to_device
+from .gpu import current_device, to_device
 
 _MODE_NAMES = ("sum", "mean", "max")
 
@@ -83,7 +82,7 @@ def forward(tier0, config, batch, bags: Bags, out: torch.Tensor | None = None):
 
         dev = pool.device
         psw = None if bags.psw is None else to_device(bags.psw.detach(), dev, torch.float32).contiguous()
-        with tier0.pool_lock, _current(dev):
+        with tier0.pool_lock, current_device(dev):
             return pooling.forward(pool.rows, dim, batch.slots, batch.unique, batch.inverse,
                                    bags.offsets, psw, bags.mode, bags.skip_id, layout.code,
                                    out, bags.out_at)
@@ -105,12 +104,6 @@ def forward(tier0, config, batch, bags: Bags, out: torch.Tensor | None = None):
     return out, (pooled, leaf, psw)
 
 
-def _current(device: torch.device):
-    """The device made current (Triton launches on the current device's current stream: a table on
-    cuda:1 from a thread whose current device is cuda:0)."""
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
-
-
 def row_floats(bags: Bags, dim: int, device) -> torch.Tensor:
     """[B, dim]: the positions of each bag's output row in the flat block (bags.out_at's)."""
     return bags.out_at.to(device)[:, None] + torch.arange(dim, device=device)
@@ -130,7 +123,7 @@ def backward_update(tier0, config, batch, bags: Bags, saved, grad_out: torch.Ten
 
         dev = pool.device
         psw = None if bags.psw is None else to_device(bags.psw.detach(), dev, torch.float32).contiguous()
-        with tier0.pool_lock, _current(dev):
+        with tier0.pool_lock, current_device(dev):
             psw_grad = pooling.backward_update(pool.rows, tier0.dirty, dim, batch.slots, batch.unique, batch.count,
                                                batch.inverse, bags.offsets, psw, bags.mode,
                                                bags.skip_id, bags.frozen_id, grad_out, saved, optimizer, step,

@@ -7,6 +7,7 @@ kernels in Triton."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 
@@ -67,6 +68,12 @@ def programs(items: int, cap, device: torch.device) -> int:
 # Host-to-device copies of at most this many bytes from pageable memory are asynchronous (CUDA
 # Programming Guide, "Asynchronous Concurrent Execution"); larger ones may wait for the stream.
 _INLINE_COPY_BYTES = 64 << 10
+
+
+def current_device(device: torch.device):
+    """The device made current (Triton launches on the current device's current stream: a table on
+    cuda:1 from a thread whose current device is cuda:0)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def to_device(t: torch.Tensor, device, dtype: torch.dtype | None = None, *, owned: bool = False) -> torch.Tensor:

@@ -59,6 +59,11 @@ class DirectIndex:
                           dirty_ids_device=none, dirty_slots=none, num_overflow=0, num_victims=0, num_unique=n_valid,
                           version=self.version, num_misses=n_miss)
 
+    def forget(self, plan: DevicePlan, count: torch.Tensor | None = None) -> None:
+        """A plan whose residency failed after its rows were moved in: nothing to empty (a slot
+        only ever holds its own id's row; those not held stay so); the plan made stale."""
+        self.version += 1
+
     def commit(self, plan: DevicePlan, pin: bool) -> None:
         self.version += 1
         at = torch.where(plan.fresh, plan.slots, self.slots_total)

@@ -54,7 +54,7 @@ import torch
 
 from .. import kernels, locks
 from ..kernels import Bags
-from . import copy_to, pooling
+from . import copy_to, current_device, pooling
 from .checks import SENTINEL32, SENTINEL64, checked_dtype, checked_ids
 from .dedup import dedup as device_dedup
 from .recorded import Recorded
@@ -315,7 +315,7 @@ class StepGraphs:
             shape = self._add_shape(key, parts)
         tiers = [inp.tier for inp in shape.inputs]
         stream = torch.cuda.current_stream(self.tier.device) if self.tier.stream is not None else None
-        with shape.stores_held, kernels._current(self.tier.device):
+        with shape.stores_held, current_device(self.tier.device):
             # (a queued residency's room: under the stores' locks, which every other residency takes)
             for inp in shape.inputs:  # (batches collected inside a lock: see TableStore.orphans)
                 if inp.queued:
@@ -492,7 +492,7 @@ class StepGraphs:
                             with inp.tier.pool_lock:
                                 inp.tier.index.unpin(batch.slots)
 
-            with kernels._current(self.tier.device):
+            with current_device(self.tier.device):
                 stale = shape.stale  # (a tier grew since the forward: its kernels one by one, on the new tensors)
                 graph = None if stale else shape.backwards.get(args)
                 if graph is None and not stale and args == shape.last_args and len(shape.backwards) < _MOST_BACKWARDS:

@@ -390,6 +390,16 @@ class SetIndex:
                  "clean_drops": c[3] - c[4], "overflow_rows": c[2], "capacity": cap, "resident": r}
                 for c, cap, r in zip(counts, self.part_capacity, resident)]
 
+    def forget(self, plan: DevicePlan, count: torch.Tensor | None = None) -> None:
+        """A plan whose residency failed after rows were moved into its misses' slots: those slots
+        emptied (whatever they held was written down or was clean), the plan made stale. count: a
+        queued plan's misses (on the device: read here, a wait), the length of its list in use."""
+        self.version += 1
+        at = plan.miss_slots if count is None else plan.miss_slots[:int(count)]
+        self.slot_id[at] = -1
+        self.dirty[at] = 0
+        self._directory()
+
     def _evict_rows(self, plan: DevicePlan) -> None:
         self.slot_id[plan.victim_slots] = -1
         self.dirty[plan.victim_slots] = 0

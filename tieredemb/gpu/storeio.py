@@ -129,9 +129,13 @@ class StoreOnStream(QueuedResidency):
                 self.io.queue(torch.cuda.current_stream(tier.device).cuda_stream, lists, n, *as_bytes)
         self.queued_calls += 1
         moves.move_rows(into, self.order_device[:n], tier.pool.rows, plan.miss_slots, count=xfer[fresh:fresh + 1])
-        if tier.draws_misses:
-            tier.draw_marked(plan, xfer[fresh:fresh + 1])
-        tier.index.commit_queued(plan, pin)
+        try:  # (the misses' rows are in the victims' slots now: see DeviceTier.resident's failure)
+            if tier.draws_misses:
+                tier.draw_marked(plan, xfer[fresh:fresh + 1])
+            tier.index.commit_queued(plan, pin)
+        except BaseException:
+            tier.index.forget(plan, xfer[fresh])
+            raise
         return plan.slots
 
     def raise_error(self) -> None:

@@ -26,7 +26,7 @@ import torch
 from .. import _C, locks
 from ..tiers.cache import Deduped
 from ..tiers.rowstore import DEFERRED_MARK
-from . import rowinit, to_device
+from . import current_device, rowinit, to_device
 from .checks import check_on_device, checked_ids
 from .dedup import dedup as device_dedup
 from .graphed import StepGraphs
@@ -254,25 +254,36 @@ class DeviceTier:
             if plan.num_overflow and not allow_overflow:
                 return None
             dirty, misses = plan.num_dirty, plan.num_misses
-            if self.zero_copy is not None:  # (both ways at once: see ZeroCopy.move)
-                self.zero_copy.move(plan)
-            elif dirty:  # (first: a lingering overflow row may leave and come back)
-                rows = plan.dirty_rows if plan.dirty_rows is not None else self.pool.to_host(plan.dirty_slots)
-                self.lower.write_from(plan.dirty_ids, rows, torch.arange(dirty))
-            self.bytes_out += dirty * self.row_bytes
-            # the next plan's transfer carries this many dirty rows: a quarter more than these
-            self.dirty_guess = dirty + dirty // 4 + _DIRTY_SLACK
-            if misses:
-                if self.zero_copy is None:
-                    block = self.pool.staging(misses)
-                    with self.init.deferred() if self.draws_misses else contextlib.nullcontext():
-                        self.lower.read_to(plan.miss_ids, block, torch.arange(misses))
-                    self.pool.from_host(plan.miss_slots, block)
-                if self.draws_misses:
-                    self.draw_marked(plan)
-                self.bytes_in += misses * self.row_bytes
-            with self.index_lock:
-                self.index.commit(plan, pin)
+            moved = False  # (rows moved into the misses' slots: then a failure empties those slots)
+            try:
+                if self.zero_copy is not None:  # (both ways at once: see ZeroCopy.move)
+                    self.zero_copy.move(plan)
+                    moved = True
+                elif dirty:  # (first: a lingering overflow row may leave and come back)
+                    rows = plan.dirty_rows if plan.dirty_rows is not None else self.pool.to_host(plan.dirty_slots)
+                    self.lower.write_from(plan.dirty_ids, rows, torch.arange(dirty))
+                self.bytes_out += dirty * self.row_bytes
+                # the next plan's transfer carries this many dirty rows: a quarter more than these
+                self.dirty_guess = dirty + dirty // 4 + _DIRTY_SLACK
+                if misses:
+                    if self.zero_copy is None:
+                        block = self.pool.staging(misses)
+                        with self.init.deferred() if self.draws_misses else contextlib.nullcontext():
+                            self.lower.read_to(plan.miss_ids, block, torch.arange(misses))
+                        moved = True
+                        self.pool.from_host(plan.miss_slots, block)
+                    if self.draws_misses:
+                        self.draw_marked(plan)
+                    self.bytes_in += misses * self.row_bytes
+                with self.index_lock:
+                    self.index.commit(plan, pin)
+            except BaseException:
+                # The victims' ids still named slots that now held other rows (a flush then wrote
+                # those under the victims' ids). The dirty victims were written down already.
+                if moved:
+                    with self.index_lock:
+                        self.index.forget(plan)
+                raise
             return plan.slots, misses, self.record()
 
     def graph_kind(self) -> str | None:
@@ -324,11 +335,13 @@ class DeviceTier:
         with self.pool_lock:  # (a replay checks generation under it: see graphed.py's backward)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
+            # (the pool first: out of memory there changes nothing; after the index had grown, the
+            # next batch's slots were past the pool's end)
+            grown = torch.zeros(self.index.slots_total + slots, self.width, device=self.device)
             self.generation += 1
             if self.graphs is not None:
                 self.graphs.drop_shapes()
             self.index.grow(slots)
-            grown = torch.zeros(self.index.slots_total, self.width, device=self.device)
             grown[:self.pool.rows.shape[0]] = self.pool.rows
             self.pool.rows = grown
             if self.device.type == "cuda":  # (the copies are in place before a kernel on another stream reads them)
@@ -437,7 +450,7 @@ class DeviceTier:
         of what zero_copy moved)."""
         self._after_residencies()
         self._settle()
-        with self.index_lock:
+        with self.index_lock, current_device(self.device):  # (its kernel launches on the current device)
             return self.index.lookup(ids.to(self.device)).cpu().numpy()
 
     def copy_out(self, slots: torch.Tensor, dst: torch.Tensor, dst_rows: torch.Tensor) -> None:

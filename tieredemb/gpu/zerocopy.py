@@ -160,9 +160,14 @@ class ZeroCopy(QueuedResidency):
             tier.index.overflow_known = False
         plan = tier.index.plan_queued(unique, num_unique, tier.num_embeddings)
         self.move(plan, queued=True, captured=captured)
-        if tier.draws_misses:
-            tier.draw_marked(plan, plan.placed.xfer[plan_kernels.FRESH:plan_kernels.FRESH + 1])
-        tier.index.commit_queued(plan, pin)
+        try:  # (the misses' rows are in the victims' slots now: see DeviceTier.resident's failure)
+            if tier.draws_misses:
+                tier.draw_marked(plan, plan.placed.xfer[plan_kernels.FRESH:plan_kernels.FRESH + 1])
+            tier.index.commit_queued(plan, pin)
+        except BaseException:
+            if not captured:
+                tier.index.forget(plan, plan.placed.xfer[plan_kernels.FRESH])
+            raise
         return plan.slots
 
     def graphed_admitted(self, n: int, waited: list) -> None:
