@@ -7,6 +7,8 @@ import gc
 import glob
 import json
 import os
+import subprocess
+import sys
 import threading
 
 import psutil
@@ -712,3 +714,105 @@ def test_rows_copied_beside_training_are_whole(look):
         torn += int(not torch.all(row == row[0]))
     trainer.join()
     assert looks > 20 and torn == 0, (looks, torn)
+
+
+def _interrupting(original, action):
+    """original (a native call), wrapped to run action() once after it returns (where a signal's
+    handler or a KeyboardInterrupt lands at the next bytecode: injected, as a signal cannot be
+    made to land there every time)."""
+    fired = []
+
+    def run(*args, **kwargs):
+        out = original(*args, **kwargs)
+        if not fired:
+            fired.append(1)
+            action()
+        return out
+    return run
+
+
+def _interrupt():
+    raise KeyboardInterrupt
+
+
+def test_an_interrupt_right_after_a_backwards_update_loses_nothing(monkeypatch):
+    """A Ctrl-C landing after the native update and before its rows were marked dirty: the update
+    showed in read_rows, and was dropped when the rows left tier 0 (clean). Marked first now."""
+    emb = te.TieredEmbeddingBag(N, D, mode="sum", cache_rows=2, optimizer=te.SGD(lr=1.0))
+    emb.write_rows(torch.arange(N), torch.zeros(N, D))
+    out = emb(torch.tensor([1, 2]), torch.tensor([0]))
+    monkeypatch.setattr(te._C, "pool_backward_update", _interrupting(te._C.pool_backward_update, _interrupt))
+    with pytest.raises(KeyboardInterrupt):
+        out.sum().backward()
+    monkeypatch.undo()
+    train(emb, [[5, 6]])  # rows 1, 2 evicted
+    assert torch.equal(emb.read_rows(torch.tensor([1, 2])), -torch.ones(2, D))
+
+
+@pytest.mark.parametrize("action", ["interrupt", "flush"])
+def test_a_lookup_cut_between_its_row_moves_and_its_commit_changes_no_value(action, monkeypatch):
+    """An interrupt, or a signal handler's flush(), between the misses' rows read into the victims'
+    slots and the commit: the victims' ids named slots holding other rows (the flush wrote those
+    under the victims' ids). Now the victims leave (written down first), and a flush there is
+    refused."""
+    emb = te.TieredEmbeddingBag(N, D, mode="sum", cache_rows=2, optimizer=te.SGD(lr=1.0))
+    emb.write_rows(torch.arange(N), torch.arange(N, dtype=torch.float32)[:, None].expand(N, D))
+    train(emb, [[0, 1]])  # rows 0, 1 resident and dirty: -1 each
+    want = emb.read_rows(torch.arange(N))
+    tier0 = emb._store.tier0
+    if action == "interrupt":  # (at the commit's call: the index is native, so a stand-in forwards to it)
+        class Index:
+            def __getattr__(self, name):
+                return getattr(index, name)
+
+            def commit(self, *args):
+                raise KeyboardInterrupt
+
+        index = tier0.index
+        monkeypatch.setattr(tier0, "index", Index())
+    else:
+        monkeypatch.setattr(tier0.pool, "fill_from", _interrupting(tier0.pool.fill_from, emb.flush))
+    with pytest.raises(KeyboardInterrupt if action == "interrupt" else RuntimeError,
+                       match="" if action == "interrupt" else "from inside a lookup of the same table"):
+        emb(torch.tensor([2, 3]), torch.tensor([0]))
+    monkeypatch.undo()
+    assert torch.equal(emb.read_rows(torch.arange(N)), want)
+    emb.flush()
+    assert torch.equal(emb.read_rows(torch.arange(N)), want)
+
+
+def test_a_flush_from_inside_a_backwards_update_raises_not_hangs(monkeypatch):
+    """A signal handler's flush() while the same thread's backward held tier 0's pool_lock waited for
+    itself forever. The package's plain locks now refuse their holder's second take."""
+    emb = te.TieredEmbeddingBag(N, D, mode="sum", cache_rows=4, optimizer=te.SGD(lr=1.0))
+    out = emb(torch.tensor([1, 2]), torch.tensor([0]))
+    monkeypatch.setattr(te._C, "pool_backward_update", _interrupting(te._C.pool_backward_update, emb.flush))
+    got = []
+
+    def backward():
+        try:
+            out.sum().backward()
+        except RuntimeError as e:
+            got.append(str(e))
+
+    thread = threading.Thread(target=backward, daemon=True)
+    thread.start()
+    thread.join(30)
+    assert not thread.is_alive(), "the flush inside the update waited for itself"
+    assert got and "from inside its own update" in got[0]
+
+
+def test_exit_with_a_prefetch_worker_running_does_not_abort(tmp_path):
+    """Interpreter exit with batches registered and the prefetch worker in native code: the worker,
+    a daemon thread, was ended inside the call and the process aborted (std::terminate, rc 134; 8
+    of 8 runs in the review). Workers are stopped at exit now."""
+    code = (
+        "import torch, tieredemb as te\n"
+        "emb = te.TieredEmbeddingBag(200_000, 64, mode='sum', optimizer=te.RowWiseAdagrad(lr=0.1), cache_rows=32)\n"
+        "g = torch.Generator().manual_seed(0)\n"
+        "for _ in range(8):\n"
+        "    emb.prefetch(torch.randint(0, 200_000, (4096,), generator=g), torch.arange(0, 4096, 16))\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    for _ in range(2):
+        child = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+        assert child.returncode == 0, (child.returncode, child.stderr[-2000:])

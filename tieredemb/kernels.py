@@ -141,12 +141,10 @@ def backward_update(tier0, config, batch, bags: Bags, saved, grad_out: torch.Ten
         args = optimizer.native_args(step)
         args.stochastic_rounding, args.sr_seed, args.step = config.stochastic_rounding, config.seed, step
         grad_out = grad_out.detach().to("cpu", torch.float32).contiguous()
-        with tier0.pool_lock:  # (a copy out of the pool on another thread takes rows whole: cache.py)
-            _C.pool_backward_update(pool.rows, dim, batch.slots, batch.inverse, bags.offsets, _psw_cpu(bags.psw),
-                                    bags.mode, skip_u, grad_out, saved, args, frozen_u, psw_grad, weights=layout.code,
-                                    unique_ids=batch.unique if config.stochastic_rounding else None,
-                                    out_at=bags.out_at)
-        tier0.mark_dirty(updated)  # (after the update, outside pool_lock: a write-back marks clean first)
+        tier0.update_in_place(updated, lambda: _C.pool_backward_update(
+            pool.rows, dim, batch.slots, batch.inverse, bags.offsets, _psw_cpu(bags.psw), bags.mode, skip_u, grad_out,
+            saved, args, frozen_u, psw_grad, weights=layout.code,
+            unique_ids=batch.unique if config.stochastic_rounding else None, out_at=bags.out_at))
         if psw_grad is not None and bags.psw is not None:
             psw_grad = psw_grad.to(bags.psw.device, bags.psw.dtype)
         return psw_grad
@@ -164,9 +162,7 @@ def backward_update(tier0, config, batch, bags: Bags, saved, grad_out: torch.Ten
     optimizer.apply_torch(rows, grad[torch.from_numpy(keep).to(grad.device)], dim, step)
     layout.set_weights(stored, rows[:, :dim])
     layout.state(stored)[:] = rows[:, dim:]
-    with tier0.pool_lock:
-        pool.scatter(updated, stored)
-    tier0.mark_dirty(updated)
+    tier0.update_in_place(updated, lambda: pool.scatter(updated, stored))
     if need_psw_grad and psw is not None:
         g = grads[1] if grads[1] is not None else torch.zeros_like(psw)
         return g.to(bags.psw.device, bags.psw.dtype)

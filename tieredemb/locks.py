@@ -31,14 +31,20 @@ class Counted:
     def __init__(self, reentrant: bool = False):
         self._lock = threading.RLock() if reentrant else threading.Lock()
         self._reentrant = reentrant
+        self._owner = None  # (a plain lock's holder: its own second acquire would never return)
 
     def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        if not self._reentrant and blocking and self._owner == threading.get_ident():
+            raise RuntimeError("a table was called from inside its own update on the same thread (from a signal "
+                               "handler?): it would wait for itself. Call it between steps")
         got = self._lock.acquire(blocking, timeout)
         if got:
+            self._owner = threading.get_ident()
             _add(1)
         return got
 
     def release(self) -> None:
+        self._owner = None
         self._lock.release()
         _add(-1)
 

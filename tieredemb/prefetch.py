@@ -35,7 +35,9 @@ the batches in flight.
 
 from __future__ import annotations
 
+import atexit
 import itertools
+import os
 import threading
 import time
 import weakref
@@ -45,6 +47,22 @@ import numpy as np
 import torch
 
 from . import _C, locks
+
+# Workers still running at interpreter exit are stopped first: a daemon thread ended by the
+# interpreter's finalization inside a native call aborted the process (std::terminate).
+_LIVE: "weakref.WeakSet[Prefetcher]" = weakref.WeakSet()
+_PID = os.getpid()
+
+
+@atexit.register
+def _stop_workers_at_exit() -> None:
+    if os.getpid() != _PID:  # (a forked child's copies are not its to stop)
+        return
+    for p in list(_LIVE):
+        try:
+            p.shutdown()
+        except Exception:
+            pass
 
 _REGISTERED, _PLANNING, _RESIDENT, _FAILED = range(4)
 _IDLE_EXIT_S = 1.0  # a worker with nothing to do for this long exits (a later batch restarts one)
@@ -217,7 +235,7 @@ class Prefetcher:
             thread = self.thread
             self.cond.notify_all()
         self._wake_waiting_worker()
-        if thread is not None:
+        if thread is not None and thread.ident is not None:  # (not started: an interrupt in start())
             thread.join()
         with self.cond:
             self.stopping = False
@@ -348,6 +366,7 @@ class Prefetcher:
         if self.thread is None:
             self.thread = threading.Thread(target=self._work, name="tieredemb-prefetch", daemon=True)
             self.thread.start()
+            _LIVE.add(self)
         self.cond.notify_all()
 
     def _check_order(self, p: _Registered, ids: torch.Tensor, offsets: torch.Tensor, check, source: tuple) -> None:

@@ -453,6 +453,14 @@ class DeviceTier:
         with self.index_lock, current_device(self.device):  # (its kernel launches on the current device)
             return self.index.lookup(ids.to(self.device)).cpu().numpy()
 
+    def update_in_place(self, slots: torch.Tensor, update) -> None:
+        """update() changes the pinned rows in slots in place (the torch-ops twin's optimizer step;
+        the Triton kernels mark their rows themselves), then they are marked dirty: after pool_lock
+        (mark_dirty takes index_lock, which a grow takes before pool_lock)."""
+        with self.pool_lock:
+            update()
+        self.mark_dirty(slots)
+
     def copy_out(self, slots: torch.Tensor, dst: torch.Tensor, dst_rows: torch.Tensor) -> None:
         """The resident rows in slots into dst[dst_rows] (host), copied on the current stream."""
         self.pool.copy_out(slots, dst, dst_rows)

@@ -136,15 +136,18 @@ class CacheTier:
             self.pool.drain_to(self.lower, torch.from_numpy(plan.dirty_ids), torch.from_numpy(plan.dirty_slots))
             self.bytes_out += plan.num_dirty * self.row_bytes
         misses = plan.num_misses
-        if fill is None and misses:
-            try:
+        committed = False
+        try:  # (a failure from the fill to the commit, an interrupt included: the victims leave, as written down)
+            if fill is None and misses:
                 self.pool.fill_from(self.lower, torch.from_numpy(plan.miss_ids), torch.from_numpy(plan.miss_slots))
-            except BaseException:
+            with self.index_lock:
+                self.index.commit(ids, plan, pin, fill is not None)
+                committed = True
+        except BaseException:
+            if not committed:
                 with self.index_lock:
                     self.index.evict(plan)
-                raise
-        with self.index_lock:
-            self.index.commit(ids, plan, pin, fill is not None)
+            raise
         slots = torch.from_numpy(plan.slots)
         if fill is not None:
             fill(slots)
@@ -183,6 +186,15 @@ class CacheTier:
         """Slot of each id, -1 where not resident."""
         with self.index_lock:
             return self.index.lookup(ids)
+
+    def update_in_place(self, slots: torch.Tensor, update) -> None:
+        """update() changes the pinned rows in slots in place (a backward's optimizer step): they
+        are marked dirty first, under pool_lock with it (a copy out of the pool takes rows whole,
+        and an interrupt between the two leaves a row dirty, never an update unmarked: a Ctrl-C
+        there lost the update at the row's eviction)."""
+        with self.pool_lock:
+            self.mark_dirty(slots)
+            update()
 
     def copy_out(self, slots: torch.Tensor, dst: torch.Tensor, dst_rows: torch.Tensor) -> None:
         """The resident rows in slots into dst[dst_rows] (each whole: see pool_lock)."""

@@ -61,6 +61,20 @@ def _locked(method):
     return run
 
 
+def _between_residencies(method):
+    """_locked, and refused inside a residency on the same thread (the lock is re-entrant: a signal
+    handler's flush() ran between a residency's row moves and its commit, and wrote the rows moved
+    into the victims' slots under the victims' ids)."""
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        with self.lock:
+            if self.residing:
+                raise RuntimeError(f"{method.__name__}() was called from inside a lookup of the same table on the "
+                                   "same thread (from a signal handler?): call it between steps")
+            return method(self, *args, **kwargs)
+    return run
+
+
 class ResidentBatch:
     """A batch's distinct ids resident in tier 0 and pinned there until release(): unique (its
     distinct ids in the first `count` entries), inverse [N] (ids[i] == unique[inverse[i]]), groups
@@ -135,6 +149,7 @@ class TableStore:
                                     graphs=cuda_graphs, words=words))
         self.tiers.insert(0, self.tier0)
         self.lock = locks.Counted(reentrant=True)
+        self.residing = 0  # residencies in progress (under the lock: on its holder's thread)
         # Notified whenever pinned rows are released (releases counts them): a residency
         # waiting for room retries. held: the batches made resident and not yet released.
         self.room = threading.Condition(locks.Counted())
@@ -202,7 +217,11 @@ class TableStore:
         False: returns None, changing nothing, if rows pinned by other batches leave too little
         room. A failure changes no value; at most some rows leave tier 0."""
         self.release_orphans()
-        got = self.tier0.admit(deduped.unique, deduped.count, allow_overflow=allow_overflow, check=deduped.check)
+        self.residing += 1
+        try:
+            got = self.tier0.admit(deduped.unique, deduped.count, allow_overflow=allow_overflow, check=deduped.check)
+        finally:
+            self.residing -= 1
         if got is None:
             return None
         slots, misses, event = got
@@ -300,7 +319,7 @@ class TableStore:
             todo = todo[~here]
         return found, torch.from_numpy(todo)
 
-    @_locked
+    @_between_residencies
     def read(self, ids: torch.Tensor) -> torch.Tensor:
         """Current rows (weights ‖ state) of ids: float32 [N, width], CPU. Changes nothing:
         each row comes from the highest layer holding it."""
@@ -313,7 +332,7 @@ class TableStore:
             self.bottom.read_to(unique[rest], rows, rest)
         return rows[inverse]
 
-    @_locked
+    @_between_residencies
     def write(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
         """Sets whole rows of unique ids where they live: in place in every cache tier holding
         them (dirty there), in the bottom for the rest. Evicts nothing."""
@@ -327,20 +346,20 @@ class TableStore:
             self.tier0.below_written(ids[rest])
 
     # -- durability ---------------------------------------------------------------------------
-    @_locked
+    @_between_residencies
     def flush(self, state: dict | None = None) -> None:
         """Returns when every update made before it is in the bottom (durable for SSD), with
         state (a small JSON-able record) stored beside them."""
         self.release_orphans()
         self.tier0.flush(state)
 
-    @_locked
+    @_between_residencies
     def checkpoint(self, path: str, state: dict | None = None) -> None:
         """flush(state), then a consistent snapshot of the bottom at path (it opens as a table)."""
         self.flush(state)
         self.bottom.checkpoint(path)
 
-    @_locked
+    @_between_residencies
     def written_ids(self, start: int, limit: int | None) -> torch.Tensor:
         """Sorted ids >= start of rows ever written, at most limit (dirty cached rows included)."""
         return self.tier0.written_ids(start, limit)
