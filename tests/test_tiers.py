@@ -816,3 +816,24 @@ def test_exit_with_a_prefetch_worker_running_does_not_abort(tmp_path):
     for _ in range(2):
         child = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
         assert child.returncode == 0, (child.returncode, child.stderr[-2000:])
+
+
+def test_an_interrupt_while_the_prefetch_worker_starts_leaves_the_table_usable(monkeypatch):
+    """An interrupt inside the worker thread's start() (injected there: a signal cannot be made to
+    land in it) left a thread never started, which shutdown() then joined: RuntimeError, and the
+    table's prefetcher wedged (later epochs refused, plain training hung)."""
+    emb = te.TieredEmbeddingBag(N, D, mode="sum", cache_rows=8, optimizer=te.SGD(lr=0.1))
+    start = threading.Thread.start
+
+    def interrupted(thread):
+        if thread.name == "tieredemb-prefetch":
+            raise KeyboardInterrupt
+        start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        emb.prefetch(torch.tensor([1, 2]), ONE_BAG)
+    monkeypatch.undo()
+    emb._prefetch.shutdown()  # (what a loader's cleanup does)
+    train(emb, [[1, 2], [3, 4]])
+    assert emb._store.tier0.index.pinned == 0
