@@ -369,8 +369,9 @@ class TieredEmbedding(_TieredBase):
     {_TABLE_ARGS}"""
 
     def __init__(self, num_embeddings: int | TableConfig, embedding_dim: int | None = None,
-                 padding_idx: int | None = None, max_norm=None, norm_type: float = 2.0, scale_grad_by_freq: bool = False,
-                 sparse: bool = False, _weight: Tensor | None = None, _freeze: bool = False, **table_args):
+                 padding_idx: int | None = None, max_norm=None, norm_type: float = 2.0,
+                 scale_grad_by_freq: bool = False, sparse: bool = False, _weight: Tensor | None = None,
+                 _freeze: bool = False, **table_args):
         _torch_args(max_norm, scale_grad_by_freq)
         super().__init__(_make_config(num_embeddings, embedding_dim, padding_idx, table_args), _weight)
         self._grad_anchor.requires_grad_(not _freeze)
