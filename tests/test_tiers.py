@@ -812,9 +812,14 @@ def test_exit_with_a_prefetch_worker_running_does_not_abort(tmp_path):
         "g = torch.Generator().manual_seed(0)\n"
         "for _ in range(8):\n"
         "    emb.prefetch(torch.randint(0, 200_000, (4096,), generator=g), torch.arange(0, 4096, 16))\n")
+    # ... and in a forked child that made its own (its parent imported the package before the fork)
+    forked = ("import os, sys, tieredemb.prefetch\n"
+              "pid = os.fork()\n"
+              "if pid:\n"
+              "    sys.exit(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))\n" + code)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    for _ in range(2):
-        child = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    for program in (code, code, forked, forked):
+        child = subprocess.run([sys.executable, "-c", program], env=env, capture_output=True, text=True, timeout=120)
         assert child.returncode == 0, (child.returncode, child.stderr[-2000:])
 
 
@@ -837,3 +842,30 @@ def test_an_interrupt_while_the_prefetch_worker_starts_leaves_the_table_usable(m
     emb._prefetch.shutdown()  # (what a loader's cleanup does)
     train(emb, [[1, 2], [3, 4]])
     assert emb._store.tier0.index.pinned == 0
+
+
+def test_an_interrupt_as_a_lookups_commit_returns_stays_an_interrupt(monkeypatch):
+    """A SIGINT during the native commit is raised as it returns: the failure path then evicted the
+    committed plan, which the index refused as stale, and that RuntimeError replaced the
+    KeyboardInterrupt (a save-on-Ctrl-C `except KeyboardInterrupt` missed it); the batch's pins
+    were never undone. Injected after the real commit (a signal cannot be made to land there)."""
+    emb = te.TieredEmbeddingBag(N, D, mode="sum", cache_rows=2, optimizer=te.SGD(lr=1.0))
+    train(emb, [[0, 1]])
+    want = emb.read_rows(torch.arange(N))
+    tier0 = emb._store.tier0
+    index = tier0.index
+
+    class Index:
+        def __getattr__(self, name):
+            return getattr(index, name)
+
+        def commit(self, *args):
+            index.commit(*args)
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(tier0, "index", Index())
+    with pytest.raises(KeyboardInterrupt):
+        emb(torch.tensor([2, 3]), ONE_BAG)
+    monkeypatch.undo()
+    assert index.pinned == 0
+    assert torch.equal(emb.read_rows(torch.arange(N)), want)

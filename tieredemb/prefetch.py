@@ -51,14 +51,13 @@ from . import _C, locks
 # Workers still running at interpreter exit are stopped first: a daemon thread ended by the
 # interpreter's finalization inside a native call aborted the process (std::terminate).
 _LIVE: "weakref.WeakSet[Prefetcher]" = weakref.WeakSet()
-_PID = os.getpid()
 
 
 @atexit.register
 def _stop_workers_at_exit() -> None:
-    if os.getpid() != _PID:  # (a forked child's copies are not its to stop)
-        return
     for p in list(_LIVE):
+        if p.worker_pid != os.getpid():  # (a forked child's copies of its parent's are not its to stop)
+            continue
         try:
             p.shutdown()
         except Exception:
@@ -366,6 +365,7 @@ class Prefetcher:
         if self.thread is None:
             self.thread = threading.Thread(target=self._work, name="tieredemb-prefetch", daemon=True)
             self.thread.start()
+            self.worker_pid = os.getpid()
             _LIVE.add(self)
         self.cond.notify_all()
 

@@ -146,7 +146,11 @@ class CacheTier:
         except BaseException:
             if not committed:
                 with self.index_lock:
-                    self.index.evict(plan)
+                    try:
+                        self.index.evict(plan)
+                    except RuntimeError:  # (stale: the commit ran, an interrupt came as it returned:
+                        if pin:          # the batch, never handed out, unpinned)
+                            self.index.unpin(torch.from_numpy(plan.slots))
             raise
         slots = torch.from_numpy(plan.slots)
         if fill is not None:
