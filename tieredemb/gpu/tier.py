@@ -258,7 +258,6 @@ class DeviceTier:
             try:
                 if self.zero_copy is not None:  # (both ways at once: see ZeroCopy.move)
                     self.zero_copy.move(plan)
-                    moved = True
                 elif dirty:  # (first: a lingering overflow row may leave and come back)
                     rows = plan.dirty_rows if plan.dirty_rows is not None else self.pool.to_host(plan.dirty_slots)
                     self.lower.write_from(plan.dirty_ids, rows, torch.arange(dirty))
@@ -280,7 +279,7 @@ class DeviceTier:
             except BaseException:
                 # The victims' ids still named slots that now held other rows (a flush then wrote
                 # those under the victims' ids). The dirty victims were written down already.
-                if moved:
+                if moved or (self.zero_copy is not None and self.zero_copy.swapped is plan):
                     with self.index_lock:
                         self.index.forget(plan)
                 raise

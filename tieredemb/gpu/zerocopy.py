@@ -68,6 +68,7 @@ class ZeroCopy(QueuedResidency):
         self.side = torch.cuda.Stream(device) if device.type == "cuda" else None  # the write-backs' stream
         self.landed = None  # an event after the last write-back queued there (None: none yet, or no GPU)
         self.captured = None  # the write-back a captured residency leaves each replay of it (take_captured)
+        self.swapped = None  # the plan whose swap was launched last (a failure after it: see move)
 
     # -- the moves ------------------------------------------------------------------------------
     def move(self, plan, queued: bool = False, captured: bool = False) -> None:
@@ -93,13 +94,19 @@ class ZeroCopy(QueuedResidency):
         victims, n = plan.miss_victims, plan.miss_slots.numel()
         staging = (torch.empty(n, tier.width, device=tier.device)
                    if WRITE_BACK_APART and victims is not None and n else None)
+        self.swapped = None
         moves.swap_rows(pool, plan.miss_slots, victims, self.rows, plan.miss_ids_device, mark=DEFERRED_MARK,
                         written=self.written, found=self.found, count=count, staging=staging, words=tier.words)
+        self.swapped = plan  # (from here a failure leaves the misses' rows in the victims' slots: the
         pending = None if staging is None else (staging, torch.arange(n, device=tier.device), victims, count)
-        if captured:
+        if captured:  # caller empties those slots, and the staged dirty victims must be written down)
             self.captured = pending
         elif pending is not None:
-            self.write_back(pending)
+            try:
+                self.write_back(pending)
+            except BaseException:
+                self.write_back(pending)  # (again: an interrupt may have cut the first short)
+                raise
         if queued:  # (counted on the device: read by settle)
             self.moved_queued += totals[fresh:dirty + 1:dirty - fresh]
         else:
@@ -159,13 +166,13 @@ class ZeroCopy(QueuedResidency):
         if captured:
             tier.index.overflow_known = False
         plan = tier.index.plan_queued(unique, num_unique, tier.num_embeddings)
-        self.move(plan, queued=True, captured=captured)
-        try:  # (the misses' rows are in the victims' slots now: see DeviceTier.resident's failure)
+        try:  # (once swapped, the misses' rows are in the victims' slots: see DeviceTier.resident's failure)
+            self.move(plan, queued=True, captured=captured)
             if tier.draws_misses:
                 tier.draw_marked(plan, plan.placed.xfer[plan_kernels.FRESH:plan_kernels.FRESH + 1])
             tier.index.commit_queued(plan, pin)
         except BaseException:
-            if not captured:
+            if not captured and self.swapped is plan:
                 tier.index.forget(plan, plan.placed.xfer[plan_kernels.FRESH])
             raise
         return plan.slots
