@@ -174,8 +174,8 @@ class WriteBehind:
     apply: a weakref.WeakMethod of the store's apply(batches), which writes a list of QueuedBatch
     to the backend's files (not yet durable): the thread does not keep the store alive, so a store
     dropped unclosed is collected (its files closed, its lock let go) and its queue with it, as
-    writes not flushed may be. classify(exc) turns apply's exception into a StoreError. max_batch_rows bounds the rows
-    handed to one apply() call. stats: the store's counter dict (writes, rows_written,
+    writes not flushed may be. classify(exc) turns apply's exception into a StoreError.
+    max_batch_rows bounds the rows handed to one apply() call. stats: the store's counter dict (writes, rows_written,
     bytes_written, rows_queued_hits are counted here).
     Threading: enqueue/take_queued/drain from the store's caller thread; apply runs on
     the writer thread. After apply fails the error sticks: every later call raises it.

@@ -71,7 +71,7 @@ class NativeStore(StoreBase):
         self.path = os.path.abspath(os.fspath(path))
         self._closed = True
         self._file = None
-        self._lock_fd = None
+        self._unlock_once = None  # (a finalizer that lets the table's lock go, once it is taken)
         check_width(width)
         self.options = make_options(self.BACKEND, settings)
         self.initializer = initializer
@@ -118,7 +118,6 @@ class NativeStore(StoreBase):
             if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
                 raise locked_error(self.path, lock_path, "open the table", str(e)) from None
             raise StoreError(f"ssd_path {self.path}: cannot lock {lock_path}: {e}") from None
-        self._lock_fd = fd
         # (a store dropped unclosed lets its table go when collected, as its native files do)
         self._unlock_once = weakref.finalize(self, _unlock, fd, os.getpid())
 
@@ -134,10 +133,8 @@ class NativeStore(StoreBase):
             self._unlock()
 
     def _unlock(self) -> None:
-        if self._lock_fd is None:
-            return
-        self._lock_fd = None
-        self._unlock_once()
+        if self._unlock_once is not None:  # (a finalizer runs once: a second call does nothing)
+            self._unlock_once()
 
     def _classify(self, what: str, exc: Exception) -> Exception:
         msg = str(exc)

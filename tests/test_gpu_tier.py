@@ -960,18 +960,34 @@ def test_the_interpreter_can_run_a_launchs_programs_out_of_order(order, request)
     assert run() == list(range(24))
 
 
-@pytest.mark.parametrize("zero_copy", [False, True], ids=["waiting", "zero_copy"])
-def test_a_residency_that_fails_after_its_moves_changes_no_value(zero_copy):
-    """A residency that failed after the misses' rows were moved into the victims' slots, before
-    the commit (a CUDA out-of-memory inside it, a KeyboardInterrupt: injected here, as neither can
-    be had on CPU tensors), left the victims' ids naming slots that held other rows; a flush then
-    wrote those under the victims' ids. The slots are emptied now: every row reads as before."""
+def _trained_beside_a_cpu_table(zero_copy: bool):
+    """A tier 0 of 8 rows on CPU tensors and the CPU engine's table, both trained on the same 3
+    batches: (the device table, the CPU one, the batches)."""
     kw = dict(optimizer=tieredemb.SGD(lr=0.1), _weight=weights(), cache_rows=8)
     emb = device_tier(tieredemb.TieredEmbeddingBag(NUM, D, "sum", **kw), 8, zero_copy=zero_copy)
     ref = tieredemb.TieredEmbeddingBag(NUM, D, "sum", **kw)
     data = batches(steps=3)
     train(emb, data)
     train(ref, data)
+    return emb, ref, data
+
+
+def _reads_as(emb, ref) -> None:
+    """Every row of emb reads as ref's, before and after emb's flush (within float tolerance: the
+    GPU path's sums have other orders)."""
+    every = torch.arange(NUM)
+    torch.testing.assert_close(emb.read_rows(every), ref.read_rows(every), rtol=1e-5, atol=1e-5)
+    emb.flush()
+    torch.testing.assert_close(emb.read_rows(every), ref.read_rows(every), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("zero_copy", [False, True], ids=["waiting", "zero_copy"])
+def test_a_residency_that_fails_after_its_moves_changes_no_value(zero_copy):
+    """A residency that failed after the misses' rows were moved into the victims' slots, before
+    the commit (a CUDA out-of-memory inside it, a KeyboardInterrupt: injected here, as neither can
+    be had on CPU tensors), left the victims' ids naming slots that held other rows; a flush then
+    wrote those under the victims' ids. The slots are emptied now: every row reads as before."""
+    emb, ref, data = _trained_beside_a_cpu_table(zero_copy)
     index = emb._store.tier0.index
     name = "commit_queued" if zero_copy else "commit"  # (zero-copy's residencies are queued: gpu/queued.py)
 
@@ -982,10 +998,7 @@ def test_a_residency_that_fails_after_its_moves_changes_no_value(zero_copy):
     with pytest.raises(MemoryError, match="injected"):
         emb(torch.arange(250, 258), torch.tensor([0]))
     delattr(index, name)
-    every = torch.arange(NUM)  # (within float tolerance: the GPU path's sums have other orders)
-    torch.testing.assert_close(emb.read_rows(every), ref.read_rows(every), rtol=1e-5, atol=1e-5)
-    emb.flush()
-    torch.testing.assert_close(emb.read_rows(every), ref.read_rows(every), rtol=1e-5, atol=1e-5)
+    _reads_as(emb, ref)
     train(emb, data)
     train(ref, data)
     torch.testing.assert_close(rows_and_state(emb), rows_and_state(ref), rtol=1e-5, atol=1e-5)
@@ -1027,12 +1040,7 @@ def test_an_interrupt_between_zero_copys_swap_and_its_write_back_changes_no_valu
     a flush). The block is written down all the same now, and the slots are emptied."""
     from tieredemb.gpu import zerocopy
 
-    kw = dict(optimizer=tieredemb.SGD(lr=0.1), _weight=weights(), cache_rows=8)
-    emb = device_tier(tieredemb.TieredEmbeddingBag(NUM, D, "sum", **kw), 8, zero_copy=True)
-    ref = tieredemb.TieredEmbeddingBag(NUM, D, "sum", **kw)
-    data = batches(steps=3)
-    train(emb, data)
-    train(ref, data)
+    emb, ref, _ = _trained_beside_a_cpu_table(zero_copy=True)
     write_back, calls = zerocopy.ZeroCopy.write_back, []
 
     def interrupted_once(self, pending, replayed=False):
@@ -1046,7 +1054,4 @@ def test_an_interrupt_between_zero_copys_swap_and_its_write_back_changes_no_valu
         emb(torch.arange(250, 258), torch.tensor([0]))
     monkeypatch.undo()
     assert len(calls) == 2  # (the staging block was there: the path under test was taken)
-    every = torch.arange(NUM)
-    torch.testing.assert_close(emb.read_rows(every), ref.read_rows(every), rtol=1e-5, atol=1e-5)
-    emb.flush()
-    torch.testing.assert_close(emb.read_rows(every), ref.read_rows(every), rtol=1e-5, atol=1e-5)
+    _reads_as(emb, ref)

@@ -216,7 +216,8 @@ def _chunk_kernel(sorted_ptr, order_ptr, start_ptr, chunk_ptr, unique_ptr, sorte
 @triton.jit(do_not_specialize=["sr_seed"])
 def _update_kernel(pool_ptr, dirty_ptr, slots_ptr, unique_ptr, num_unique_ptr, order_ptr, start_ptr, chunk_ptr,
                    partial_ptr, sorted_bag_ptr, scale_ptr, grad_ptr, at_ptr, argmax_ptr, dim, dim_f, width,
-                   weight_words, skip_id, frozen_id, lr, eps, one_minus_beta1, one_minus_beta2, adam_step_ptr, acc_div, sr_seed, step_ptr,
+                   weight_words, skip_id, frozen_id, lr, eps, one_minus_beta1, one_minus_beta2, adam_step_ptr, acc_div,
+                   sr_seed, step_ptr,
                    OPT: tl.constexpr, MODE: tl.constexpr, HAS_AT: tl.constexpr, SCALE: tl.constexpr,
                    WEIGHTS: tl.constexpr, STOCHASTIC: tl.constexpr, TILE: tl.constexpr, BLOCK: tl.constexpr):
     """Unique rows u = program 0, then a grid's stride apart, below U; for each, g = the sum of its
@@ -409,7 +410,8 @@ def backward_update(pool: torch.Tensor, dirty: torch.Tensor, dim: int, slots: to
         _update_kernel[(programs(n, UPDATE_PROGRAMS, pool.device),)](
             pool, dirty, slots, unique, num_unique, order, start, chunk, partial, sorted_bag, scale, grad_out, at_arg,
             argmax_arg, dim, float(dim), pool.shape[1], dim if weights == 0 else (dim + 1) // 2, skip_id, frozen_id,
-            a.lr, a.eps, a.one_minus_beta1, a.one_minus_beta2, scalars[0], a.accumulator_divisor, sr_seed, scalars[1], OPT=optimizer.kind,
+            a.lr, a.eps, a.one_minus_beta1, a.one_minus_beta2, scalars[0], a.accumulator_divisor, sr_seed, scalars[1],
+            OPT=optimizer.kind,
             MODE=mode, HAS_AT=at is not None, SCALE=scale_kind, WEIGHTS=weights, STOCHASTIC=stochastic_rounding,
             TILE=tile, BLOCK=block, num_warps=UPDATE_WARPS)
     return psw_grad

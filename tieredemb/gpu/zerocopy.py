@@ -94,12 +94,14 @@ class ZeroCopy(QueuedResidency):
         victims, n = plan.miss_victims, plan.miss_slots.numel()
         staging = (torch.empty(n, tier.width, device=tier.device)
                    if WRITE_BACK_APART and victims is not None and n else None)
+        # From the swap on, a failure leaves the misses' rows in the victims' slots: the caller
+        # empties those slots (swapped names the plan), and the staged dirty victims are written down.
         self.swapped = None
         moves.swap_rows(pool, plan.miss_slots, victims, self.rows, plan.miss_ids_device, mark=DEFERRED_MARK,
                         written=self.written, found=self.found, count=count, staging=staging, words=tier.words)
-        self.swapped = plan  # (from here a failure leaves the misses' rows in the victims' slots: the
+        self.swapped = plan
         pending = None if staging is None else (staging, torch.arange(n, device=tier.device), victims, count)
-        if captured:  # caller empties those slots, and the staged dirty victims must be written down)
+        if captured:
             self.captured = pending
         elif pending is not None:
             try:

@@ -67,12 +67,11 @@ def _between_residencies(method):
     into the victims' slots under the victims' ids)."""
     @functools.wraps(method)
     def run(self, *args, **kwargs):
-        with self.lock:
-            if self.residing:
-                raise RuntimeError(f"{method.__name__}() was called from inside a lookup of the same table on the "
-                                   "same thread (from a signal handler?): call it between steps")
-            return method(self, *args, **kwargs)
-    return run
+        if self.residing:
+            raise RuntimeError(f"{method.__name__}() was called from inside a lookup of the same table on the "
+                               "same thread (from a signal handler?): call it between steps")
+        return method(self, *args, **kwargs)
+    return _locked(run)
 
 
 class ResidentBatch:
