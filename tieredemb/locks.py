@@ -6,75 +6,23 @@ of these locks; a release then takes others (tier 0's, the store's room), in an 
 code uses, and could deadlock. So a collected batch releases at once only on a thread that holds
 none of them (any_held() False: the usual case, a graph dropped by the training loop), and else
 is handed to its store, which releases it at its next residency or release.
+
+The lock is native (native/counted_lock.cc): taking or giving up a hold and counting it is one call,
+so a signal handler's exception (Ctrl-C, a save-on-SIGTERM handler) cannot fall between the two, and
+`with lock:` always runs its exit once its enter returned. It is its own condition too (wait,
+wait_for, notify_all), for threading.Condition's Python enter and wait had the same windows. A plain
+lock taken again by its holder raises, where threading.Lock would wait for ever: a signal handler
+calling a table inside its own update. Only the holder releases.
 """
 
 from __future__ import annotations
 
-import threading
+from tieredemb import _C
 
-_held = threading.local()
+Counted = _C.CountedLock  # Counted(reentrant=False): threading.Lock or RLock and a Condition over it
+Group = _C.LockGroup  # Group(locks): `with` holds every one, taken in their order (a Python loop had windows)
 
 
 def any_held() -> bool:
     """Whether the calling thread holds one of the package's locks."""
-    return getattr(_held, "count", 0) > 0
-
-
-def _add(n: int) -> None:
-    _held.count = getattr(_held, "count", 0) + n
-
-
-class Counted:
-    """threading.Lock (reentrant=False) or RLock whose holds are counted per thread; usable under
-    a threading.Condition."""
-
-    def __init__(self, reentrant: bool = False):
-        self._lock = threading.RLock() if reentrant else threading.Lock()
-        self._reentrant = reentrant
-        self._owner = None  # (a plain lock's holder: its own second acquire would never return)
-
-    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
-        if not self._reentrant and blocking and self._owner == threading.get_ident():
-            raise RuntimeError("a table was called from inside its own update on the same thread (from a signal "
-                               "handler?): it would wait for itself. Call it between steps")
-        got = self._lock.acquire(blocking, timeout)
-        if got:
-            self._owner = threading.get_ident()
-            _add(1)
-        return got
-
-    def release(self) -> None:
-        self._owner = None
-        self._lock.release()
-        _add(-1)
-
-    def __enter__(self):
-        self.acquire()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.release()
-
-    # (a Condition's wait releases every hold of a reentrant lock, then takes them back)
-    def _is_owned(self) -> bool:
-        if self._reentrant:
-            return self._lock._is_owned()
-        if self._lock.acquire(False):
-            self._lock.release()
-            return False
-        return True
-
-    def _release_save(self):
-        if self._reentrant:
-            state = self._lock._release_save()
-            _add(-state[0])
-            return state
-        self.release()
-        return None
-
-    def _acquire_restore(self, state) -> None:
-        if self._reentrant:
-            self._lock._acquire_restore(state)
-            _add(state[0])
-        else:
-            self.acquire()
+    return _C.locks_held() > 0

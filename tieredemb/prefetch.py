@@ -100,7 +100,7 @@ class Prefetcher:
 
     def __init__(self, store):
         self.store = store
-        self.cond = threading.Condition(locks.Counted(reentrant=True))
+        self.cond = locks.Counted(reentrant=True)
         self.queue: deque[_Registered] = deque()  # registered, not yet taken by a forward
         self.next_seq = 0
         self.error: BaseException | None = None

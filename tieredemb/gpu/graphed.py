@@ -157,9 +157,9 @@ class _Shape:
         self.rows, self.width, self.samples = rows, width, samples
         tiers = [inp.tier for inp in inputs]  # (the locks a lookup of the shape takes, in this order)
         self.generations = tuple(t.generation for t in tiers)  # (the tensors its graphs read: see stale)
-        self.stores_held = _Held(inp.table._store.lock for inp in inputs)
-        self.indexes_held = _Held(t.index_lock for t in tiers)
-        self.pools_held = _Held(t.pool_lock for t in tiers)
+        self.stores_held = locks.Group(inp.table._store.lock for inp in inputs)
+        self.indexes_held = locks.Group(t.index_lock for t in tiers)
+        self.pools_held = locks.Group(t.pool_lock for t in tiers)
         self.forward: _Graph | None = None
         self.batches = self.out = self.saved = None
         self.grad: torch.Tensor | None = None
@@ -534,30 +534,6 @@ def _changed(last: np.ndarray | None, now: np.ndarray) -> bool:
     """Whether host values now differ from the last copied to the device (None: none yet). Not
     np.array_equal: its Python layers cost more than the compare, once a step."""
     return last is None or last.shape != now.shape or bool(np.count_nonzero(last != now))
-
-
-class _Held:
-    """A context holding every lock of locks while inside: taken in their order, released in the
-    reverse. Keeps no state of its own between enter and exit, so one instance serves several
-    threads (a forward's replay and autograd's backward's)."""
-
-    __slots__ = ("locks",)
-
-    def __init__(self, locks):
-        self.locks = tuple(locks)
-
-    def __enter__(self) -> None:
-        for taken, lock in enumerate(self.locks):
-            try:
-                lock.acquire()
-            except BaseException:
-                for held in reversed(self.locks[:taken]):
-                    held.release()
-                raise
-
-    def __exit__(self, *exc) -> None:
-        for lock in reversed(self.locks):
-            lock.release()
 
 
 def _arguments(a) -> tuple:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import collections
 import functools
-import threading
 
 import numpy as np
 import torch
@@ -151,7 +150,7 @@ class TableStore:
         self.residing = 0  # residencies in progress (under the lock: on its holder's thread)
         # Notified whenever pinned rows are released (releases counts them): a residency
         # waiting for room retries. held: the batches made resident and not yet released.
-        self.room = threading.Condition(locks.Counted())
+        self.room = locks.Counted()
         self.releases = 0
         self.held = 0
         # (slots, stream) of batches collected while their thread held one of the package's locks:
