@@ -351,6 +351,13 @@ def test_overflow_keeps_the_index_consistent_under_random_batches():
     assert index.stats()["overflow_rows"] > 0
 
 
+def test_a_host_pool_past_the_address_space_is_refused_by_size():
+    """rows x row bytes wrapped: a 1-byte mapping was made for 2^60 rows (found under UBSan)."""
+    for rows, width in ((2**60, 4), (4, 2**62), (2**63 - 1, 4)):
+        with pytest.raises(ValueError, match="past the address space"):
+            _C.host_pool(rows, width)
+
+
 def test_host_pool_faults_in_a_prefix_and_keeps_the_positional_form():
     pool = _C.host_pool(1000, 8, populate_rows=10, huge_pages_rows=1000)
     assert pool.shape == (1000, 8) and not pool.any()

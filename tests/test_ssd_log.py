@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import tieredemb
-from ssd_backend import LogStore, StoreCorruptedError, StoreLockedError, StoreWriteError, open_store
+from ssd_backend import LogStore, StoreCorruptedError, StoreError, StoreLockedError, StoreWriteError, open_store
 from native_store_rows import META, N, WIDTH, init_rows, o_direct_or_skip, read, rows_for
 from store_holder import held_by_another_process
 from test_ssd_store import small_disk  # noqa: F401 - a fixture: a real 3 MiB tmpfs
@@ -65,6 +65,32 @@ def test_compaction_bounds_the_log_and_keeps_every_row(tmp_path):
         assert torch.equal(read(s, torch.arange(N)), latest)
     with make(path) as s:
         assert torch.equal(read(s, torch.arange(N)), latest)
+
+
+def test_segment_numbers_past_2_24_and_at_their_end(tmp_path):
+    """A row's location named its segment by number, in 24 bits: from the 2^24th segment on, rows read
+    another segment's bytes (or crashed the process). It names a slot now, reused as segments go. An
+    empty segment file stands in for the numbers a long-trained table has used up (open drops it, and
+    numbering goes on past it)."""
+    path = tmp_path / "t"
+    ids, more = torch.arange(64), torch.tensor([100, 101])
+    with make(path, segment_bytes=64 << 10) as s:
+        s.write(ids, rows_for(ids, 1.0))
+    (path / f"seg-{1 << 24:010d}.log").touch()
+    with make(path) as s:
+        s.write(more, rows_for(more, 2.0))
+        assert torch.equal(read(s, ids), rows_for(ids, 1.0))
+        assert torch.equal(read(s, more), rows_for(more, 2.0))
+    assert f"seg-{(1 << 24) + 1:010d}.log" in segment_files(path)
+    with make(path) as s:
+        assert torch.equal(read(s, ids), rows_for(ids, 1.0))
+        assert torch.equal(read(s, more), rows_for(more, 2.0))
+    (path / f"seg-{2**32 - 1:010d}.log").touch()  # the last number: the next segment has none
+    with make(path) as s:
+        with pytest.raises(StoreError, match="used up its segment numbers"):
+            s.write(more, rows_for(more, 3.0))
+    with make(path) as s:
+        assert torch.equal(read(s, more), rows_for(more, 2.0))
 
 
 def test_checkpoint_links_segments_and_keeps_its_state(tmp_path):
@@ -184,6 +210,14 @@ def test_rows_of_a_write_in_flight_read_back_at_once(tmp_path):
             assert torch.equal(read(s, ids), rows_for(ids, float(step)))
         s.flush()
         assert torch.equal(read(s, torch.arange(4, N, 5)), rows_for(torch.arange(4, N, 5), 19.0))
+
+
+def test_a_row_count_past_the_row_index_is_refused(tmp_path):
+    """The row index (8 bytes a row) was sized num_rows * 8, which wrapped: a table of 2^61 + 1 rows
+    got 8 bytes of index and its first write crashed the process (found under ASan)."""
+    with pytest.raises(StoreError, match=r"num_rows 2305843009213693953 must be in \[1, 2\^60\)"):
+        make(tmp_path / "t", meta={**META, "num_embeddings": 2**61 + 1})
+    assert not (tmp_path / "t").exists() or not segment_files(tmp_path / "t")
 
 
 def test_damaged_files_and_foreign_directories(tmp_path):

@@ -33,7 +33,12 @@ void register_common(nb::module_& m) {
                                  ", width " + std::to_string(width)).c_str());
         raise_if_error(check_prefix("populate_rows", populate_rows, rows));
         raise_if_error(check_prefix("huge_pages_rows", huge_pages_rows, rows));
+        if (static_cast<size_t>(width) > static_cast<size_t>(PTRDIFF_MAX) / sizeof(float))
+          throw nb::value_error(("host_pool width " + std::to_string(width) + " is past the address space").c_str());
         const size_t row_bytes = static_cast<size_t>(width) * sizeof(float);
+        if (static_cast<size_t>(rows) > static_cast<size_t>(PTRDIFF_MAX) / row_bytes)
+          throw nb::value_error(("host_pool of " + std::to_string(rows) + " rows of " + std::to_string(row_bytes) +
+                                 " bytes is past the address space").c_str());
         const size_t populated = static_cast<size_t>(populate ? rows : populate_rows) * row_bytes;
         const size_t huge = static_cast<size_t>(huge_pages ? rows : huge_pages_rows) * row_bytes;
         auto* buf = new HostBuffer();

@@ -23,6 +23,7 @@ constexpr uint64_t kMarkMagic1 = 0x316b72616d676f6cULL;  // "logmark1": the newe
 constexpr uint64_t kMarkMagic2 = 0x326b72616d676f6cULL;  // "logmark2": every segment and its end
 constexpr uint64_t kOffsetBits = 40;
 constexpr uint64_t kOffsetMask = (uint64_t{1} << kOffsetBits) - 1;
+constexpr size_t kMaxSlot = (size_t{1} << (64 - kOffsetBits)) - 2;  // (the +1 of a location must not wrap)
 constexpr int64_t kMaxMarkBytes = int64_t{1} << 30;
 
 // The flush mark, as read at open: how long each segment was when the log was last durable.
@@ -91,7 +92,8 @@ int fsync_dir(const std::string& dir) {
 
 Status LogFile::Open(const std::string& dir, int64_t num_rows, int64_t row_bytes, int64_t segment_bytes, bool create,
                      bool direct, int io_threads, std::unique_ptr<LogFile>* out) {
-  if (num_rows <= 0) return Status::ValueError("num_rows " + std::to_string(num_rows) + " must be > 0");
+  if (num_rows <= 0 || num_rows > INT64_MAX / 8)  // (the row index: 8 bytes a row)
+    return Status::ValueError("num_rows " + std::to_string(num_rows) + " must be in [1, 2^60)");
   if (row_bytes <= 0) return Status::ValueError("row_bytes " + std::to_string(row_bytes) + " must be > 0");
   if (segment_bytes < 2 * record_bytes(1, row_bytes) || segment_bytes < (64 << 10) ||
       segment_bytes > static_cast<int64_t>(kOffsetMask))
@@ -166,7 +168,7 @@ Status LogFile::Open(const std::string& dir, int64_t num_rows, int64_t row_bytes
       return t;
     }
   }
-  if (!seqs.empty()) f->next_seq_ = seqs.back() + 1;
+  if (!seqs.empty()) f->next_seq_ = uint64_t{seqs.back()} + 1;
   // Records recovered past the mark are in the page cache only: make them durable now.
   if (f->replayed_ > 0) {
     Status s = f->Sync();
@@ -197,6 +199,7 @@ Status LogFile::Close() {
     if (seg->direct_fd >= 0) ::close(seg->direct_fd);
   }
   segments_.clear();
+  free_slots_.clear();
   current_ = nullptr;
   if (loc_ != nullptr) {
     ::munmap(loc_, static_cast<size_t>(num_rows_) * 8);
@@ -243,6 +246,11 @@ Status LogFile::check_ids(const int64_t* ids, int64_t n) const {
 }
 
 Status LogFile::open_segment(uint32_t seq, bool create, Segment** out) {
+  // The slot it takes in segments_ (and in loc_'s entries): a free one, else a new one.
+  const size_t slot = free_slots_.empty() ? segments_.size() : free_slots_.back();
+  if (slot > kMaxSlot)
+    return Status::RuntimeError(dir_ + ": the log would hold more than " + std::to_string(kMaxSlot + 1) +
+                                " segments at once; reopen it with a larger segment_bytes");
   auto seg = std::make_unique<Segment>();
   seg->seq = seq;
   seg->path = dir_ + "/" + segment_name(seq);
@@ -280,9 +288,14 @@ Status LogFile::open_segment(uint32_t seq, bool create, Segment** out) {
       return s;
     }
   }
-  if (segments_.size() <= seq) segments_.resize(static_cast<size_t>(seq) + 1);
+  seg->slot = slot;
   *out = seg.get();
-  segments_[seq] = std::move(seg);
+  if (slot == segments_.size()) {
+    segments_.push_back(std::move(seg));
+  } else {
+    free_slots_.pop_back();
+    segments_[slot] = std::move(seg);
+  }
   return Status::Ok();
 }
 
@@ -344,7 +357,7 @@ void LogFile::place(int64_t id, Segment* seg, int64_t row_offset) {
   } else {
     ++num_written_;
   }
-  loc_[id] = ((static_cast<uint64_t>(seg->seq) << kOffsetBits) | static_cast<uint64_t>(row_offset)) + 1;
+  loc_[id] = ((static_cast<uint64_t>(seg->slot) << kOffsetBits) | static_cast<uint64_t>(row_offset)) + 1;
   seg->live += row_bytes_;
   live_bytes_ += row_bytes_;
 }
@@ -352,8 +365,11 @@ void LogFile::place(int64_t id, Segment* seg, int64_t row_offset) {
 Status LogFile::make_room(int64_t rec) {
   if (current_ != nullptr && current_->end + rec <= current_->capacity) return Status::Ok();
   if (current_ != nullptr) current_->capacity = current_->end;  // sealed: its file ends there
+  if (next_seq_ > UINT32_MAX)
+    return Status::RuntimeError(dir_ + ": the log has used up its segment numbers (" + std::to_string(UINT32_MAX) +
+                                "); export its rows into a new table");
   Segment* seg;
-  Status s = open_segment(next_seq_, true, &seg);
+  Status s = open_segment(static_cast<uint32_t>(next_seq_), true, &seg);
   if (!s.ok()) return s;
   ++next_seq_;
   current_ = seg;
@@ -493,7 +509,7 @@ Status LogFile::compact(Segment* seg) {
     const int64_t first_row = off + header + n * 8;
     for (int64_t k = 0; k < n; ++k) {
       const int64_t row_off = first_row + k * row_bytes_;
-      const uint64_t here = ((static_cast<uint64_t>(seg->seq) << kOffsetBits) | static_cast<uint64_t>(row_off)) + 1;
+      const uint64_t here = ((static_cast<uint64_t>(seg->slot) << kOffsetBits) | static_cast<uint64_t>(row_off)) + 1;
       if (loc_[rec_ids[k]] != here) continue;
       ids.push_back(rec_ids[k]);
       rows.insert(rows.end(), seg->map + row_off, seg->map + row_off + row_bytes_);
@@ -523,24 +539,28 @@ Status LogFile::compact(Segment* seg) {
 }
 
 void LogFile::drop_segment(Segment* seg, bool remove_file) {
-  const uint32_t seq = seg->seq;
+  const uint32_t slot = seg->slot;  // (no row's location names it: its live rows were moved first)
   if (seg->map != nullptr) ::munmap(seg->map, static_cast<size_t>(seg->mapped));
   if (seg->fd >= 0) ::close(seg->fd);
   if (seg->direct_fd >= 0) ::close(seg->direct_fd);
   if (remove_file) ::unlink(seg->path.c_str());
   if (current_ == seg) current_ = nullptr;
   if (staged_seg_ == seg) staged_seg_ = nullptr;
-  segments_[seq].reset();
+  segments_[slot].reset();
+  free_slots_.push_back(slot);
 }
 
 Status LogFile::write_mark(const std::string& dir) const {
   // Every segment with records and its end, written whole to a new file that then replaces the
   // mark: a crash or a power loss leaves the old mark or the new one, never a torn one.
+  std::vector<std::pair<uint32_t, int64_t>> ends;  // (in the order of their numbers, as the mark has them)
+  for (const auto& seg : segments_)
+    if (seg && seg->end > 0) ends.emplace_back(seg->seq, seg->end);
+  std::sort(ends.begin(), ends.end());
   std::vector<uint64_t> w{kMarkMagic2, 0};
-  for (const auto& seg : segments_) {
-    if (!seg || seg->end == 0) continue;
-    w.push_back(seg->seq);
-    w.push_back(static_cast<uint64_t>(seg->end));
+  for (const auto& [seq, end] : ends) {
+    w.push_back(seq);
+    w.push_back(static_cast<uint64_t>(end));
   }
   w[1] = (w.size() - 2) / 2;
   w.push_back(checksum(reinterpret_cast<const uint8_t*>(w.data()), w.size() * 8, kMarkMagic2));

@@ -81,7 +81,8 @@ class LogFile {
 
  private:
   struct Segment {
-    uint32_t seq = 0;
+    uint32_t seq = 0;   // its file's number: seg-<seq>.log (newer segments have larger ones)
+    uint32_t slot = 0;  // its place in segments_ and in loc_'s entries (reused once it is dropped)
     int fd = -1, direct_fd = -1;
     uint8_t* map = nullptr;
     int64_t mapped = 0;  // bytes mapped at open (the file may be truncated below that later)
@@ -103,16 +104,19 @@ class LogFile {
   void drop_segment(Segment* seg, bool remove_file);
   Status seal(Segment* seg);
   void place(int64_t id, Segment* seg, int64_t row_offset);
-  Segment* segment_of(uint64_t loc) const { return segments_[loc >> 40].get(); }
+  Segment* segment_of(uint64_t loc) const { return segments_[loc >> 40].get(); }  // (loc: loc_[id] - 1)
 
   std::string dir_;
   int64_t num_rows_ = 0, row_bytes_ = 0, segment_bytes_ = 0, max_record_rows_ = 0;
   bool direct_ = false;
-  // loc_[id]: 0 = never written, else (seq << 40 | byte offset of the row in its segment) + 1.
+  // loc_[id]: 0 = never written, else (slot << 40 | byte offset of the row in its segment) + 1.
+  // Slots, not segment numbers: those only grow (a table's 2^24th segment would have wrapped), while
+  // the slots in use are the segments alive, which compaction bounds.
   uint64_t* loc_ = nullptr;
-  std::vector<std::unique_ptr<Segment>> segments_;  // indexed by seq; null: none or removed
+  std::vector<std::unique_ptr<Segment>> segments_;  // indexed by slot; null: free
+  std::vector<uint32_t> free_slots_;                  // slots of segments dropped, to reuse
   Segment* current_ = nullptr;                        // the segment appended to (null: none yet)
-  uint32_t next_seq_ = 1;
+  uint64_t next_seq_ = 1;
   int64_t num_written_ = 0, live_bytes_ = 0, replayed_ = 0, compactions_ = 0, rows_compacted_ = 0;
   // The staged append: record bytes `staged_` for segment staged_seg_ at staged_off_.
   std::vector<uint8_t> staged_;
