@@ -208,6 +208,27 @@ def _state(ebc):
                      ebc.read_optimizer_state(t.name, torch.arange(t.num_embeddings)).clone()) for t in TABLES}
 
 
+def test_a_plan_for_other_rows_or_not_a_plan_is_refused(tmp_path):
+    """A plan sized for smaller rows (another dim, optimizer or dtype) was taken as it was: tier 0 went
+    1.7x past its budget. A file that is not a plan raised JSONDecodeError or KeyError."""
+    plan = {"tables": [{"name": t.name, "rows": t.num_embeddings, "cache_rows": 10, "store": "host",
+                        "row_bytes": 4 * t.embedding_dim} for t in TABLES]}  # (no optimizer state priced)
+    with pytest.raises(ValueError, match=r"the plan's table '\w+' has rows of \d+ bytes, this one's take \d+ "
+                                         r"\(weights, optimizer state, padding\)"):
+        TieredEmbeddingBagCollection(TABLES, plan=plan, optimizer=tieredemb.Adam(lr=0.1))
+    big = {"tables": [{**t, "row_bytes": 4096} for t in plan["tables"]]}
+    TieredEmbeddingBagCollection(TABLES, plan=big, optimizer=tieredemb.Adam(lr=0.1))  # (within it: taken)
+    bad = tmp_path / "plan.json"
+    bad.write_text("{not json")
+    with pytest.raises(ValueError, match=f"plan file {bad}: not a plan .*JSONDecodeError"):
+        TieredEmbeddingBagCollection(TABLES, plan=bad)
+    bad.write_text('{"proportional": {}}')
+    with pytest.raises(ValueError, match=r"not a plan .*KeyError: 'planned'"):
+        TieredEmbeddingBagCollection(TABLES, plan=str(bad))
+    with pytest.raises(ValueError, match=r"plan: not a plan .*KeyError: 'tables'"):
+        TieredEmbeddingBagCollection(TABLES, plan={"planned": plan})
+
+
 @pytest.mark.parametrize("tiers", [dict(), dict(cache_bytes=3000)], ids=["whole", "cached"])
 def test_a_bad_feature_fails_before_any_table_is_looked_up(tiers):
     """Every feature is checked before the first group's lookup: a bad feature in a later group,
@@ -500,6 +521,19 @@ def test_a_backward_that_fails_for_one_group_leaves_no_row_pinned():
     assert [e._store.batches_held() for e in ebc.engines] == [0, 0, 0]
 
 
+def test_a_weighted_collection_refuses_a_keyed_batch_without_weights():
+    """It pooled with every weight 1; torchrec's weighted collection refuses such a batch too."""
+    tables = [TABLES[0], TABLES[2]]
+    ebc = TieredEmbeddingBagCollection(tables, optimizer=tieredemb.SGD(lr=0.1), is_weighted=True)
+    keys = [f for t in tables for f in t.feature_names]
+    b = batch(3)
+    kjt = KJT(keys, torch.cat([b[f][0] for f in keys]), torch.cat([b[f][2] for f in keys]))
+    before = {t.name: ebc.read_rows(t.name, torch.arange(t.num_embeddings)) for t in tables}
+    with pytest.raises(ValueError, match=r"built with is_weighted=True, and this batch has no weights"):
+        ebc(kjt)
+    assert all(torch.equal(ebc.read_rows(n, torch.arange(len(r))), r) for n, r in before.items())
+
+
 @pytest.mark.parametrize("as_kjt_input", [False, True], ids=["dict", "kjt"])
 def test_weighted_features_train_and_give_their_weights_gradient_as_torch(as_kjt_input, kernels):
     """per_sample_weights (a dict's third entry, or a KeyedJaggedTensor's weights), requiring
@@ -705,3 +739,29 @@ def test_torchrecs_dlrm_trains_with_our_collection_as_with_its_own():
         torch.testing.assert_close(ours_ebc.read_rows(n, torch.arange(r)),
                                    theirs_ebc.embedding_bags[n].weight.detach(), rtol=1e-5, atol=1e-6)
     assert ours_ebc.device == torch.device("cpu")
+
+
+def test_a_weighted_collection_pools_a_feature_given_no_weights_with_weight_1():
+    """Mutant g8 (collection.py _batch: the features of a group given without per_sample_weights
+    beside one given them got weight 0 instead of 1): no test mixed weighted and unweighted
+    features of one group."""
+    ebc = tieredemb.TieredEmbeddingBagCollection([tieredemb.EmbeddingBagConfig("t", 100, 4, ["f", "g"])],
+                                                 optimizer=tieredemb.SGD(lr=0.1))
+    ids, starts = torch.tensor([1, 2, 3, 4]), torch.tensor([0, 2])
+    w = torch.tensor([0.5, 1.0, 2.0, 0.25])
+    out = ebc({"f": (ids, starts, w), "g": (ids + 10, starts)}).to_dict()
+    rows = ebc.read_rows("t", torch.arange(100))
+    torch.testing.assert_close(out["g"], torch.stack([rows[11] + rows[12], rows[13] + rows[14]]))
+    torch.testing.assert_close(out["f"], torch.stack([0.5 * rows[1] + rows[2], 2 * rows[3] + 0.25 * rows[4]]))
+
+
+def test_inverse_indices_naming_other_keys_are_refused_by_name():
+    """Mutant y6 (keyed.py _strides: the check that inverse_indices name the KJT's keys removed): a
+    KeyError from deep inside the lookup instead of the ValueError that names the rule."""
+    ebc = tieredemb.TieredEmbeddingBagCollection(
+        [tieredemb.EmbeddingBagConfig("a", 100, 4, ["f1"]), tieredemb.EmbeddingBagConfig("b", 50, 4, ["f2"])],
+        optimizer=tieredemb.SGD(lr=0.1))
+    values, lengths = torch.tensor([1, 2, 3, 4]), torch.tensor([1, 1, 1, 1])
+    inverse = (["f1", "zz"], torch.tensor([[0, 0, 0, 0], [0, 1, 2, 0]]))
+    with pytest.raises(ValueError, match="inverse_indices must be"):
+        ebc(VariableBatchKJT(["f1", "f2"], values, lengths, [1, 3], inverse))

@@ -64,6 +64,39 @@ def test_a_strict_load_names_keys_that_are_not_the_tables():
     assert model.load_state_dict(state, strict=False).missing_keys == []
 
 
+@pytest.mark.parametrize("step", [torch.tensor(-1), -3, torch.tensor(2.7), torch.tensor([1, 2]), True],
+                         ids=["negative", "negative int", "float", "two", "bool"])
+def test_a_bad_optimizer_step_is_refused_and_loads_nothing(step):
+    """A negative step was taken (Adam's next backward then divided by zero or failed in math), a
+    float one was cut to an int, a 1-D one failed with torch's message; a load now names the rule."""
+    src = tieredemb.TieredEmbeddingBag(N, D, mode="sum", optimizer=tieredemb.Adam(lr=0.1))
+    src(torch.tensor([1, 2]), torch.tensor([0])).sum().backward()
+    emb = tieredemb.TieredEmbeddingBag(N, D, mode="sum", optimizer=tieredemb.Adam(lr=0.1), seed=7)
+    before = emb.state_dict()
+    with pytest.raises(RuntimeError, match=r"optimizer_step must be an integer >= 0 \(a 0-d integer tensor"):
+        emb.load_state_dict({**src.state_dict(), "optimizer_step": step})
+    after = emb.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before) and emb.step == 0
+    emb.load_state_dict({**src.state_dict(), "optimizer_step": 5})  # (a plain int is taken)
+    assert emb.step == 5
+
+
+def test_a_backward_that_fails_takes_no_step(monkeypatch):
+    """The step was counted before the update: a backward that raised still moved it on. (The fault is
+    injected at the update's call: a valid table has no way left to make it fail.)"""
+    emb = tieredemb.TieredEmbeddingBag(N, D, mode="sum", optimizer=tieredemb.Adam(lr=0.1))
+    emb(torch.tensor([1, 2]), torch.tensor([0])).sum().backward()
+    out = emb(torch.tensor([1, 2]), torch.tensor([0]))
+
+    def fail(*args, **kwargs):
+        raise MemoryError("injected")
+
+    monkeypatch.setattr(tieredemb.kernels, "backward_update", fail)
+    with pytest.raises(MemoryError, match="injected"):
+        out.sum().backward()
+    assert emb.step == 1
+
+
 @pytest.mark.parametrize("convert", ["double", "half", "bfloat16", "meta"])
 def test_a_dtype_or_device_change_is_refused_not_ignored(convert):
     """.double() converted the zero-size anchor parameter only: the output stayed float32 on the CPU

@@ -151,6 +151,19 @@ def test_forward_out_of_order_is_refused_and_changes_nothing(batches):
     emb(b, off).backward(grad)
 
 
+def test_offsets_changed_in_place_after_prefetch_are_said_so(batches):
+    """Only the offsets changed: the message described both batches the same way (ids, bag count)."""
+    emb = make_table(cache_rows=CACHE)
+    ids, offsets, grad = batches[0]
+    mine = offsets.clone()
+    emb.prefetch(ids, mine)
+    mine[1] += 1
+    with pytest.raises(PrefetchOrderError, match=r"got the same ids in bags starting at \[0, \d+, .*were its offsets "
+                                                 r"changed in place since prefetch\(\)\?"):
+        emb(ids, mine)
+    emb(ids, offsets).backward(grad)
+
+
 def test_prefetch_copies_the_callers_tensors_whatever_their_dtype(batches):
     """A registered batch is a copy (the caller may reuse its tensors) and int32 ids are the same
     batch as their int64 values."""
@@ -474,3 +487,66 @@ def test_settled_says_when_the_worker_has_nothing_it_may_do():
     for ids, offsets in batches[1:]:
         emb(ids, offsets).sum().backward()
     assert emb.stats()["prefetch"]["room_waits"] >= 1
+
+
+def test_the_host_cache_plans_with_the_lookahead_window():
+    """Mutant t4 (tiers/table.py window_push: the host cache not given the batches ahead): every
+    cache tier plans its evictions with the registered batches as its window (README, prefetch.py);
+    the host tier's window was never checked. Its window must hold the batches tier 0's holds."""
+    emb = tieredemb.TieredEmbeddingBag(400, 4, mode="sum", cache_rows=8, host_rows=32,
+                                       optimizer=tieredemb.SGD(lr=0.1))
+    emb.prefetch_lookahead = 3
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randperm(400, generator=g)[:6] for _ in range(8)]
+    one = torch.tensor([0])
+    for b in batches[:5]:
+        emb.prefetch(b, one)
+    out = emb(batches[0], one)  # batch 0 resident: its window is batches 1..3
+    tier0, host = emb._store.tiers
+    assert tier0.index.window_batches == 3
+    assert host.index.window_batches == tier0.index.window_batches
+    out.sum().backward()
+    for b in batches[1:5]:
+        emb(b, one).sum().backward()
+    emb.close()
+
+
+def _prefetch_table(**kw):
+    return tieredemb.TieredEmbeddingBag(500, 4, mode="sum", optimizer=tieredemb.SGD(lr=0.1), seed=3, cache_rows=64,
+                                        **kw)
+
+
+def _a_batch(seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 500, (24,), generator=g), torch.arange(0, 25, 4)  # include_last_offset bounds
+
+
+def test_prefetch_copies_int64_ids_and_last_offset_bounds_the_caller_reuses():
+    """Mutants p6 (prefetch.py register: int64 host ids kept, not copied) and p8 (offsets kept).
+    The existing copy test registers int32 ids, whose conversion copies anyway, and a bag module
+    without include_last_offset, whose boundaries are a new array anyway: the copies of the common
+    case (int64 ids, DataLoader buffers reused) were never needed by a test. Registered, then the
+    caller's buffers reused for another batch: the forward of the registered values must be taken."""
+    emb = _prefetch_table(include_last_offset=True)
+    ref = _prefetch_table(include_last_offset=True)
+    ids, bounds = _a_batch(0)
+    buf_ids, buf_bounds = ids.clone(), bounds.clone()
+    emb.prefetch(buf_ids, buf_bounds)
+    other_ids, other_bounds = _a_batch(1)
+    buf_ids.copy_(other_ids)  # the loader's buffers now hold the next batch
+    buf_bounds.copy_(torch.tensor([0, 1, 2, 3, 4, 5, 24]))
+    out = emb(ids, bounds)  # the registered batch, by value
+    assert torch.equal(out, ref(ids, bounds))
+
+
+def test_a_registered_batch_changed_in_place_is_not_taken_for_the_registered_one():
+    """Mutant p4 (prefetch.py _Registered.given: versions not compared): the very tensors given to
+    prefetch, changed in place before their forward, were taken as the registered batch: the
+    forward pooled the rows of the ids as registered, not as given. It must be refused
+    (PrefetchOrderError), as a batch of other values is."""
+    emb = _prefetch_table(include_last_offset=True)
+    ids, bounds = _a_batch(0)
+    emb.prefetch(ids, bounds)
+    ids[0] = (ids[0] + 1) % 500
+    with pytest.raises(PrefetchOrderError):
+        emb(ids, bounds)

@@ -112,13 +112,21 @@ class _Group:
 
 def _load_plan(plan) -> dict:
     """A planner.Plan, its to_dict(), or the path of `tieredemb plan --json`'s file (its
-    'planned' entry) -> {table: (tier-0 rows, store)}."""
-    if isinstance(plan, (str, os.PathLike)):
-        with open(plan) as f:
-            plan = json.load(f)["planned"]
-    if not isinstance(plan, dict):
-        plan = plan.to_dict()
-    return {t["name"]: (int(t["cache_rows"]), t["store"], int(t["rows"])) for t in plan["tables"]}
+    'planned' entry) -> {table: (tier-0 rows, store, rows, row bytes or None)}."""
+    what = "plan"
+    try:
+        if isinstance(plan, (str, os.PathLike)):
+            what = f"plan file {os.fspath(plan)}"
+            with open(plan) as f:
+                plan = json.load(f)["planned"]
+        if not isinstance(plan, dict):
+            plan = plan.to_dict()
+        return {t["name"]: (int(t["cache_rows"]), t["store"], int(t["rows"]), t.get("row_bytes")) for t in plan["tables"]}
+    except OSError:
+        raise
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"{what}: not a plan (a planner.Plan, its to_dict(), or the file `tieredemb plan --json` "
+                         f"writes, whose 'planned' entry lists 'tables'): {type(e).__name__}: {e}") from None
 
 
 _ARGS = """(unique names; a feature read by one table). cache_bytes:
@@ -225,9 +233,13 @@ class _Collection(CollectionPrefetch, CollectionState, nn.Module):
         if set(chosen) != names:
             raise ValueError(f"the plan is for tables {sorted(chosen)}, this collection has {sorted(names)}")
         for t in self.tables:
-            rows, where, planned_rows = chosen[t.name][0], chosen[t.name][1], chosen[t.name][2]
+            rows, where, planned_rows, planned_bytes = chosen[t.name]
             if planned_rows != t.num_embeddings:
                 raise ValueError(f"the plan's table {t.name!r} has {planned_rows} rows, this one {t.num_embeddings}")
+            if planned_bytes is not None and self._row_bytes(t) > planned_bytes:  # (its tiers would pass the budget)
+                raise ValueError(f"the plan's table {t.name!r} has rows of {planned_bytes} bytes, this one's take "
+                                 f"{self._row_bytes(t)} (weights, optimizer state, padding): its tiers would pass the "
+                                 "planned budget; plan for these tables (dim, optimizer, dtype, row_alignment)")
             if not 1 <= rows or where not in ("host", "ssd"):
                 raise ValueError(f"the plan's table {t.name!r}: tier-0 rows {rows} must be >= 1 and store {where!r} "
                                  "'host' or 'ssd'")

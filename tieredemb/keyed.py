@@ -192,8 +192,11 @@ def _keyed_jagged(kjt, lengths: Tensor | None, keyed_weights: bool) -> dict:
     torch.cumsum(lengths, 0, out=bounds[1:])
     if int(bounds[-1]) != len(values):
         raise ValueError(f"KeyedJaggedTensor: lengths sum to {int(bounds[-1])}, values() has {len(values)}")
-    weights = _weights("KeyedJaggedTensor: weights", weights, values, "values()'")
     strides, inverse = _strides(kjt, keys, len(lengths))
+    if keyed_weights and weights is None:  # (torchrec's weighted collection refuses it too)
+        raise ValueError("KeyedJaggedTensor: the collection was built with is_weighted=True, and this batch has no "
+                         "weights (weights_or_none() is None)")
+    weights = _weights("KeyedJaggedTensor: weights", weights, values, "values()'")
     out, start = {}, 0
     for key, stride in zip(keys, strides):
         b = bounds[start:start + stride + 1]

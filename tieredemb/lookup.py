@@ -248,6 +248,8 @@ def _backward(table, batch, bags: Bags, saved, grad_out: Tensor, need_psw_grad: 
                            "no_grad, or backward called twice?)")
     if table._closed:
         raise RuntimeError(f"{table.described()} was closed before this batch's backward: its update would be lost")
-    table.step += 1
-    return kernels.backward_update(table._store.tier0, table.config, batch, bags, saved, grad_out, table.step,
-                                   need_psw_grad)
+    step = table.step + 1  # (counted once the update is made: one that raises takes no step)
+    psw_grad = kernels.backward_update(table._store.tier0, table.config, batch, bags, saved, grad_out, step,
+                                       need_psw_grad)
+    table.step = step
+    return psw_grad

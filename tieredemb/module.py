@@ -341,7 +341,8 @@ class TieredEmbeddingBag(_TieredBase):
 
                 return check_on_device(input, offsets, self.num_embeddings, self.include_last_offset)
             bounds, end = self._normalize_offsets(offsets.to("cpu", torch.int64), len(input))
-            # (with include_last_offset, ids after the last bag's end belong to no bag: left out, as torch does)
+            # (with include_last_offset, ids after the last bag's end belong to no bag: left out in every mode, as
+            # torch's sum does; README)
             return input if end == len(input) else input[:end], bounds, None
         raise ValueError(f"input must be 1-D (with offsets) or 2-D [B, L], got shape {tuple(input.shape)}")
 

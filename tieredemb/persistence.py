@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import glob
 import json
+import numbers
 import os
 
 import torch
@@ -166,7 +167,16 @@ def rows_in_state_dict(state_dict, prefix: str, n: int, d: int, state_width: int
             error_msgs.append(f"{name} is on the meta device: it holds no values to load")
             return None
     step = state_dict.get(prefix + "optimizer_step")
-    return w, st, None if step is None else int(step)
+    if step is None:
+        return w, st, None
+    if isinstance(step, Tensor):
+        good = step.dim() == 0 and not step.dtype.is_floating_point and step.dtype != torch.bool
+        step = step.item() if good else step
+    if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
+        error_msgs.append(f"{prefix}optimizer_step must be an integer >= 0 (a 0-d integer tensor, as state_dict "
+                          f"saves it), got {step!r}")
+        return None
+    return w, st, int(step)
 
 
 def write_export(directory, chunks, meta: dict) -> int:

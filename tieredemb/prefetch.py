@@ -383,11 +383,15 @@ class Prefetcher:
                 check.resolve()
             return
         got_ids = got_ids.cpu()
+        if _equal(want_ids, got_ids):  # (the same ids in other bags: said, or the two would read the same)
+            got = (f"the same ids in bags starting at {_head(got_offsets.cpu())}, where {_head(want_offsets.cpu())} "
+                   "was prefetched (were its offsets changed in place since prefetch()?)")
+        else:
+            got = f"{len(got_ids)} ids {_head(got_ids)}, {len(got_offsets) - 1} bags"
         raise PrefetchOrderError(
             f"forward of a batch that is not the oldest prefetched one: expected prefetched batch #{p.seq} "
-            f"({len(want_ids)} ids {_head(want_ids)}, {len(want_offsets) - 1} bags), got {len(got_ids)} ids "
-            f"{_head(got_ids)}, {len(got_offsets) - 1} bags. Run forwards in the order the batches were prefetched "
-            f"({len(self.queue)} registered)")
+            f"({len(want_ids)} ids {_head(want_ids)}, {len(want_offsets) - 1} bags), got {got}. Run forwards in the "
+            f"order the batches were prefetched ({len(self.queue)} registered)")
 
     def _raise_error(self) -> None:
         """Raises the worker's error (the original exception, with its traceback) after
