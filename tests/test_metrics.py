@@ -91,3 +91,19 @@ def test_an_unpooled_collection_gives_every_table_its_own_series():
     assert 'tieredemb_lookups_total{collection="ec",table="b"} 5' in text
     assert 'tieredemb_tier_misses_total{collection="ec",table="a",tier="tier0"} 30' in text
     assert json.loads(tieredemb.metrics.as_json({"ec": ec}))["ec"]["tables"]["b"]["lookups"] == 5
+
+
+def test_label_values_are_escaped_as_the_format_says():
+    """A table's name with a backslash, a double quote and a newline: each escaped (\\\\, \\", \\n), so
+    the line stays one sample whose label reads back as the name."""
+    name = 'we"ird\\na\nme'
+    emb = tieredemb.TieredEmbeddingBag(50, 4, "sum", cache_rows=10, optimizer=tieredemb.SGD(lr=0.1))
+    emb(torch.arange(6), torch.tensor([0, 3])).sum().backward()
+    text = tieredemb.metrics.prometheus({name: emb})
+    label = re.compile(r'table="((?:[^"\\\n]|\\[\\"n])*)"')
+    misses = [line for line in text.splitlines() if line.startswith("tieredemb_tier_misses_total{")]
+    assert len(misses) == 1 and misses[0].endswith(',tier="tier0"} 6')
+    got = label.search(misses[0]).group(1)
+    assert got == 'we\\"ird\\\\na\\nme'
+    unescaped = re.sub(r"\\(.)", lambda m: {"n": "\n"}.get(m.group(1), m.group(1)), got)
+    assert unescaped == name

@@ -111,3 +111,45 @@ def test_bad_precision_arguments(tmp_path):
         tieredemb.TieredEmbedding(10, 4, ssd_path=tmp_path / "u")
     with pytest.raises(ValueError, match="stored dtype 'float16' != requested 'bfloat16'"):
         tieredemb.TieredEmbedding(10, 4, dtype=torch.bfloat16, ssd_path=tmp_path / "u")
+
+
+def _sr_table(dtype, seed, n=2000, dim=16, lr=1e-4):
+    emb = tieredemb.TieredEmbedding(n, dim, dtype=dtype, optimizer=tieredemb.SGD(lr=lr), stochastic_rounding=True,
+                                    seed=seed)
+    # the same starting weights whatever the seed (the seed also draws the initial rows)
+    start = (1.0 + torch.rand(n, dim, generator=torch.Generator().manual_seed(0))).to(dtype).float()
+    emb.write_rows(torch.arange(n), start)
+    return emb, start
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_stochastic_rounding_depends_on_the_tables_seed(dtype):
+    """Mutant k3 (kernels.py: args.sr_seed = 0, the table's seed not passed to the kernel): the
+    rounding is documented as a function of the seed; two seeds rounding alike is that bug."""
+    after = {}
+    for seed in (1, 2, 1):
+        emb, _ = _sr_table(dtype, seed)
+        emb(torch.arange(2000)).sum().backward()
+        after.setdefault(seed, []).append(emb.read_rows(torch.arange(2000)))
+    assert torch.equal(after[1][0], after[1][1])  # deterministic for one seed
+    assert not torch.equal(after[1][0], after[2][0])  # and another seed draws other roundings
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_stochastic_rounding_draws_anew_at_every_step(dtype):
+    """Mutant k4 (kernels.py: args.step fixed): each step must draw its own random numbers. With the
+    same draw every step, a weight whose sub-ulp update rounded up (stayed) at step 1 stays forever
+    and one that moved moves at every step: unbiased on average over weights, but each weight's
+    drift is all or nothing. Here: the weights that moved at step 2 are not the same set as at step 1."""
+    emb, start = _sr_table(dtype, seed=3)
+    ids = torch.arange(2000)
+    emb(ids).sum().backward()
+    one = emb.read_rows(ids)
+    emb(ids).sum().backward()
+    two = emb.read_rows(ids)
+    moved1, moved2 = one != start, two != one
+    assert 0 < moved1.float().mean() < 0.5 and 0 < moved2.float().mean() < 0.5
+    assert not torch.equal(moved1, moved2)
+    # (independent draws: the overlap is about p * p of the weights, not p)
+    p = moved1.float().mean().item()
+    assert (moved1 & moved2).float().mean().item() < 0.5 * p

@@ -175,3 +175,24 @@ def test_trains_a_model_end_to_end():
         opt.step()
         losses.append(loss.item())
     assert sum(losses[-30:]) / 30 < 0.5 * sum(losses[:30]) / 30
+
+
+def test_adagrad_matches_torch_with_an_eps_that_shows(kernels):
+    """Mutant o1 (optim.py Adagrad.apply_torch: eps inside the square root). Every Adagrad parity
+    test uses eps=1e-10, where sqrt(s) + eps and sqrt(s + eps) agree to float32: eps's place in
+    the formula (the torch twin's, the GPU path's reference; and the native kernel's) is untested."""
+    num, dim = 50, 4
+    w0 = torch.randn(num, dim, generator=torch.Generator().manual_seed(1))
+    ref = torch.nn.EmbeddingBag(num, dim, mode="sum", _weight=w0.clone())
+    opt = torch.optim.Adagrad(ref.parameters(), lr=0.1, eps=0.5)
+    emb = tieredemb.TieredEmbeddingBag(num, dim, mode="sum", optimizer=tieredemb.Adagrad(lr=0.1, eps=0.5),
+                                       _weight=w0.clone(), cache_rows=20)
+    g = torch.Generator().manual_seed(2)
+    for _ in range(10):
+        ids, offsets = torch.randint(0, num, (24,), generator=g), torch.arange(0, 24, 4)
+        grad = torch.randn(6, dim, generator=g) * 0.1
+        opt.zero_grad()
+        ref(ids, offsets).backward(grad)
+        opt.step()
+        emb(ids, offsets).backward(grad)
+    torch.testing.assert_close(emb.read_rows(torch.arange(num)), ref.weight.detach(), rtol=1e-5, atol=1e-6)
