@@ -107,3 +107,26 @@ def test_the_installed_command_dispatches_to_trace(tmp_path):
     assert run.returncode == 0, run.stderr
     info = json.loads(run.stdout)
     assert info["num_lookups"] == 3 and info["reuse"]["repeat_in_batch"] == 1
+
+
+@pytest.mark.parametrize("ext", ["trace", "csv", "oracleGeneral", "npy", "pt"])
+def test_a_failed_convert_leaves_the_destination_as_it_was(tmp_path, capsys, ext):
+    """A failed import deleted an existing .trace; a failed export left a header-only .csv or a
+    zero-filled .oracleGeneral in place of the file there, both read as valid empty traces."""
+    with TraceWriter(tmp_path / "t.trace", [TableInfo("t", 1000)], chunk_lookups=100) as w:
+        for b in range(20):
+            w.write_batch(np.arange(100) * (b + 1) % 1000)
+    if ext == "trace":  # ids out of the --rows given: the import fails part-way
+        (tmp_path / "s.csv").write_text("batch,table,id\n" + "".join(f"{i // 10},0,{i}\n" for i in range(100)))
+        args = [str(tmp_path / "s.csv"), "--rows", "50"]
+    else:  # a trace cut short: the export fails at its last chunk
+        data = (tmp_path / "t.trace").read_bytes()
+        (tmp_path / "cut.trace").write_bytes(data[:len(data) - 50])
+        args = [str(tmp_path / "cut.trace")]
+    dst = tmp_path / f"keep.{ext}"
+    dst.write_bytes(b"what was there before")
+    before = sorted(p.name for p in tmp_path.iterdir())
+    assert trace(["convert", args[0], str(dst), *args[1:]]) == 2
+    assert ("out of range [0, 50)" if ext == "trace" else "truncated") in capsys.readouterr().err
+    assert dst.read_bytes() == b"what was there before"
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # nothing left beside it

@@ -121,6 +121,25 @@ def test_writer_rejects_keys_outside_the_tables(tmp_path):
         TraceWriter(tmp_path / "x.trace", [TableInfo("a", 1), TableInfo("a", 2)])
 
 
+def test_a_trace_replaces_the_file_at_its_path_only_when_closed(tmp_path):
+    """An aborted writer deleted the file that was at its path; a writer still open had emptied it."""
+    path = tmp_path / "t.trace"
+    with TraceWriter(path, TABLES) as w:
+        w.write_batch([1, 2])
+    os.chmod(path, 0o640)
+    old = path.read_bytes()
+    with pytest.raises(TraceError, match="key 71003"):
+        with TraceWriter(path, TABLES) as w:
+            w.write_batch([3, 4])
+            assert path.read_bytes() == old  # (while it is written: the old trace, whole)
+            w.write_batch([71_003])
+    assert path.read_bytes() == old and os.listdir(tmp_path) == ["t.trace"]
+    with TraceWriter(path, TABLES) as w:
+        w.write_batch([5, 6, 7])
+    assert open_trace(path).read_all().keys.tolist() == [5, 6, 7] and os.listdir(tmp_path) == ["t.trace"]
+    assert os.stat(path).st_mode & 0o777 == 0o640  # (its permissions kept)
+
+
 def _layout(path):
     """(data offset, compressed size of chunk 0) from the documented header fields."""
     raw = path.read_bytes()
@@ -212,7 +231,9 @@ def test_an_unclosed_writer_leaves_an_incomplete_trace(tmp_path):
     w = TraceWriter(tmp_path / "open.trace", TABLES, chunk_lookups=1000)
     for b in _random_batches(rng, 71_003, 400, 200):
         w.write_batch(b)  # ~40k lookups: chunks (and the header) reach the file
-    shutil.copy(tmp_path / "open.trace", tmp_path / "copy.trace")
+    assert not (tmp_path / "open.trace").exists()  # it is written beside its path (as a crash would leave it)
+    (written,) = tmp_path.glob(".open.trace.*.partial")
+    shutil.copy(written, tmp_path / "copy.trace")
     w.close()
     assert os.path.getsize(tmp_path / "copy.trace") > 64
     with pytest.raises(TraceError, match="incomplete trace: the writer was not closed"):

@@ -13,6 +13,7 @@ import os
 
 import numpy as np
 
+from ..output import PendingFile
 from .format import TraceError, open_trace
 from .source import BLOCK, Batcher, FileSource, fixed_labels, header_of, local_to_keys, read_batched, table_sizes
 
@@ -101,10 +102,11 @@ def read_csv(path, *, rows=None, batch_size: int | None = None) -> FileSource:
 
 
 def export_csv(src, dst, *, progress: bool = False) -> None:
-    """Writes the trace at src as "batch,table,id" lines (batch: its index in the trace)."""
+    """Writes the trace at src as "batch,table,id" lines (batch: its index in the trace); on an
+    error dst stays as it was (tieredemb.output.PendingFile), as for every exporter."""
     from tqdm import tqdm
 
-    with open_trace(src) as r, open(dst, "w") as f:
+    with open_trace(src) as r, PendingFile(dst) as out, open(out.temp, "w") as f:
         f.write("batch,table,id\n")
         base = r.header.table_base
         for c in tqdm(r.chunks(), total=None, desc="csv", unit="chunk", disable=not progress):

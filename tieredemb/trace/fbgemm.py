@@ -22,6 +22,7 @@ import pickle
 import numba
 import numpy as np
 
+from ..output import PendingFile
 from .format import Chunk, TraceError, open_trace
 from .source import BLOCK, FileSource, header_of, table_sizes
 
@@ -119,5 +120,6 @@ def export_pt(src, dst, *, progress: bool = False) -> None:
     indices = (c.keys - header.table_base[table])[order]
     lengths = np.bincount(bag, minlength=nt * nb).astype(np.int64)
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-    torch.save((torch.from_numpy(indices), torch.from_numpy(offsets), torch.from_numpy(lengths.reshape(nt, nb))),
-               os.fspath(dst))
+    with PendingFile(dst) as out:
+        torch.save((torch.from_numpy(indices), torch.from_numpy(offsets), torch.from_numpy(lengths.reshape(nt, nb))),
+                   out.temp)

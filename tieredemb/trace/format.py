@@ -50,6 +50,8 @@ from dataclasses import dataclass, field
 import lz4.block
 import numpy as np
 
+from tieredemb.output import PendingFile
+
 MAGIC = b"TEMBTRC\0"
 VERSION = 1
 _FIXED = struct.Struct("<8sHBBIQQQQIIQ")  # 64 bytes
@@ -178,8 +180,10 @@ class TraceWriter:
 
     Batches are buffered and written as chunks of at least `chunk_lookups` lookups (a chunk always
     holds whole batches; the last may be smaller). Every key must lie in [0, total_rows) of the
-    declared tables. close() writes the last chunk and the counts into the header; leaving a
-    `with` block by an exception deletes the file instead (no half-written trace survives)."""
+    declared tables. The file is written beside `path` and takes its place at close(), which
+    writes the last chunk and the counts into the header; abort(), or leaving a `with` block by an
+    exception, removes it instead: `path` is then as it was (no half-written trace survives, and
+    an existing file there is kept)."""
 
     def __init__(self, path, tables: list[TableInfo], *, chunk_lookups: int = 1 << 20, meta: dict | None = None):
         self.path = os.fspath(path)
@@ -203,8 +207,13 @@ class TraceWriter:
         self._lengths: list[np.ndarray] = []
         self._pending = 0
         self._chunks = 0
-        self._file = open(self.path, "wb")
-        self._file.write(_pack_header(self.tables, self._width, (_OPEN, _OPEN, _OPEN), self.header.meta))
+        self._output = PendingFile(self.path)
+        try:
+            self._file = open(self._output.temp, "wb")
+            self._file.write(_pack_header(self.tables, self._width, (_OPEN, _OPEN, _OPEN), self.header.meta))
+        except BaseException:
+            self._output.discard()
+            raise
 
     def write_batch(self, keys) -> None:
         """Appends one batch: int [n] global keys, in lookup order."""
@@ -268,21 +277,25 @@ class TraceWriter:
         self._chunks += 1
 
     def close(self) -> None:
-        """Writes pending batches and the final counts; the file is then a complete trace."""
+        """Writes pending batches and the final counts, and moves the trace to `path`."""
         if self._file.closed:
             return
-        self._flush(final=True)
-        self._file.seek(0)
-        counts = (self.header.num_batches, self.header.num_lookups, self._chunks)
-        self._file.write(_pack_header(self.tables, self._width, counts, self.header.meta))
-        self._file.close()
+        try:
+            self._flush(final=True)
+            self._file.seek(0)
+            counts = (self.header.num_batches, self.header.num_lookups, self._chunks)
+            self._file.write(_pack_header(self.tables, self._width, counts, self.header.meta))
+            self._file.close()
+            self._output.commit()
+        except BaseException:
+            self.abort()
+            raise
 
     def abort(self) -> None:
-        """Closes and deletes the file."""
+        """Closes and removes the file being written; `path` stays as it was."""
         if not self._file.closed:
             self._file.close()
-        if os.path.exists(self.path):
-            os.remove(self.path)
+        self._output.discard()
 
     def __enter__(self) -> TraceWriter:
         return self

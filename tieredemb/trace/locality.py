@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numba
 import numpy as np
 
+from ..output import PendingFile
 from .format import TableInfo, TraceError, TraceHeader, open_trace
 from .reuse import stack_distances
 from .synth import check_seed, per_table, write_synthetic
@@ -77,7 +78,7 @@ def read_locality_log(path) -> LocalityLog:
 
 def write_locality_log(path, log: LocalityLog) -> None:
     """Writes the three lines as dlrm does (values joined by ', ', floats in Python's repr)."""
-    with open(path, "w") as f:
+    with PendingFile(path) as out, open(out.temp, "w") as f:
         f.writelines(", ".join(map(repr, values)) + "\n" for values in (log.unique.tolist(), log.distances.tolist(), [float(c) for c in log.cdf]))
 
 

@@ -9,6 +9,7 @@ import os
 
 import numpy as np
 
+from ..output import PendingFile
 from .format import Chunk, TraceError, open_trace
 from .source import (
     BLOCK,
@@ -69,10 +70,11 @@ def export_npy(src, dst, *, progress: bool = False) -> None:
         lengths = np.concatenate([np.diff(c.batch_offsets) for c in r.chunks()] or [np.zeros(0, np.int64)])
         equal = lengths.size > 0 and bool(np.all(lengths == lengths[0]))
         shape = (lengths.size, int(lengths[0])) if equal else (r.header.num_lookups,)
-        out = np.lib.format.open_memmap(os.fspath(dst), mode="w+", dtype=np.int64, shape=shape)
-        flat, at = out.reshape(-1), 0
-        for c in r.chunks():
-            flat[at:at + c.keys.size] = c.keys
-            at += c.keys.size
-        out.flush()
-        del out
+        with PendingFile(dst) as pending:
+            out = np.lib.format.open_memmap(pending.temp, mode="w+", dtype=np.int64, shape=shape)
+            flat, at = out.reshape(-1), 0
+            for c in r.chunks():
+                flat[at:at + c.keys.size] = c.keys
+                at += c.keys.size
+            out.flush()
+            del out, flat

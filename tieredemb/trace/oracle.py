@@ -25,6 +25,7 @@ import numpy as np
 from numba import types
 from numba.typed import Dict
 
+from ..output import PendingFile
 from .format import TraceError, open_trace
 from .source import BLOCK, Batcher, FileSource, fixed_labels, header_of, read_batched, table_sizes
 
@@ -169,33 +170,37 @@ def write_keys(path, keys, *, obj_size: int = 1) -> None:
     rec["id"] = keys
     rec["size"] = obj_size
     rec["next"] = nxt
-    rec.tofile(os.fspath(path))
+    with PendingFile(path) as out:
+        rec.tofile(out.temp)
 
 
 def export_oracle(src, dst, *, obj_size: int = 1, progress: bool = False) -> None:
-    from tqdm import tqdm
-
     _check_obj_size(obj_size)
     with open_trace(src) as r:
         n = r.header.num_lookups
         if r.header.num_batches >= 2**32:
             raise TraceError(f"{src}: {r.header.num_batches} batches do not fit oracleGeneral's u32 clock_time")
-        with open(dst, "wb") as f:
-            f.truncate(n * RECORD.itemsize)
-        if n == 0:
-            return
-        out = np.memmap(dst, dtype=RECORD, mode="r+", shape=(n,))
-        later = Dict.empty(types.int64, types.int64)
-        end = n
-        for c in tqdm(r.chunks(reverse=True), desc="oracleGeneral", unit="chunk", disable=not progress):
-            start = end - c.keys.size
-            nxt = np.empty(c.keys.size, np.int64)
-            _next_access(c.keys, start, later, nxt)
-            block = out[start:end]
-            block["time"] = c.first_batch + np.repeat(np.arange(c.num_batches), np.diff(c.batch_offsets))
-            block["id"] = c.keys
-            block["size"] = obj_size
-            block["next"] = nxt
-            end = start
-        out.flush()
-        del out
+        with PendingFile(dst) as pending:
+            with open(pending.temp, "wb") as f:
+                f.truncate(n * RECORD.itemsize)
+            if n:
+                _fill_oracle(r, np.memmap(pending.temp, dtype=RECORD, mode="r+", shape=(n,)), obj_size, progress)
+
+
+def _fill_oracle(r, out: np.memmap, obj_size: int, progress: bool) -> None:
+    """Writes the records of the trace r reads into out, last chunk first (next_access_vtime)."""
+    from tqdm import tqdm
+
+    later = Dict.empty(types.int64, types.int64)
+    end = out.size
+    for c in tqdm(r.chunks(reverse=True), desc="oracleGeneral", unit="chunk", disable=not progress):
+        start = end - c.keys.size
+        nxt = np.empty(c.keys.size, np.int64)
+        _next_access(c.keys, start, later, nxt)
+        block = out[start:end]
+        block["time"] = c.first_batch + np.repeat(np.arange(c.num_batches), np.diff(c.batch_offsets))
+        block["id"] = c.keys
+        block["size"] = obj_size
+        block["next"] = nxt
+        end = start
+    out.flush()
