@@ -142,7 +142,7 @@ def test_fbgemm_bad_files(tmp_path):
     with pytest.raises(TraceError, match=r"offsets has 4 entries, expected T\*B \+ 1 = 3"):
         convert(tmp_path / "off.pt", tmp_path / "x.trace")
     (tmp_path / "junk.pt").write_bytes(b"not a torch file")
-    with pytest.raises(TraceError, match="junk.pt: not a torch request file"):
+    with pytest.raises(TraceError, match="junk.pt: not an FBGEMM .pt request file"):
         convert(tmp_path / "junk.pt", tmp_path / "x.trace")
 
 

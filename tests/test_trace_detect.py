@@ -169,6 +169,30 @@ def test_a_file_of_no_format_gets_one_line(tmp_path, capsys, content, name, mess
         assert err.count("\n") == 1 and str(path) in err, err
 
 
+@pytest.mark.parametrize("name, fmt, message", [
+    ("x.trace", "csv", "not a CSV of batch,table,id lines: it holds bytes that are not UTF-8 text"),
+    ("x.pt", "csv", "not a CSV of batch,table,id lines: it holds bytes that are not UTF-8 text"),
+    ("x.csv", "pt", "not an FBGEMM .pt request file: torch.load failed ("),
+    ("x.trace", "pt", "not an FBGEMM .pt request file: torch.load failed ("),
+    ("x.pt", "npy", "not a .npy array: it starts with b'PK"),
+])
+def test_a_format_forced_on_a_file_of_another_gets_one_line(tmp_path, base, capsys, name, fmt, message):
+    """--from csv on a binary file was a UnicodeDecodeError, --from pt on a CSV an IndexError (pop from
+    empty list), --from npy on a .pt an AttributeError: tracebacks, not the file and what it is not."""
+    path = tmp_path / name
+    if name != "x.trace":
+        _run(capsys, "trace", "convert", base, path)
+    else:
+        path.write_bytes(base.read_bytes())
+    options = ["--from", fmt] + (["--batch-size", "4"] if fmt == "csv" else [])
+    for command in (["simulate", path, "--capacity", "10"], ["trace", "inspect", path],
+                    ["trace", "convert", path, tmp_path / "out.trace"]):
+        assert main([str(a) for a in command + options]) == 2, command
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"{path}: {message}" in err, err
+    assert not (tmp_path / "out.trace").exists()
+
+
 def test_options_that_do_not_apply_are_refused(tmp_path, base, capsys):
     assert main(["simulate", str(base), "--capacity", "10%", "--batch-size", "8"]) == 2
     err = capsys.readouterr().err

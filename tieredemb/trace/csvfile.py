@@ -36,7 +36,16 @@ def csv_columns(path: str, first: str) -> tuple[dict[str, int], bool]:
 
 
 def _blocks(path: str):
-    """Yields (first line number, int64 [n, columns], column map) blocks of the CSV file."""
+    """Yields (first line number, int64 [n, columns], column map) blocks of the CSV file; raises
+    TraceError for a file that is not text."""
+    try:
+        yield from _text_blocks(path)
+    except UnicodeDecodeError as e:
+        raise TraceError(f"{path}: not a CSV of batch,table,id lines: it holds bytes that are not UTF-8 text "
+                         f"({e.reason}: {e.object[e.start:e.start + 4]!r})") from None
+
+
+def _text_blocks(path: str):
     with open(path) as f:
         first = f.readline()
         if not first.strip():

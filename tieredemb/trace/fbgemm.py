@@ -17,7 +17,6 @@ gives the same indices tensor (lengths summed over each batch's samples).
 from __future__ import annotations
 
 import os
-import pickle
 
 import numba
 import numpy as np
@@ -30,16 +29,24 @@ from .source import BLOCK, FileSource, header_of, table_sizes
 def _load(path: str):
     import torch
 
+    open(path, "rb").close()  # (a missing or unreadable file: the OSError that says so)
     try:
         try:
             data = torch.load(path, weights_only=True, mmap=True)
         except RuntimeError:  # legacy (non-zip) files cannot be memory-mapped
             data = torch.load(path, weights_only=True)
-    except (RuntimeError, EOFError, OSError, ValueError, pickle.UnpicklingError) as e:
-        raise TraceError(f"{path}: not a torch request file ({type(e).__name__}: {e})") from None
+    except Exception as e:  # torch.load of what is not a torch file fails in many ways (IndexError, KeyError, ...)
+        raise TraceError(f"{path}: not an FBGEMM .pt request file: torch.load failed ({_first_line(e)})") from None
     if not isinstance(data, (tuple, list)) or len(data) < 2 or not all(isinstance(x, torch.Tensor) for x in data[:3]):
         raise TraceError(f"{path}: expected a tuple (indices, offsets[, lengths]) of tensors, got {type(data).__name__}")
     return [x.numpy() for x in data[:3]]
+
+
+def _first_line(e: Exception) -> str:
+    """The error's type and the line that says what failed (torch's weights_only errors run to a
+    dozen lines of advice, the failure in the middle)."""
+    text = str(e).split("WeightsUnpickler error:", 1)[-1]
+    return f"{type(e).__name__}: {next((x.strip() for x in text.splitlines() if x.strip()), '')}"
 
 
 @numba.njit(cache=True)

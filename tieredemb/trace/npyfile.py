@@ -27,6 +27,10 @@ def read_npy(path, *, rows=None, batch_size: int | None = None) -> FileSource:
     """A .npy array as a trace of one table. rows: its size (None: the largest id + 1);
     batch_size: lookups per batch of a 1-D array (a 2-D array's rows are its batches)."""
     path = os.fspath(path)
+    with open(path, "rb") as f:
+        magic = f.read(6)
+    if magic != b"\x93NUMPY":  # (np.load reads other files too: .npz archives, pickles)
+        raise TraceError(f"{path}: not a .npy array: it starts with {magic!r}, a .npy file with b'\\x93NUMPY'")
     try:
         a = np.load(path, mmap_mode="r")
     except (ValueError, OSError) as e:
