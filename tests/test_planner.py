@@ -7,6 +7,7 @@ writes it."""
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -233,6 +234,32 @@ def test_plan_command_writes_json_the_collection_takes_and_a_png(tmp_path, capsy
     assert main(["plan", str(trace), "--cache-bytes", "400KiB", "--dim", "16", "--inference",
                  "--optimizer", "adam"]) == 2
     assert "--optimizer adam: an inference table (--inference) has no optimizer state" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("bad", ["png", "json", "plot"])
+def test_plan_command_writes_no_output_unless_it_writes_every_one(tmp_path, capsys, bad):
+    """--json p.json --png in a missing directory: status 2, but p.json was written (over the old one);
+    --png plot wrote plot.png and printed "plot: plot"."""
+    trace = tmp_path / "mix.trace"
+    assert main(["trace", "synth", str(trace), "--zipf", "1.1", "--rows", "2000", "300", "--batches", "20",
+                 "--lookups", "30", "8", "--no-progress"]) == 0
+    out_json, out_png = tmp_path / "p.json", tmp_path / "p.png"
+    out_json.write_text("the old plan")
+    missing = str(tmp_path / "no" / "such")
+    json_arg, png_arg = {"png": (out_json, missing + ".png"), "json": (missing + ".json", out_png),
+                         "plot": (out_json, tmp_path / "plot")}[bad]
+    capsys.readouterr()
+    status = main(["plan", str(trace), "--cache-bytes", "100KiB", "--dim", "16", "--json", str(json_arg),
+                   "--png", str(png_arg)])
+    if bad == "plot":  # (no extension: a PNG, as matplotlib names it)
+        assert status == 0 and (tmp_path / "plot.png").read_bytes()[:4] == b"\x89PNG"
+        assert capsys.readouterr().out.splitlines()[-2:] == [f"json: {out_json}", f"plot: {tmp_path / 'plot.png'}"]
+        return
+    assert status == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"No such file or directory: '{missing}" in err, err
+    assert out_json.read_text() == "the old plan"
+    assert sorted(os.listdir(tmp_path)) == ["mix.trace", "p.json"]  # nothing written beside them
 
 
 def test_record_a_collection_then_plan_from_its_trace(tmp_path, capsys):

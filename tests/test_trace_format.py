@@ -232,7 +232,7 @@ def test_an_unclosed_writer_leaves_an_incomplete_trace(tmp_path):
     for b in _random_batches(rng, 71_003, 400, 200):
         w.write_batch(b)  # ~40k lookups: chunks (and the header) reach the file
     assert not (tmp_path / "open.trace").exists()  # it is written beside its path (as a crash would leave it)
-    (written,) = tmp_path.glob(".open.trace.*.partial")
+    (written,) = tmp_path.glob(".partial-*.open.trace")
     shutil.copy(written, tmp_path / "copy.trace")
     w.close()
     assert os.path.getsize(tmp_path / "copy.trace") > 64

@@ -10,7 +10,7 @@ import stat
 
 
 class PendingFile:
-    """A new file for `path`, written at `temp` (a fresh name in path's directory): commit()
+    """A new file for `path`, written at `temp` (a hidden name in path's directory): commit()
     replaces path by it (os.replace), discard() removes it; as a context manager, leaving the
     block commits, leaving it by an exception discards. Raises OSError naming `path` when its
     directory cannot take a new file (missing, not writable) or path is a directory."""
@@ -22,7 +22,8 @@ class PendingFile:
         # (through a symbolic link: the file it names is replaced, not the link)
         target = os.path.realpath(self.path) if os.path.islink(self.path) else self.path
         folder, name = os.path.split(target)
-        self.temp = os.path.join(folder, f".{name}.{secrets.token_hex(4)}.partial")
+        # (ending in path's name: writers that go by the extension, savefig, np.save, write the same)
+        self.temp = os.path.join(folder, f".partial-{secrets.token_hex(4)}.{name}")
         try:  # created here (mode 0666 less the umask, as open() would): the directory takes files
             os.close(os.open(self.temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
         except OSError as e:
@@ -50,3 +51,10 @@ class PendingFile:
         else:
             self.discard()
 
+
+
+def png_path(path) -> str:
+    """Where a plot asked for at `path` goes: path, with ".png" added when it has no extension
+    (as matplotlib's savefig adds it)."""
+    path = os.fspath(path)
+    return path if os.path.splitext(path)[1] else path + ".png"

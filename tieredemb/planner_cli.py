@@ -12,7 +12,10 @@ Bad input exits with status 2 and one line naming the value.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
+
+from .output import PendingFile, png_path
 
 OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad", "adam")
 
@@ -58,13 +61,18 @@ def _parser() -> argparse.ArgumentParser:
 def plan(argv: list[str]) -> int:
     a = _parser().parse_args(argv)
     try:
-        return _plan(a)
+        # Every output's path is checked (a file made beside it) before anything is read or
+        # written; each is moved into place only once all are whole, else none is.
+        with contextlib.ExitStack() as stack:
+            outputs = {flag: stack.enter_context(PendingFile(path))
+                       for flag, path in (("json", a.json), ("png", a.png and png_path(a.png))) if path}
+            return _plan(a, outputs)
     except (ValueError, OSError) as e:  # TraceError, bad sizes, missing files
         print(f"tieredemb plan: error: {e}", file=sys.stderr)
         return 2
 
 
-def _plan(a) -> int:
+def _plan(a, outputs: dict[str, PendingFile]) -> int:
     import dataclasses
 
     import torch
@@ -105,11 +113,12 @@ def _plan(a) -> int:
     print(f"{a.trace}: {len(names)} tables, {header.num_batches:,} batches, {header.num_lookups:,} lookups"
           + (f"; predicted over the batches after the first {a.warmup:,}" if a.warmup else ""))
     print(planner.report(plans))
-    if a.json:
-        with open(a.json, "w") as f:
+    if "json" in outputs:
+        with open(outputs["json"].temp, "w") as f:
             f.write(planner.to_json(plans))
-        print(f"json: {a.json}")
-    if a.png:
-        planner.plot(plans, a.png)
-        print(f"plot: {a.png}")
+    if "png" in outputs:
+        planner.plot(plans, outputs["png"].temp)
+    for flag, out in outputs.items():
+        out.commit()
+        print(f"{'plot' if flag == 'png' else flag}: {out.path}")
     return 0
