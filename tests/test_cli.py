@@ -60,8 +60,54 @@ def test_demo_of_tables_over_ssd_stores_them_there_and_reopens_them(tmp_path, ca
     assert (tmp_path / "c" / "group0" / "log.json").exists()  # the store --ssd-backend names
     assert main(args) == 0
     assert "its groups have trained [3, 3] steps" in capsys.readouterr().out
-    with pytest.raises(ValueError, match=r"group0 holds tables \[table0 .*, table2 .*\], this collection would put"):
-        main(["demo", *SMALL, "--tables", "2", "--ssd-path", str(tmp_path / "c")])
+    assert main(["demo", *SMALL, "--tables", "2", "--ssd-path", str(tmp_path / "c")]) == 2  # (was a traceback)
+    err = capsys.readouterr().err
+    assert err.startswith("tieredemb demo: error: ssd_path ") and err.count("\n") == 1, err
+    assert "group0 holds tables [table0 " in err and "this collection would put" in err
+
+
+@pytest.mark.parametrize("options, said", [
+    (["--rows", "0"], "--rows 0: must be >= 1"),
+    (["--dim", "0"], "--dim 0: must be >= 1"),
+    (["--cache-rows", "-3"], "--cache-rows -3: must be >= 1"),
+    (["--cache-rows", "0"], "--cache-rows 0: must be >= 1"),  # (was the default, silently)
+    (["--host-rows", "0"], "--host-rows 0: must be >= 1"),
+    (["--prefetch-depth", "-1"], "--prefetch-depth -1: must be >= 0"),
+    (["--alpha", "-1"], "--alpha -1.0: must be a number >= 0"),
+    (["--bag-len", "0"], "--bag-len 0: must be >= 1"),  # (RuntimeError: step must be nonzero)
+    (["--steps", "0"], "--steps 0: must be >= 1"),  # (TypeError)
+    (["--tables", "3", "--steps", "0"], "--steps 0: must be >= 1"),  # (need at least one array to concatenate)
+    (["--batch", "0"], "--batch 0: must be >= 1"),  # (0 lookups, status 0)
+    (["--tables", "0"], "--tables 0: must be >= 1"),  # (the demo of one table)
+    (["--tables", "-2"], "--tables -2: must be >= 1"),
+    (["--tables", "2", "--host-rows", "100"], "--host-rows 100 does not apply to --tables 2"),  # (ignored)
+])
+def test_bad_demo_options_get_one_line_naming_the_option(capsys, options, said):
+    """Each was a Python traceback, or an option ignored or replaced by its default."""
+    assert main(["demo", "--rows", "1000", "--steps", "2", "--batch", "8", "--bag-len", "4", *options]) == 2
+    out = capsys.readouterr()
+    assert out.err.startswith(f"tieredemb demo: error: {said}")
+    assert out.err.count("\n") == 1 and out.out == "", out
+
+
+def test_a_demo_of_tables_takes_a_small_alpha():
+    """The tables' alphas spread over --alpha +- 0.15: --alpha 0.1 was a traceback (alpha -0.05 must be >= 0)."""
+    assert main(["demo", "--rows", "1000", "--steps", "2", "--batch", "8", "--bag-len", "4", "--tables", "2",
+                 "--alpha", "0.1"]) == 0
+
+
+def test_a_demo_table_reopened_with_other_options_says_why_in_one_line(tmp_path, capsys):
+    args = ["demo", "--rows", "1000", "--steps", "2", "--batch", "8", "--bag-len", "4", "--ssd-backend", "log",
+            "--ssd-path", str(tmp_path / "t")]
+    assert main(args) == 0
+    for other, said in [(["--rows", "2000"], "stored num_embeddings 1000 != requested 2000"),
+                        (["--dim", "32"], "stored embedding_dim 64 != requested 32"),
+                        (["--ssd-backend", "slots"], "holds a 'log' table, requested backend 'slots'")]:
+        capsys.readouterr()
+        assert main(args + other) == 2  # (a 20-line traceback)
+        err = capsys.readouterr().err
+        assert err.startswith(f"tieredemb demo: error: ssd_path {tmp_path / 't'}: ") and said in err, err
+        assert err.count("\n") == 1
 
 
 def test_every_demo_option_has_help_and_a_default(capsys):

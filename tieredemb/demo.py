@@ -5,6 +5,7 @@ background) -> tier 0 -> host cache -> backing store (host memory or SSD), and w
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -57,16 +58,21 @@ def demo(argv: list[str]) -> int:
     import tieredemb
 
     args = _parser().parse_args(argv)
+    if (refused := _refused(args)) is not None:
+        return _error(refused)
     if args.tables > 1:
         return _demo_collection(args)
     cache_rows = args.cache_rows or max(1, args.rows // 20)
     existing = args.ssd_path is not None and ssd_backend.detect_backend(args.ssd_path)
 
     torch.manual_seed(0)
-    emb = tieredemb.TieredEmbeddingBag(args.rows, args.dim, mode="sum", cache_rows=cache_rows,
-                                       host_rows=args.host_rows, ssd_path=args.ssd_path, policy=args.policy,
-                                       ssd_options={"backend": args.ssd_backend} if args.ssd_backend else None,
-                                       optimizer=tieredemb.RowWiseAdagrad(lr=0.05))
+    try:  # (a table reopened at --ssd-path with other rows, dim or store: the library's one line)
+        emb = tieredemb.TieredEmbeddingBag(args.rows, args.dim, mode="sum", cache_rows=cache_rows,
+                                           host_rows=args.host_rows, ssd_path=args.ssd_path, policy=args.policy,
+                                           ssd_options={"backend": args.ssd_backend} if args.ssd_backend else None,
+                                           optimizer=tieredemb.RowWiseAdagrad(lr=0.05))
+    except (ValueError, OSError, ssd_backend.StoreError) as e:
+        return _error(str(e))
     print(f"table: {args.rows:,} rows x {args.dim} ({args.rows * emb.width * 4 / 2**20:,.0f} MiB with optimizer state); "
           f"tier 0 holds {cache_rows:,} rows ({100 * cache_rows / args.rows:.1f}%)"
           + (f", host cache {args.host_rows:,} rows" if args.host_rows else "")
@@ -111,6 +117,30 @@ def demo(argv: list[str]) -> int:
     return 0
 
 
+# The least value of each whole-number option (None: the option left out, its default).
+_LEAST = {"rows": 1, "dim": 1, "cache_rows": 1, "host_rows": 1, "steps": 1, "batch": 1, "bag_len": 1,
+          "prefetch_depth": 0, "tables": 1}
+
+
+def _refused(args) -> str | None:
+    """Why the options cannot run (the option, its value, the rule), None when they can."""
+    for name, least in _LEAST.items():
+        value = getattr(args, name)
+        if value is not None and value < least:
+            return f"--{name.replace('_', '-')} {value}: must be >= {least}"
+    if not (math.isfinite(args.alpha) and args.alpha >= 0):
+        return f"--alpha {args.alpha}: must be a number >= 0 (0: uniform ids)"
+    if args.tables > 1 and args.host_rows is not None:
+        return (f"--host-rows {args.host_rows} does not apply to --tables {args.tables}: the collection's tiers come "
+                f"from its plan (tier 0, then each table's store), with no host cache between")
+    return None
+
+
+def _error(message: str) -> int:
+    print(f"tieredemb demo: error: {message}", file=sys.stderr)
+    return 2
+
+
 def _report(stats: dict, depth: int) -> None:
     print("what each layer did (rows are looked up once per batch, duplicates removed):")
     for tier in ("tier0", "host"):
@@ -140,6 +170,7 @@ def _demo_collection(args) -> int:
     """--tables N: a click model over a TieredEmbeddingBagCollection of N tables."""
     from tqdm import tqdm
 
+    import ssd_backend
     import tieredemb
 
     torch.manual_seed(0)
@@ -148,7 +179,8 @@ def _demo_collection(args) -> int:
               for k in range(args.tables)]
     budget = (args.cache_rows or sum(rows) // 20) * 64 * 4
     opt = tieredemb.RowWiseAdagrad(lr=0.05)
-    alphas = [args.alpha - 0.15 + 0.3 * k / max(1, args.tables - 1) for k in range(args.tables)]  # mixed locality
+    # mixed locality: alphas spread over alpha +- 0.15 (none below 0: uniform)
+    alphas = [max(0.0, args.alpha - 0.15 + 0.3 * k / max(1, args.tables - 1)) for k in range(args.tables)]
     samplers = [ZipfSampler(n, a, seed=1 + k) for k, (n, a) in enumerate(zip(rows, alphas))]
     n_ids = args.batch * args.bag_len
 
@@ -165,16 +197,19 @@ def _demo_collection(args) -> int:
     try:
         plans = tieredemb.plan(traces, sizes, cache_bytes=budget, host_bytes=1 if args.ssd_path else None)
     except ValueError as e:  # (the planner needs every table's widest batch in tier 0)
-        print(f"tieredemb demo: error: {e} (--cache-rows; --batch, --bag-len)", file=sys.stderr)
-        return 2
+        return _error(f"{e} (--cache-rows; --batch, --bag-len)")
     print(f"{args.tables} tables of {min(rows):,} to {max(rows):,} rows (dims 32 and 64, Zipf alpha "
           f"{min(alphas):.2f} to {max(alphas):.2f}); tier-0 budget {budget / 2**20:,.1f} MiB, planned from the first "
           f"{ahead} batches:")
     print(planner.report(plans))
     existing = args.ssd_path is not None and os.path.exists(os.path.join(args.ssd_path, "collection.json"))
-    ebc = tieredemb.TieredEmbeddingBagCollection(tables, plan=plans["planned"], ssd_path=args.ssd_path,
-                                                 optimizer=opt, policy=args.policy,
-                                                 ssd_options={"backend": args.ssd_backend} if args.ssd_backend else None)
+    try:  # (a collection reopened at --ssd-path with other tables or store: the library's one line)
+        ebc = tieredemb.TieredEmbeddingBagCollection(tables, plan=plans["planned"], ssd_path=args.ssd_path,
+                                                     optimizer=opt, policy=args.policy,
+                                                     ssd_options={"backend": args.ssd_backend} if args.ssd_backend
+                                                     else None)
+    except (ValueError, OSError, ssd_backend.StoreError) as e:
+        return _error(str(e))
     print(f"{len(ebc.groups)} groups looked up together")
     if args.ssd_path:
         print(f"reopened the collection at {os.path.abspath(args.ssd_path)}: its groups have trained "
