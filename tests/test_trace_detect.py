@@ -208,6 +208,17 @@ def test_options_that_do_not_apply_are_refused(tmp_path, base, capsys):
         open_any(tmp_path / "missing.oracleGeneral.bin")
 
 
+def test_a_directory_or_missing_file_is_named_as_such(tmp_path, capsys):
+    """A directory was reported as "no such file"; with --from, a missing file or a directory was the OSError's text."""
+    for options in ([], ["--from", "csv"]):
+        for command in (["mrc", tmp_path], ["trace", "inspect", tmp_path], ["simulate", tmp_path, "--capacity", "3"]):
+            assert main([str(a) for a in command + options]) == 2
+            err = capsys.readouterr().err
+            assert err.endswith(f": {tmp_path}: is a directory, not a trace file\n") and err.count("\n") == 1, err
+        assert main(["trace", "inspect", str(tmp_path / "missing.csv"), *options]) == 2
+        assert capsys.readouterr().err == f"tieredemb trace inspect: {tmp_path / 'missing.csv'}: no such file\n"
+
+
 def test_the_batch_size_option_is_documented(capsys):
     for command in ("simulate", "mrc", "replay", "trace inspect", "trace convert"):
         try:

@@ -106,12 +106,13 @@ def _is_csv(path: str, head: bytes) -> bool:
 
 def source_format(path, given: str | None = None) -> str:
     """The format to read `path` as: `given`, else its content's (sniff_format), else its
-    extension's. Raises TraceError for a missing file or one that matches no format."""
+    extension's. Raises TraceError for a missing file, a directory, or a file that matches no format."""
     path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise TraceError(f"{path}: " + ("is a directory, not a trace file" if os.path.isdir(path) else
+                                        "no such file" if not os.path.exists(path) else "not a regular file"))
     if given is not None:
         return detect_format(path, given)
-    if not os.path.isfile(path):
-        raise TraceError(f"{path}: no such file")
     fmt = sniff_format(path) or format_from_extension(path)
     if fmt is None:
         with open(path, "rb") as f:
