@@ -3,6 +3,7 @@ against the engine itself, tier stacks with write-backs, miss-ratio curves, stre
 
 import itertools
 import json
+import os
 
 import numpy as np
 import pytest
@@ -469,6 +470,14 @@ def test_mrc_command(trace_file, tmp_path, capsys):
         mrc(keys, offsets, [150], warmup=batches // 2).miss_ratio.tolist()
     assert mrc_command([str(path), "--warmup", str(batches)]) == 2
     assert f"warmup {batches} must be in [0, {batches})" in capsys.readouterr().err
+
+
+def test_mrc_png_without_an_extension_prints_the_file_written(trace_file, tmp_path, capsys):
+    """--png plot wrote plot.png (matplotlib adds the extension) and printed "plot: plot"."""
+    assert mrc_command([str(trace_file[0]), "--points", "8", "--png", str(tmp_path / "plot")]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].startswith(f"plot: {tmp_path / 'plot.png'} (8 sizes")
+    assert sorted(os.listdir(tmp_path)) == ["plot.png", "t.trace"]
+    assert (tmp_path / "plot.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_bad_input():

@@ -10,6 +10,7 @@ import sys
 
 import numpy as np
 
+from tieredemb.output import PendingFile, png_path
 from tieredemb.trace.cli import add_input_args, open_input
 
 from .errors import SimError
@@ -154,9 +155,11 @@ def _mrc(a, source) -> int:
     sizes = None if a.sizes is None else np.array([_rows(s, total) for s in a.sizes], np.int64)
     c = curve_of(source, None, sizes, policy=a.policy, mode=a.mode, points=a.points, sample_rate=a.sample_rate,
                  lookahead=a.lookahead, progress=_progress_wanted(a), warmup=a.warmup)
-    if a.png:
+    png = a.png and png_path(a.png)  # (no extension: PATH.png, as savefig writes it)
+    if png:
         rate = f", SHARDS rate {c.sample_rate:g}" if c.sample_rate else ""
-        _plot(c, total, a.png, f"{a.trace}: {c.policy}, {c.mode} mode{rate}")
+        with PendingFile(png) as out:  # (a failed plot leaves the file there as it was)
+            _plot(c, total, out.temp, f"{a.trace}: {c.policy}, {c.mode} mode{rate}")
     if a.json:
         print(json.dumps(c.to_dict(), indent=1))
         return 0
@@ -172,7 +175,7 @@ def _mrc(a, source) -> int:
     for s, m in zip(c.sizes[shown], c.miss_ratio[shown]):
         print(f"{int(s):>14,} {100 * s / total:>8.3f} {m:>10.4f} {1 - m:>10.4f}")
     if a.png:
-        print(f"plot: {a.png} ({c.sizes.size} sizes{', of which these' if shown.size < c.sizes.size else ''}; "
+        print(f"plot: {png} ({c.sizes.size} sizes{', of which these' if shown.size < c.sizes.size else ''}; "
               f"--json prints every point)")
     return 0
 
