@@ -480,6 +480,22 @@ def test_mrc_png_without_an_extension_prints_the_file_written(trace_file, tmp_pa
     assert (tmp_path / "plot.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_mrc_of_no_lookups_says_so(tmp_path, capsys):
+    """A trace of empty batches printed a curve of hit ratio 1.0000 (0 / 0 taken as a hit)."""
+    with TraceWriter(tmp_path / "e.trace", [TableInfo("t", 100)]) as w:
+        w.write_batch([])
+        w.write_batch([])
+    with TraceWriter(tmp_path / "tail.trace", [TableInfo("t", 100)]) as w:
+        w.write_batch([1, 2])
+        w.write_batch([])
+    for args, said in [(["e.trace"], "e.trace: no lookups to measure a miss ratio over (2 batches, all empty)"),
+                       (["e.trace", "--json"], "e.trace: no lookups to measure a miss ratio over"),
+                       (["tail.trace", "--warmup", "1"], "after the first 1 batches (--warmup)")]:
+        assert mrc_command([str(tmp_path / args[0]), *args[1:]]) == 2
+        out = capsys.readouterr()
+        assert said in out.err and out.err.count("\n") == 1 and out.out == "", out
+
+
 def test_bad_input():
     keys, offsets = np.arange(10), np.array([0, 5, 10])
     with pytest.raises(SimError, match="unknown policy 'mru'"):

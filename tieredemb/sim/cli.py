@@ -155,6 +155,12 @@ def _mrc(a, source) -> int:
     sizes = None if a.sizes is None else np.array([_rows(s, total) for s in a.sizes], np.int64)
     c = curve_of(source, None, sizes, policy=a.policy, mode=a.mode, points=a.points, sample_rate=a.sample_rate,
                  lookahead=a.lookahead, progress=_progress_wanted(a), warmup=a.warmup)
+    if c.lookups == 0:  # (every ratio would be 0 / 0)
+        unit = "requests" if c.mode == "request" else "batches"
+        batches = source.header.num_batches
+        raise SimError(f"{a.trace}: no lookups to measure a miss ratio over"
+                       + (f" after the first {a.warmup:,} {unit} (--warmup)" if a.warmup else
+                          f" ({batches:,} batches, all empty)" if batches else " (it holds no batches)"))
     png = a.png and png_path(a.png)  # (no extension: PATH.png, as savefig writes it)
     if png:
         rate = f", SHARDS rate {c.sample_rate:g}" if c.sample_rate else ""
