@@ -424,7 +424,7 @@ class TraceReader(TraceSource):
         self._file.seek(0, os.SEEK_END)
         end = self._file.tell()
         if end < offset:
-            raise self._fail(end, f"truncated file: the last chunk ends at byte {offset}")
+            raise TraceError(f"{self.path}: truncated file: it ends at byte {end}, its last chunk at byte {offset}")
         if end != offset:
             raise self._fail(offset, f"{end - offset} unexpected bytes after the last chunk")
         if (batches, lookups) != (self.header.num_batches, self.header.num_lookups):
