@@ -283,3 +283,41 @@ def test_record_a_collection_then_plan_from_its_trace(tmp_path, capsys):
     capsys.readouterr()
     doc = json.loads(out.read_text())["planned"]
     assert doc["tables"] == planner.plan(tr, tables(), cache_bytes=budget())["planned"].to_dict()["tables"]
+
+
+def _planner_traces(names, rows, batches=20, per_batch=30, seed=0):
+    rng = np.random.default_rng(seed)
+    out = {}
+    for k, n in enumerate(names):
+        ids = (rng.random(batches * per_batch) ** (2 + k) * rows).astype(np.int64)
+        out[n] = (ids, np.arange(0, batches * per_batch + 1, per_batch))
+    return out
+
+
+def test_the_planner_keeps_the_tables_it_puts_in_host_memory_within_host_bytes():
+    """Mutant n3 (planner.py _place: the host budget not decreased by the tables put there): every
+    table that fits host_bytes alone went to 'host', together past the budget. The existing test's
+    tables larger than the budget go to SSD either way, so it passed."""
+    names, rows, row_bytes = ["a", "b", "c"], 1000, 64
+    tables = {n: (rows, row_bytes) for n in names}
+    host = int(1.5 * rows * row_bytes)  # room for one table, not two
+    plans = planner.plan(_planner_traces(names, rows), tables, cache_bytes=3 * 100 * row_bytes, host_bytes=host,
+                         bandwidth=planner.Bandwidth(to_tier0=10e9, ssd=1e9))
+    for p in plans.values():
+        in_host = [t for t in p.tables if t.store == "host"]
+        assert sum(t.rows * t.row_bytes for t in in_host) <= host, [(t.name, t.store) for t in p.tables]
+        assert len(in_host) == 1
+
+
+def test_a_training_plan_prices_the_write_back_of_every_row_it_reads():
+    """Mutant n2 (planner.py _price: moves = 1 when training): a trained row read into tier 0 is
+    written back at its eviction, so the bytes a training plan predicts are twice an inference
+    plan's for the same misses. Nothing compared the two."""
+    names = ["a", "b"]
+    tables = {n: (1000, 64) for n in names}
+    kw = dict(cache_bytes=2 * 100 * 64)
+    trained = planner.plan(_planner_traces(names, 1000), tables, train=True, **kw)["proportional"]
+    served = planner.plan(_planner_traces(names, 1000), tables, train=False, **kw)["proportional"]
+    for t, s in zip(trained.tables, served.tables):
+        assert t.cache_rows == s.cache_rows and t.tier0_hit == s.tier0_hit
+        assert t.bytes_per_batch == pytest.approx(2 * s.bytes_per_batch) and t.bytes_per_batch > 0
