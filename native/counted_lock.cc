@@ -13,6 +13,7 @@
 // every 20 ms, so Ctrl-C interrupts it, as it does threading's: an acquire then has taken nothing, a
 // wait has taken its holds back (as threading.Condition's does) before the exception leaves it.
 #include <chrono>
+#include <cmath>
 #include <condition_variable>
 #include <cstdint>
 #include <mutex>
@@ -32,6 +33,18 @@ namespace {
 
 thread_local int64_t held_by_this_thread = 0;  // holds of every CountedLock, by the calling thread
 
+// A timeout in seconds as threading's locks take it: -1 (or None) none, else in [0, TIMEOUT_MAX].
+double checked_timeout(double timeout) {
+  constexpr double kTimeoutMax = 9223372036.0;  // (threading.TIMEOUT_MAX on Linux)
+  if (std::isnan(timeout)) throw nb::value_error("timeout must be a number, got nan");
+  if (timeout < 0 && timeout != -1) throw nb::value_error("timeout value must be a non-negative number");
+  if (timeout > kTimeoutMax) {
+    PyErr_SetString(PyExc_OverflowError, "timeout value is too large");
+    throw nb::python_error();
+  }
+  return timeout;
+}
+
 class CountedLock {
  public:
   explicit CountedLock(bool reentrant) : reentrant_(reentrant) {}
@@ -40,7 +53,7 @@ class CountedLock {
   // (it would wait for itself) unless blocking is false.
   bool acquire(bool blocking, double timeout) {
     if (!blocking && timeout != -1) throw nb::value_error("can't specify a timeout for a non-blocking call");
-    if (timeout < 0 && timeout != -1) throw nb::value_error("timeout value must be a non-negative number");
+    checked_timeout(timeout);
     const unsigned long me = PyThread_get_thread_ident();
     {
       std::lock_guard<std::mutex> g(mu_);
@@ -80,6 +93,7 @@ class CountedLock {
   // or the timeout (seconds; negative: none), then takes them back. Returns false at timeout.
   bool wait(double timeout) {
     using Clock = std::chrono::steady_clock;
+    checked_timeout(timeout);
     const unsigned long me = PyThread_get_thread_ident();
     const auto deadline = after(timeout);
     int64_t holds;
@@ -98,7 +112,7 @@ class CountedLock {
     for (;;) {
       bool late = false;
       {
-        nb::gil_scoped_release unlocked;
+        GilReleased unlocked;
         std::unique_lock<std::mutex> g(mu_);
         auto until = Clock::now() + kSlice;
         if (timeout >= 0 && deadline < until) until = deadline;
@@ -128,6 +142,7 @@ class CountedLock {
   // limit) has passed; returns the predicate's last value. The predicate runs with the lock held.
   nb::object wait_for(nb::callable predicate, std::optional<double> timeout) {
     using Clock = std::chrono::steady_clock;
+    if (timeout) checked_timeout(std::max(*timeout, 0.0));  // (one of 0 or less: the predicate once)
     const auto deadline = after(timeout ? *timeout : -1);
     nb::object result = predicate();
     while (!truth(result)) {
@@ -186,8 +201,8 @@ class CountedLock {
     for (;;) {
       bool got = false;
       bool late = false;
+      PyThreadState* state = PyEval_SaveThread();
       {
-        nb::gil_scoped_release unlocked;
         std::unique_lock<std::mutex> g(mu_);
         auto until = Clock::now() + kSlice;
         if (timeout >= 0 && deadline < until) until = deadline;
@@ -198,7 +213,8 @@ class CountedLock {
         } else {
           late = timeout >= 0 && Clock::now() >= deadline;
         }
-      }  // (mu_ is let go before the GIL is taken back)
+      }  // (mu_ is let go before the GIL is taken back; a thread parked at exit gives the lock back first)
+      restore_or_park(state, got ? &CountedLock::let_go : nullptr, this);
       if (got) {
         held_by_this_thread += holds;
         return true;
@@ -207,6 +223,14 @@ class CountedLock {
       if (interruptible && PyErr_CheckSignals() != 0) throw nb::python_error();
     }
   }
+
+  static void let_go(void* lock) {
+    auto* self = static_cast<CountedLock*>(lock);
+    std::lock_guard<std::mutex> g(self->mu_);
+    self->holds_ = 0;
+    self->free_.notify_one();
+  }
+
 
   const bool reentrant_;
   std::mutex mu_;

@@ -24,7 +24,7 @@ Status check_prefix(const char* what, int64_t rows, int64_t limit) {
 
 void register_common(nb::module_& m) {
   m.def("set_num_threads", [](int n) { ThreadPool::instance().set_num_threads(n); }, "n"_a,
-        nb::call_guard<nb::gil_scoped_release>(), "threads of this module's pool for batch loops");
+        nb::call_guard<GilReleased>(), "threads of this module's pool for batch loops");
 
   m.def("host_pool", [](int64_t rows, int64_t width, bool populate, bool huge_pages, int64_t populate_rows,
                         int64_t huge_pages_rows) {
@@ -44,7 +44,7 @@ void register_common(nb::module_& m) {
         auto* buf = new HostBuffer();
         std::string err;
         {
-          nb::gil_scoped_release release;
+          GilReleased released;
           err = buf->allocate(static_cast<size_t>(rows) * row_bytes, populated, huge);
         }
         if (!err.empty()) {

@@ -10,8 +10,14 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 
+#ifdef __GLIBCXX__
+#include <cxxabi.h>  // (abi::__forced_unwind)
+#endif
+
+#include <chrono>
 #include <cstdint>
 #include <stdexcept>
+#include <thread>
 #include <string>
 #include <utility>
 #include <vector>
@@ -42,13 +48,46 @@ inline void raise_if_error(const Status& s) {
   }
 }
 
+// Takes the GIL back after PyEval_SaveThread. Python 3.11-3.13 end a thread that takes it while
+// the interpreter finalizes in another (a daemon thread in a native call at exit) with pthread_exit,
+// whose unwinding aborts the process when it meets a frame that may not throw or a catch (...), as
+// nanobind's calls have: "terminate called without an active exception", rc 134. Such a thread is
+// parked for good instead, as Python 3.14 does itself; before_parking(arg) first lets go of what it
+// holds that the finalizing thread may need.
+inline void restore_or_park(PyThreadState* state, void (*before_parking)(void*) = nullptr,
+                            void* arg = nullptr) noexcept {
+#ifdef __GLIBCXX__
+  try {
+    PyEval_RestoreThread(state);
+  } catch (abi::__forced_unwind&) {
+    if (before_parking != nullptr) before_parking(arg);
+    for (;;) std::this_thread::sleep_for(std::chrono::hours(24));
+  }
+#else
+  PyEval_RestoreThread(state);
+#endif
+}
+
+// nb::gil_scoped_release, with restore_or_park: every native call of both modules lets the GIL go
+// through it (also as nb::call_guard<GilReleased>).
+class GilReleased {
+ public:
+  GilReleased() : state_(PyEval_SaveThread()) {}
+  ~GilReleased() { restore_or_park(state_); }
+  GilReleased(const GilReleased&) = delete;
+  GilReleased& operator=(const GilReleased&) = delete;
+
+ private:
+  PyThreadState* state_;
+};
+
 // Runs fn() -> Status with the GIL released, then raises its error with the GIL held.
 // fn must not throw (it returns its errors).
 template <class Fn>
 void run_without_gil(Fn&& fn) {
   Status s;
   {
-    nb::gil_scoped_release release;
+    GilReleased released;
     s = fn();
   }
   raise_if_error(s);

@@ -116,7 +116,7 @@ void register_index(nb::module_& m) {
       .def("lookup", [](const TierIndex& t, Ids ids) {
             std::vector<int64_t> slots(ids.shape(0));
             {
-              nb::gil_scoped_release release;
+              GilReleased released;
               t.lookup(ids.data(), ids.shape(0), slots.data());
             }
             return to_numpy(std::move(slots));
@@ -134,7 +134,7 @@ void register_index(nb::module_& m) {
       .def("dirty_rows", [](const TierIndex& t) {
             std::vector<int64_t> ids, slots;
             {
-              nb::gil_scoped_release release;
+              GilReleased released;
               t.dirty_rows(&ids, &slots);
             }
             return nb::make_tuple(to_numpy(std::move(ids)), to_numpy(std::move(slots)));
@@ -142,7 +142,7 @@ void register_index(nb::module_& m) {
       .def("resident_ids", [](const TierIndex& t, int64_t start, int64_t limit) {
             std::vector<int64_t> ids;
             {
-              nb::gil_scoped_release release;
+              GilReleased released;
               t.resident_ids(start, limit, &ids);
             }
             return to_numpy(std::move(ids));
@@ -150,19 +150,19 @@ void register_index(nb::module_& m) {
       .def("window_push", [](TierIndex& t, Ids ids) {
             run_without_gil([&] { return t.window_push(ids.data(), ids.shape(0)); });
           }, "ids"_a.noconvert(), "appends a future batch (unique ids) to the lookahead window")
-      .def("window_pop", &TierIndex::window_pop, nb::call_guard<nb::gil_scoped_release>(),
+      .def("window_pop", &TierIndex::window_pop, nb::call_guard<GilReleased>(),
            "drops the window's oldest batch; False if it was empty")
-      .def("window_clear", &TierIndex::window_clear, nb::call_guard<nb::gil_scoped_release>())
+      .def("window_clear", &TierIndex::window_clear, nb::call_guard<GilReleased>())
       .def_prop_ro("window_batches", &TierIndex::window_batches)
       .def("stats", [](const TierIndex& t) {
             TierStats s;
             {
-              nb::gil_scoped_release release;
+              GilReleased released;
               s = t.stats();
             }
             return stats_dict(s);
           }, "counters since construction or reset_stats(); overflow_rows: rows placed in overflow slots")
-      .def("reset_stats", &TierIndex::reset_stats, nb::call_guard<nb::gil_scoped_release>())
+      .def("reset_stats", &TierIndex::reset_stats, nb::call_guard<GilReleased>())
       .def_prop_ro("partitions", &TierIndex::partitions, "parts with their own capacity and eviction order (0: not split)")
       .def("partition_stats", [](const TierIndex& t) {
             nb::list out;
@@ -184,7 +184,7 @@ void register_index(nb::module_& m) {
                   ("overflow_limit must be >= 0 rows, got " + std::to_string(overflow_limit)).c_str());
             bool known;
             {
-              nb::gil_scoped_release release;  // O(capacity)
+              GilReleased released;  // O(capacity)
               auto p = make_policy(policy, capacity);
               known = p != nullptr;
               if (known) new (self) CacheIndex(capacity, std::move(p), overflow_limit);
@@ -204,7 +204,7 @@ void register_index(nb::module_& m) {
       .def("__init__", [](PartitionedIndex* self, std::vector<int64_t> ends, std::vector<int64_t> capacities,
                           const std::string& policy, std::vector<int64_t> overflow_limits) {
             {
-              nb::gil_scoped_release release;  // O(capacity)
+              GilReleased released;  // O(capacity)
               new (self) PartitionedIndex(std::move(ends), std::move(capacities), policy, std::move(overflow_limits));
             }
             if (!self->error().empty()) {
@@ -229,7 +229,7 @@ void register_index(nb::module_& m) {
       .def("dirty_ids", [](const DirectIndex& t, int64_t start, int64_t limit) {
             std::vector<int64_t> ids;
             {
-              nb::gil_scoped_release release;
+              GilReleased released;
               t.dirty_ids(start, limit, &ids);
             }
             return to_numpy(std::move(ids));

@@ -229,7 +229,7 @@ void register_kernels(nb::module_& m) {
         const WeightType type = weight_type(weights);
         check_dim(dim, static_cast<int64_t>(out.shape(1)), type);
         const InitSpec spec = init_spec(kind, a, b, seed, zero_id);
-        nb::gil_scoped_release release;
+        GilReleased released;
         init_rows(spec, ids.data(), ids.shape(0), dim, out.shape(1), out.data(), type);
       }, "ids"_a.noconvert(), "out"_a.noconvert(), "dim"_a, "kind"_a, "a"_a, "b"_a, "seed"_a, "zero_id"_a,
       "weights"_a = 0,

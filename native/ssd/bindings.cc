@@ -96,14 +96,14 @@ void add_common(Cls& cls) {
             F& f = self.get();
             std::vector<int64_t> ids;
             {
-              nb::gil_scoped_release release;
+              GilReleased released;
               ids = f.WrittenIds(start, limit);
             }
             return to_numpy(std::move(ids));
           }, "start"_a, "limit"_a, "sorted written ids >= start, at most limit (< 0: all)")
       .def("num_written", [](Py& self) {
             F& f = self.get();
-            nb::gil_scoped_release release;
+            GilReleased released;
             return f.num_written();
           })
       .def("close", [](Py& self) {
@@ -164,7 +164,7 @@ void register_ssd(nb::module_& m) {
             LogFile& f = self.get();
             int64_t live, log, segments, compactions, rows_compacted;
             {
-              nb::gil_scoped_release release;
+              GilReleased released;
               live = f.live_bytes();
               log = f.log_bytes();
               segments = f.num_segments();
