@@ -109,6 +109,28 @@ def test_the_installed_command_dispatches_to_trace(tmp_path):
     assert info["num_lookups"] == 3 and info["reuse"]["repeat_in_batch"] == 1
 
 
+def test_a_convert_to_a_fifo_writes_into_it(tmp_path):
+    """Outputs written beside their destination and moved into place replaced a FIFO by a regular
+    file (its reader got nothing) and failed on /dev/stdout (no file can be made beside it): a
+    destination that is not a regular file is written directly, as before."""
+    import os
+    import threading
+
+    with TraceWriter(tmp_path / "t.trace", [TableInfo("t", 1000)], chunk_lookups=100) as w:
+        for b in range(5):
+            w.write_batch(np.arange(100) * (b + 1) % 1000)
+    fifo = tmp_path / "out.csv"
+    os.mkfifo(fifo)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_text()), daemon=True)
+    reader.start()
+    assert trace(["convert", str(tmp_path / "t.trace"), str(fifo), "--to", "csv"]) == 0
+    reader.join(30)
+    assert got and got[0].count("\n") == 501  # the header and 500 lookups
+    assert not fifo.is_file() and fifo.is_fifo()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.csv", "t.trace"]
+
+
 @pytest.mark.parametrize("ext", ["trace", "csv", "oracleGeneral", "npy", "pt"])
 def test_a_failed_convert_leaves_the_destination_as_it_was(tmp_path, capsys, ext):
     """A failed import deleted an existing .trace; a failed export left a header-only .csv or a

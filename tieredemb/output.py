@@ -13,12 +13,17 @@ class PendingFile:
     """A new file for `path`, written at `temp` (a hidden name in path's directory): commit()
     replaces path by it (os.replace), discard() removes it; as a context manager, leaving the
     block commits, leaving it by an exception discards. Raises OSError naming `path` when its
-    directory cannot take a new file (missing, not writable) or path is a directory."""
+    directory cannot take a new file (missing, not writable) or path is a directory. A destination
+    that is not a regular file (a pipe, a FIFO, /dev/stdout) is written directly: temp is path."""
 
     def __init__(self, path):
         self.path = os.fspath(path)
         if os.path.isdir(self.path):
             raise IsADirectoryError(21, "Is a directory", self.path)
+        self._direct = os.path.exists(self.path) and not stat.S_ISREG(os.stat(self.path).st_mode)
+        if self._direct:  # (a pipe, a FIFO, /dev/stdout: written as it is; there is nothing to keep)
+            self.temp = self.path
+            return
         # (through a symbolic link: the file it names is replaced, not the link)
         target = os.path.realpath(self.path) if os.path.islink(self.path) else self.path
         folder, name = os.path.split(target)
@@ -34,12 +39,12 @@ class PendingFile:
 
     def commit(self) -> None:
         """Moves the written file into place (a no-op once done)."""
-        if os.path.exists(self.temp):
+        if not self._direct and os.path.exists(self.temp):
             os.replace(self.temp, self._target)
 
     def discard(self) -> None:
         """Removes the written file; the destination stays as it was."""
-        if os.path.exists(self.temp):
+        if not self._direct and os.path.exists(self.temp):
             os.remove(self.temp)
 
     def __enter__(self) -> PendingFile:
@@ -50,7 +55,6 @@ class PendingFile:
             self.commit()
         else:
             self.discard()
-
 
 
 def png_path(path) -> str:
