@@ -502,6 +502,10 @@ def test_the_host_cache_plans_with_the_lookahead_window():
     for b in batches[:5]:
         emb.prefetch(b, one)
     out = emb(batches[0], one)  # batch 0 resident: its window is batches 1..3
+    deadline = time.monotonic() + 30  # (the worker plans batch 1, both tiers' windows: until it waits for room)
+    while not emb._prefetch.room_wait and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert emb._prefetch.room_wait
     tier0, host = emb._store.tiers
     assert tier0.index.window_batches == 3
     assert host.index.window_batches == tier0.index.window_batches
@@ -550,3 +554,44 @@ def test_a_registered_batch_changed_in_place_is_not_taken_for_the_registered_one
     ids[0] = (ids[0] + 1) % 500
     with pytest.raises(PrefetchOrderError):
         emb(ids, bounds)
+
+
+@pytest.mark.parametrize("where", ["_wake_waiting_worker", "join"])
+def test_an_interrupt_while_a_loader_ends_still_forgets_its_batches(batches, monkeypatch, where):
+    """A KeyboardInterrupt (a signal handler's) inside the worker's shutdown, as a PrefetchLoader's loop
+    ends, left its batches registered and pinned: the next loader refused to start. The interrupt is
+    injected at one call (real signals found it, at random points); it still reaches the caller."""
+    emb = make_table(cache_rows=CACHE)
+    pairs = [(ids, off) for ids, off, _ in batches]
+    prefetcher = emb._prefetch
+    armed, fired = [], []
+
+    def once(real):
+        def call(*args, **kwargs):
+            if armed and not fired:
+                fired.append(True)
+                raise KeyboardInterrupt
+            return real(*args, **kwargs)
+        return call
+
+    if where == "join":
+        real_start = prefetcher._ensure_worker
+
+        def ensure():
+            real_start()
+            thread = prefetcher.thread
+            monkeypatch.setattr(thread, "join", once(thread.join))
+        monkeypatch.setattr(prefetcher, "_ensure_worker", ensure)
+    else:
+        monkeypatch.setattr(prefetcher, "_wake_waiting_worker", once(prefetcher._wake_waiting_worker))
+    loop = iter(tieredemb.PrefetchLoader(pairs, [emb], depth=4))
+    for _ in range(6):
+        ids, off = next(loop)
+        emb(ids, off).sum().backward()
+    armed.append(True)
+    with pytest.raises(KeyboardInterrupt):
+        loop.close()  # (what a `break` does: its shutdown runs)
+    assert fired and len(prefetcher.queue) == 0 and emb._store.tier0.index.pinned == 0
+    monkeypatch.undo()
+    for ids, off in tieredemb.PrefetchLoader(pairs[:4], [emb], depth=2):
+        emb(ids, off).sum().backward()

@@ -228,7 +228,21 @@ class Prefetcher:
 
     def shutdown(self) -> None:
         """Stops the worker and forgets every registered batch not yet taken (unpins them).
-        A pending background error is dropped. Safe to call at any time, and twice."""
+        A pending background error is dropped. Safe to call at any time, and twice. An exception
+        from a signal handler on the way (Ctrl-C as a PrefetchLoader's loop ends) left the batches
+        registered and pinned, and the next loader refused to start: the steps, each safe to run
+        again, are run again, and the exception raised once they are done."""
+        interrupted = None
+        for _ in range(3):
+            try:
+                self._stop_and_forget()
+                break
+            except BaseException as e:
+                interrupted = interrupted or e
+        if interrupted is not None:
+            raise interrupted
+
+    def _stop_and_forget(self) -> None:
         with self.cond:
             self.stopping = True
             thread = self.thread
