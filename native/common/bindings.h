@@ -17,8 +17,8 @@
 #include <chrono>
 #include <cstdint>
 #include <stdexcept>
-#include <thread>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
