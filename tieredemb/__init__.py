@@ -16,7 +16,7 @@ _EXPORTS = {
     "Adam": ".optim", "Optimizer": ".optim",
     "TableConfig": ".config", "Init": ".config", "parse_bytes": ".config",
     "RocksDBOptions": ".config", "LogOptions": ".config", "SlotOptions": ".config",
-    "PrefetchLoader": ".prefetch", "PrefetchOrderError": ".prefetch",
+    "PrefetchLoader": ".loader", "PrefetchOrderError": ".prefetch",
     "record": ".trace",
     "TieredEmbeddingBagCollection": ".collection", "EmbeddingBagConfig": ".collection", "InverseKeyed": ".collection",
     "TieredEmbeddingCollection": ".collection", "EmbeddingConfig": ".collection",

@@ -15,7 +15,8 @@ from . import lookup
 from .config import TableConfig
 from .keyed import check_starts
 from .persistence import Persistence, restored_step
-from .prefetch import Prefetcher, single_module_inputs
+from .loader import single_module_inputs
+from .prefetch import Prefetcher
 from .tiers import TableStore
 
 _MODES = {"sum": 0, "mean": 1, "max": 2}
