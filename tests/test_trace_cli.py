@@ -1,8 +1,10 @@
 """`tieredemb trace convert | inspect | synth`, in process and once through the installed command."""
 
 import json
+import os
 import subprocess
 import sys
+import tempfile
 
 import numpy as np
 import pytest
@@ -113,7 +115,6 @@ def test_a_convert_to_a_fifo_writes_into_it(tmp_path):
     """Outputs written beside their destination and moved into place replaced a FIFO by a regular
     file (its reader got nothing) and failed on /dev/stdout (no file can be made beside it): a
     destination that is not a regular file is written directly, as before."""
-    import os
     import threading
 
     with TraceWriter(tmp_path / "t.trace", [TableInfo("t", 1000)], chunk_lookups=100) as w:
@@ -129,6 +130,35 @@ def test_a_convert_to_a_fifo_writes_into_it(tmp_path):
     assert got and got[0].count("\n") == 501  # the header and 500 lookups
     assert not fifo.is_file() and fifo.is_fifo()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out.csv", "t.trace"]
+
+
+def test_outputs_to_stdout_append_where_it_appends_and_go_through_a_pipe(tmp_path):
+    """`convert X /dev/stdout >> file` replaced the file (the output was moved over what /dev/stdout
+    named) and a .trace, .npy or oracleGeneral output failed on a pipe (not seekable). A stream gets
+    the whole file copied into it, through the inherited descriptor; the command's own lines go to
+    stderr then. Real subprocesses, as a shell runs them."""
+    with TraceWriter(tmp_path / "t.trace", [TableInfo("t", 1000)], chunk_lookups=100) as w:
+        for b in range(5):
+            w.write_batch(np.arange(100) * (b + 1) % 1000)
+    (tmp_path / "t.csv").write_text("")
+    assert trace(["convert", str(tmp_path / "t.trace"), str(tmp_path / "t.csv"), "--to", "csv"]) == 0
+    log = tmp_path / "all.csv"
+    log.write_text("kept 1\nkept 2\n")
+    cmd = [sys.executable, "-m", "tieredemb", "trace", "convert", "--no-progress"]
+    with open(log, "a") as out:
+        run = subprocess.run(cmd + [str(tmp_path / "t.trace"), "/dev/stdout", "--to", "csv"], stdout=out,
+                             stderr=subprocess.PIPE, text=True, timeout=120)
+    assert run.returncode == 0 and "wrote /dev/stdout" in run.stderr
+    assert log.read_text() == "kept 1\nkept 2\n" + (tmp_path / "t.csv").read_text()
+    for to in ("trace", "npy", "oracle"):
+        src = tmp_path / ("t.csv" if to == "trace" else "t.trace")
+        run = subprocess.run(cmd + [str(src), "/dev/stdout", "--to", to], capture_output=True, timeout=120)
+        assert run.returncode == 0, (to, run.stderr[-500:])
+        assert len(run.stdout) > 500 and b"wrote" not in run.stdout
+        if to == "trace":
+            (tmp_path / "piped.trace").write_bytes(run.stdout)
+            assert open_trace(tmp_path / "piped.trace").header.num_lookups == 500
+    assert not [p for p in os.listdir(tempfile.gettempdir()) if p.startswith(".partial-")]
 
 
 @pytest.mark.parametrize("ext", ["trace", "csv", "oracleGeneral", "npy", "pt"])

@@ -15,7 +15,7 @@ import argparse
 import contextlib
 import sys
 
-from .output import PendingFile, png_path
+from .output import PendingFile, png_path, status_stream
 
 OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad", "adam")
 
@@ -98,11 +98,12 @@ def _plan(a, outputs: dict[str, PendingFile]) -> int:
     row_bytes = [TableConfig(1, d, optimizer=opt, dtype=dtype, row_alignment=a.row_alignment).width * 4 for d in dims]
     rows = {n: t.num_rows for n, t in zip(names, header.tables)}
     traces = planner.split_trace(whole.keys, whole.batch_offsets, rows)
+    say = status_stream(a.json, a.png)  # (stderr when an output is stdout: that stays whole)
     bandwidth = planner.Bandwidth()
     if a.probe is not None:
         bandwidth = planner.probe(max(row_bytes) // 4, a.probe or None)
         print(f"probed: host copies {bandwidth.to_tier0 / 1e9:.2f} GB/s"
-              + (f", SSD reads {bandwidth.ssd / 1e9:.2f} GB/s" if a.probe else ""))
+              + (f", SSD reads {bandwidth.ssd / 1e9:.2f} GB/s" if a.probe else ""), file=say)
     if a.bandwidth_tier0 is not None:
         bandwidth = dataclasses.replace(bandwidth, to_tier0=a.bandwidth_tier0)
     if a.bandwidth_ssd is not None:
@@ -111,8 +112,8 @@ def _plan(a, outputs: dict[str, PendingFile]) -> int:
                          host_bytes=a.host_bytes, bandwidth=bandwidth, train=not a.inference, points=a.points,
                          warmup=a.warmup)
     print(f"{a.trace}: {len(names)} tables, {header.num_batches:,} batches, {header.num_lookups:,} lookups"
-          + (f"; predicted over the batches after the first {a.warmup:,}" if a.warmup else ""))
-    print(planner.report(plans))
+          + (f"; predicted over the batches after the first {a.warmup:,}" if a.warmup else ""), file=say)
+    print(planner.report(plans), file=say)
     if "json" in outputs:
         with open(outputs["json"].temp, "w") as f:
             f.write(planner.to_json(plans))
@@ -120,5 +121,5 @@ def _plan(a, outputs: dict[str, PendingFile]) -> int:
         planner.plot(plans, outputs["png"].temp)
     for flag, out in outputs.items():
         out.commit()
-        print(f"{'plot' if flag == 'png' else flag}: {out.path}")
+        print(f"{'plot' if flag == 'png' else flag}: {out.path}", file=say)
     return 0

@@ -7,6 +7,7 @@ import argparse
 import json
 import sys
 
+from ..output import status_stream
 from .format import TraceError
 
 INPUT_HELP = ("The input's format is told from its content: a tieredemb .trace, a libCacheSim oracleGeneral file "
@@ -108,14 +109,15 @@ def _convert(a, progress: bool) -> int:
             raise TraceError(f"--obj-size applies to an export to oracleGeneral, not to an import of {a.src}")
         options = {k: v for k, v in input_options(a).items() if k != "fmt"} | {"chunk_lookups": a.chunk_lookups}
     result = convert(a.src, a.dst, src_format=src, dst_format=a.dst_format, progress=progress, **options)
+    say = status_stream(a.dst)
     if isinstance(result, list):  # locality logs
-        print("\n".join(f"wrote {p}" for p in result))
+        print("\n".join(f"wrote {p}" for p in result), file=say)
     elif result is not None:
         print(f"wrote {a.dst}: {result.num_batches:,} batches, {result.num_lookups:,} lookups, "
               f"tables {', '.join(f'{t.name} ({t.num_rows:,} rows)' for t in result.tables)} "
-              f"(table sizes: {result.meta['rows']})")
+              f"(table sizes: {result.meta['rows']})", file=say)
     else:
-        print(f"wrote {a.dst}")
+        print(f"wrote {a.dst}", file=say)
     return 0
 
 
@@ -142,7 +144,8 @@ def _synth(a, progress: bool) -> int:
         logs = [read_locality_log(p) for p in a.logs]
         h = synth_locality(a.out, logs, a.batches, lookups, rows=_one_or_list(a.rows), seed=a.seed,
                            chunk_lookups=a.chunk_lookups, progress=progress)
-    print(f"wrote {a.out}: {h.num_batches:,} batches, {h.num_lookups:,} lookups over {len(h.tables)} table(s)")
+    print(f"wrote {a.out}: {h.num_batches:,} batches, {h.num_lookups:,} lookups over {len(h.tables)} table(s)",
+          file=status_stream(a.out))
     return 0
 
 
