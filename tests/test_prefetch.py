@@ -595,3 +595,24 @@ def test_an_interrupt_while_a_loader_ends_still_forgets_its_batches(batches, mon
     monkeypatch.undo()
     for ids, off in tieredemb.PrefetchLoader(pairs[:4], [emb], depth=2):
         emb(ids, off).sum().backward()
+
+
+def test_an_error_on_shutdowns_retry_is_said_with_the_first(monkeypatch):
+    """The first exception is raised once the steps are done; an error on a retry was lost (a
+    review's case: a KeyboardInterrupt at the join, then an OSError from a release)."""
+    emb = make_table(cache_rows=CACHE)
+    prefetcher = emb._prefetch
+    real, calls = prefetcher._stop_and_forget, []
+
+    def steps():
+        calls.append(1)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        if len(calls) == 2:
+            raise OSError(5, "injected release failure")
+        real()
+
+    monkeypatch.setattr(prefetcher, "_stop_and_forget", steps)
+    with pytest.raises(KeyboardInterrupt) as got:
+        prefetcher.shutdown()
+    assert len(calls) == 3 and any("injected release failure" in n for n in got.value.__notes__)

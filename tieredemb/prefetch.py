@@ -237,7 +237,10 @@ class Prefetcher:
                 self._stop_and_forget()
                 break
             except BaseException as e:
-                interrupted = interrupted or e
+                if interrupted is None:
+                    interrupted = e
+                else:  # (a real error on the retry is said, not lost)
+                    interrupted.add_note(f"then, running shutdown's steps again: {e!r}")
         if interrupted is not None:
             raise interrupted
 
