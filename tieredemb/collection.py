@@ -121,7 +121,8 @@ def _load_plan(plan) -> dict:
                 plan = json.load(f)["planned"]
         if not isinstance(plan, dict):
             plan = plan.to_dict()
-        return {t["name"]: (int(t["cache_rows"]), t["store"], int(t["rows"]), t.get("row_bytes")) for t in plan["tables"]}
+        return {t["name"]: (int(t["cache_rows"]), t["store"], int(t["rows"]), t.get("row_bytes"))
+                for t in plan["tables"]}
     except OSError:
         raise
     except (ValueError, KeyError, TypeError, AttributeError) as e:
