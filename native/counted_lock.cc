@@ -34,7 +34,7 @@ namespace {
 thread_local int64_t held_by_this_thread = 0;  // holds of every CountedLock, by the calling thread
 
 // A timeout in seconds as threading's locks take it: -1 (or None) none, else in [0, TIMEOUT_MAX].
-double checked_timeout(double timeout) {
+void check_timeout(double timeout) {
   constexpr double kTimeoutMax = 9223372036.0;  // (threading.TIMEOUT_MAX on Linux)
   if (std::isnan(timeout)) throw nb::value_error("timeout must be a number, got nan");
   if (timeout < 0 && timeout != -1) throw nb::value_error("timeout value must be a non-negative number");
@@ -42,7 +42,6 @@ double checked_timeout(double timeout) {
     PyErr_SetString(PyExc_OverflowError, "timeout value is too large");
     throw nb::python_error();
   }
-  return timeout;
 }
 
 class CountedLock {
@@ -53,7 +52,7 @@ class CountedLock {
   // (it would wait for itself) unless blocking is false.
   bool acquire(bool blocking, double timeout) {
     if (!blocking && timeout != -1) throw nb::value_error("can't specify a timeout for a non-blocking call");
-    checked_timeout(timeout);
+    check_timeout(timeout);
     const unsigned long me = PyThread_get_thread_ident();
     {
       std::lock_guard<std::mutex> g(mu_);
@@ -93,7 +92,7 @@ class CountedLock {
   // or the timeout (seconds; negative: none), then takes them back. Returns false at timeout.
   bool wait(double timeout) {
     using Clock = std::chrono::steady_clock;
-    checked_timeout(timeout);
+    check_timeout(timeout);
     const unsigned long me = PyThread_get_thread_ident();
     const auto deadline = after(timeout);
     int64_t holds;
@@ -142,7 +141,7 @@ class CountedLock {
   // limit) has passed; returns the predicate's last value. The predicate runs with the lock held.
   nb::object wait_for(nb::callable predicate, std::optional<double> timeout) {
     using Clock = std::chrono::steady_clock;
-    if (timeout) checked_timeout(std::max(*timeout, 0.0));  // (one of 0 or less: the predicate once)
+    if (timeout) check_timeout(std::max(*timeout, 0.0));  // (one of 0 or less: the predicate once)
     const auto deadline = after(timeout ? *timeout : -1);
     nb::object result = predicate();
     while (!truth(result)) {

@@ -123,9 +123,7 @@ def _load_plan(plan) -> dict:
             plan = plan.to_dict()
         return {t["name"]: (int(t["cache_rows"]), t["store"], int(t["rows"]), t.get("row_bytes"))
                 for t in plan["tables"]}
-    except OSError:
-        raise
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
+    except (ValueError, KeyError, TypeError, AttributeError) as e:  # (an OSError stays one: it names the file)
         raise ValueError(f"{what}: not a plan (a planner.Plan, its to_dict(), or the file `tieredemb plan --json` "
                          f"writes, whose 'planned' entry lists 'tables'): {type(e).__name__}: {e}") from None
 

@@ -9,6 +9,7 @@ from collections import deque
 
 import torch
 
+
 class PrefetchLoader:
     """Wraps an iterable of batches (e.g. a torch DataLoader) and keeps `depth` batches
     prefetched ahead of the one being trained, for one or more tiered modules.
