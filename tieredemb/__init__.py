@@ -18,8 +18,8 @@ _EXPORTS = {
     "RocksDBOptions": ".config", "LogOptions": ".config", "SlotOptions": ".config",
     "PrefetchLoader": ".loader", "PrefetchOrderError": ".prefetch",
     "record": ".trace",
-    "TieredEmbeddingBagCollection": ".collection", "EmbeddingBagConfig": ".collection", "InverseKeyed": ".collection",
-    "TieredEmbeddingCollection": ".collection", "EmbeddingConfig": ".collection",
+    "TieredEmbeddingBagCollection": ".collection", "EmbeddingBagConfig": ".config", "InverseKeyed": ".collection",
+    "TieredEmbeddingCollection": ".collection", "EmbeddingConfig": ".config",
     "plan": ".planner",
 }
 

@@ -1,7 +1,7 @@
 """Many tables in one module: TieredEmbeddingBagCollection (TorchRec's EmbeddingBagCollection with
 tiered tables) and TieredEmbeddingCollection (its EmbeddingCollection, unpooled); the inputs they
 take and the outputs they give are in keyed.py, their state_dict, checkpoint and export table by
-table in collection_state.py.
+table in collection_state.py, their tables' configs in config.py.
 
     tables = [tieredemb.EmbeddingBagConfig("user", 10**8, 128, ["user_id"]),
               tieredemb.EmbeddingBagConfig("item", 10**7, 64, ["item_id", "last_item"])]
@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import json
-import numbers
 import os
 
 import numpy as np
@@ -33,70 +31,14 @@ from torch import Tensor, nn
 
 from .collection_prefetch import CollectionPrefetch, Prepared
 from .collection_state import CollectionState
-from .config import Init, TableConfig, parse_budget
+from .config import EmbeddingBagConfig, EmbeddingConfig, Init, TableConfig, parse_budget  # noqa: F401
+# (the configs re-exported: tieredemb.collection.EmbeddingBagConfig)
 from .keyed import (InverseKeyed, KeyedEmbeddings, features_of, is_keyed_jagged, jagged, keyed,  # noqa: F401
                     keyed_lengths, variable_batch)  # (InverseKeyed and KeyedEmbeddings re-exported)
-from . import lookup
+from . import lookup, planner
 from .gpu import to_device
 from .module import _MODES, TieredEmbedding, TieredEmbeddingBag, eager_when_compiled
 from .optim import Optimizer
-
-
-def _check_table(t) -> None:
-    if not isinstance(t.name, str) or not t.name:
-        raise TypeError(f"a table's name must be a non-empty str, got {t.name!r}")
-    if t.name in (".", "..") or any(c in t.name for c in "/\\\0"):
-        raise ValueError(f"table name {t.name!r}: a table's name names its directory in an export: no '/', '\\' "
-                         "or NUL, and not '.' or '..'")
-    for field in ("num_embeddings", "embedding_dim"):
-        value = getattr(t, field)
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-            raise ValueError(f"table {t.name!r}: {field} must be an int >= 1, got {value!r}")
-        object.__setattr__(t, field, int(value))
-    if isinstance(t.feature_names, str) or not all(isinstance(f, str) for f in t.feature_names):
-        raise TypeError(f"table {t.name!r}: feature_names must be a list of feature names, got {t.feature_names!r}")
-    object.__setattr__(t, "feature_names", tuple(t.feature_names))
-    if not t.feature_names:
-        raise ValueError(f"table {t.name!r} has no features: give feature_names")
-
-
-@dataclasses.dataclass(frozen=True)
-class EmbeddingConfig:
-    """One table of a TieredEmbeddingCollection: name; num_embeddings x embedding_dim; the
-    features that read it (each id gets its row, unpooled); optimizer and init (None: the
-    collection's); dtype of the weights."""
-
-    name: str
-    num_embeddings: int
-    embedding_dim: int
-    feature_names: tuple[str, ...] | list[str]
-    optimizer: Optimizer | None = None
-    init: Init | None = None
-    dtype: torch.dtype = torch.float32
-
-    def __post_init__(self):
-        _check_table(self)
-
-
-@dataclasses.dataclass(frozen=True)
-class EmbeddingBagConfig:
-    """One table of a collection: name; num_embeddings x embedding_dim; the features that read it
-    (each feature a bag per sample); pooling 'sum' or 'mean'; optimizer and init (None: the
-    collection's); dtype of the weights."""
-
-    name: str
-    num_embeddings: int
-    embedding_dim: int
-    feature_names: tuple[str, ...] | list[str]
-    pooling: str = "sum"
-    optimizer: Optimizer | None = None
-    init: Init | None = None
-    dtype: torch.dtype = torch.float32
-
-    def __post_init__(self):
-        _check_table(self)
-        if self.pooling not in ("sum", "mean"):
-            raise ValueError(f"table {self.name!r}: pooling {self.pooling!r} is not 'sum' or 'mean'")
 
 
 class _Group:
@@ -108,24 +50,6 @@ class _Group:
         self.store = store  # "host" or "ssd"
         self.offsets = dict(zip((t.name for t in tables), np.cumsum([0] + [t.num_embeddings for t in tables])))
         self.rows = sum(t.num_embeddings for t in tables)
-
-
-def _load_plan(plan) -> dict:
-    """A planner.Plan, its to_dict(), or the path of `tieredemb plan --json`'s file (its
-    'planned' entry) -> {table: (tier-0 rows, store, rows, row bytes or None)}."""
-    what = "plan"
-    try:
-        if isinstance(plan, (str, os.PathLike)):
-            what = f"plan file {os.fspath(plan)}"
-            with open(plan) as f:
-                plan = json.load(f)["planned"]
-        if not isinstance(plan, dict):
-            plan = plan.to_dict()
-        return {t["name"]: (int(t["cache_rows"]), t["store"], int(t["rows"]), t.get("row_bytes"))
-                for t in plan["tables"]}
-    except (ValueError, KeyError, TypeError, AttributeError) as e:  # (an OSError stays one: it names the file)
-        raise ValueError(f"{what}: not a plan (a planner.Plan, its to_dict(), or the file `tieredemb plan --json` "
-                         f"writes, whose 'planned' entry lists 'tables'): {type(e).__name__}: {e}") from None
 
 
 _ARGS = """(unique names; a feature read by one table). cache_bytes:
@@ -227,7 +151,7 @@ class _Collection(CollectionPrefetch, CollectionState, nn.Module):
                     {t.name: store for t in self.tables})
         if cache_bytes is not None or host_bytes is not None:
             raise ValueError("give a plan or cache_bytes / host_bytes, not both: the plan already splits the budgets")
-        chosen = _load_plan(plan)
+        chosen = planner.load(plan)
         names = {t.name for t in self.tables}
         if set(chosen) != names:
             raise ValueError(f"the plan is for tables {sorted(chosen)}, this collection has {sorted(names)}")

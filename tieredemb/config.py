@@ -1,4 +1,5 @@
-"""Configuration of a table: TableConfig (frozen), Init, and sizes like '512MiB'.
+"""Configuration of a table: TableConfig (frozen), Init, and sizes like '512MiB'; a collection's
+tables: EmbeddingBagConfig and EmbeddingConfig (TorchRec's names).
 
     cfg = tieredemb.TableConfig(10**8, 128, cache_rows="4GiB", host_rows="32GiB",
                                 ssd_path="/nvme/t", ssd=tieredemb.LogOptions(),
@@ -279,3 +280,60 @@ class TableConfig:
                 "optimizer": self.optimizer.to_meta() if self.optimizer else None,
                 "init": {"kind": self.init.kind, "a": self.init.a, "b": self.init.b},
                 "padding_idx": self.padding_idx}
+
+
+def _check_table(t) -> None:
+    if not isinstance(t.name, str) or not t.name:
+        raise TypeError(f"a table's name must be a non-empty str, got {t.name!r}")
+    if t.name in (".", "..") or any(c in t.name for c in "/\\\0"):
+        raise ValueError(f"table name {t.name!r}: a table's name names its directory in an export: no '/', '\\' "
+                         "or NUL, and not '.' or '..'")
+    for field in ("num_embeddings", "embedding_dim"):
+        value = getattr(t, field)
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+            raise ValueError(f"table {t.name!r}: {field} must be an int >= 1, got {value!r}")
+        object.__setattr__(t, field, int(value))
+    if isinstance(t.feature_names, str) or not all(isinstance(f, str) for f in t.feature_names):
+        raise TypeError(f"table {t.name!r}: feature_names must be a list of feature names, got {t.feature_names!r}")
+    object.__setattr__(t, "feature_names", tuple(t.feature_names))
+    if not t.feature_names:
+        raise ValueError(f"table {t.name!r} has no features: give feature_names")
+
+
+@dataclasses.dataclass(frozen=True)
+class EmbeddingConfig:
+    """One table of a TieredEmbeddingCollection: name; num_embeddings x embedding_dim; the
+    features that read it (each id gets its row, unpooled); optimizer and init (None: the
+    collection's); dtype of the weights."""
+
+    name: str
+    num_embeddings: int
+    embedding_dim: int
+    feature_names: tuple[str, ...] | list[str]
+    optimizer: Optimizer | None = None
+    init: Init | None = None
+    dtype: torch.dtype = torch.float32
+
+    def __post_init__(self):
+        _check_table(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class EmbeddingBagConfig:
+    """One table of a collection: name; num_embeddings x embedding_dim; the features that read it
+    (each feature a bag per sample); pooling 'sum' or 'mean'; optimizer and init (None: the
+    collection's); dtype of the weights."""
+
+    name: str
+    num_embeddings: int
+    embedding_dim: int
+    feature_names: tuple[str, ...] | list[str]
+    pooling: str = "sum"
+    optimizer: Optimizer | None = None
+    init: Init | None = None
+    dtype: torch.dtype = torch.float32
+
+    def __post_init__(self):
+        _check_table(self)
+        if self.pooling not in ("sum", "mean"):
+            raise ValueError(f"table {self.name!r}: pooling {self.pooling!r} is not 'sum' or 'mean'")

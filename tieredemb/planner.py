@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import operator
+import os
 
 import numpy as np
 
@@ -88,6 +89,24 @@ class Plan:
     def to_dict(self) -> dict:
         return {"strategy": self.strategy, "train": self.train, "bandwidth": dataclasses.asdict(self.bandwidth),
                 "seconds_per_batch": self.seconds_per_batch, "tables": [dataclasses.asdict(t) for t in self.tables]}
+
+
+def load(plan) -> dict:
+    """A planner.Plan, its to_dict(), or the path of `tieredemb plan --json`'s file (its
+    'planned' entry) -> {table: (tier-0 rows, store, rows, row bytes or None)}."""
+    what = "plan"
+    try:
+        if isinstance(plan, (str, os.PathLike)):
+            what = f"plan file {os.fspath(plan)}"
+            with open(plan) as f:
+                plan = json.load(f)["planned"]
+        if not isinstance(plan, dict):
+            plan = plan.to_dict()
+        return {t["name"]: (int(t["cache_rows"]), t["store"], int(t["rows"]), t.get("row_bytes"))
+                for t in plan["tables"]}
+    except (ValueError, KeyError, TypeError, AttributeError) as e:  # (an OSError stays one: it names the file)
+        raise ValueError(f"{what}: not a plan (a planner.Plan, its to_dict(), or the file `tieredemb plan --json` "
+                         f"writes, whose 'planned' entry lists 'tables'): {type(e).__name__}: {e}") from None
 
 
 class _Curve:
