@@ -1,4 +1,4 @@
-// File helpers shared by the native SSD backends (slot_file.cc, log_file.cc): full
+// File helpers shared by the native SSD backends (slot_file.cc, log_file.cc, log_durable.cc): full
 // pread/pwrite loops, aligned buffers for O_DIRECT, errno text, and the batch record both
 // write (a header, n int64 ids, n rows) with its checksum.
 #pragma once
