@@ -314,6 +314,14 @@ def test_bad_tables_and_budgets_are_refused_by_name():
         (lambda: TieredEmbeddingBagCollection(TABLES, cache_bytes="lots"), ValueError, r"size 'lots' is not a number"),
         (lambda: TieredEmbeddingBagCollection(TABLES, cache_rows=10), TypeError,
          r"a collection sizes its tables' tiers itself: give cache_bytes / host_bytes or a plan, not cache_rows"),
+        # (a review: dtype= raised "_engine() got multiple values for keyword argument 'dtype'", and a config's
+        # float64 was taken until the collection was built, with a message naming no table)
+        (lambda: TieredEmbeddingBagCollection(TABLES, dtype=torch.float16), TypeError,
+         r"dtype=torch.float16: a collection's tables take their dtype from their configs"),
+        (lambda: EmbeddingBagConfig("t", 5, 8, ["f"], dtype=torch.float64), ValueError,
+         r"table 't': dtype torch.float64 is not supported"),
+        (lambda: tieredemb.EmbeddingConfig("t", 5, 8, ["f"], dtype="float16"), ValueError,
+         r"table 't': dtype 'float16' is not supported"),
     ]
     for make, error, message in cases:
         with pytest.raises(error, match=message):

@@ -61,8 +61,8 @@ _ARGS = """(unique names; a feature read by one table). cache_bytes:
     plan: the planner's choice (tieredemb.planner: a Plan, its dict, or the JSON file of
     `tieredemb plan --json`) instead of cache_bytes and host_bytes: every table's tier-0 rows,
     and whether its rows are stored in host memory or on SSD (under ssd_path). optimizer / init:
-    the default of tables that give none. Other keywords (policy, seed, device, ssd, ...) go to
-    every group's table (see TableConfig)."""
+    the default of tables that give none (dtype is each config's own). Other keywords (policy, seed,
+    device, ssd, ...) go to every group's table (see TableConfig)."""
 
 
 class _Collection(CollectionPrefetch, CollectionState, nn.Module):
@@ -84,6 +84,9 @@ class _Collection(CollectionPrefetch, CollectionState, nn.Module):
         if taken:
             raise TypeError(f"a collection sizes its tables' tiers itself: give cache_bytes / host_bytes or a plan, "
                             f"not {', '.join(taken)}")
+        if "dtype" in table_args:  # (as torchrec's: each table's data type is its config's)
+            raise TypeError(f"dtype={table_args['dtype']!r}: a collection's tables take their dtype from their configs "
+                            "(EmbeddingBagConfig(..., dtype=...)), not from the collection")
         cache_bytes, host_bytes = parse_budget("cache_bytes", cache_bytes), parse_budget("host_bytes", host_bytes)
         names = [t.name for t in tables]
         if len(set(names)) != len(names):

@@ -175,7 +175,7 @@ class CollectionState:
     @staticmethod
     def _export_shape(t, engine) -> dict:
         return {"num_embeddings": t.num_embeddings, "embedding_dim": t.embedding_dim, "width": engine.width,
-                "row_pad": engine.layout.pad}
+                "row_pad": engine.layout.pad, "dtype": str(t.dtype).removeprefix("torch.")}
 
     def _place_of(self, table: str):
         for place in self._table_places():

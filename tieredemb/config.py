@@ -253,6 +253,14 @@ class TableConfig:
             if self.dtype != torch.float32 and self.ssd is not None and self.ssd.storage_dtype != torch.float32:
                 raise ValueError(f"storage_dtype {self.ssd.storage_dtype} with dtype {self.dtype}: the rows' weights are "
                                  "already 16-bit; storage_dtype must stay torch.float32 (the store keeps rows as they are)")
+            state = self.optimizer.state_width(self.embedding_dim) if self.optimizer else 0
+            if self.ssd is not None and self.ssd.storage_dtype != torch.float32 and state:
+                raise ValueError(
+                    f"storage_dtype {self.ssd.storage_dtype} with optimizer {type(self.optimizer).__name__}: the store "
+                    f"casts whole rows, so the optimizer's {state} float32 state word(s) a row would be rounded to "
+                    "16 bits on every eviction (Adam's second moment to 0, an Adagrad sum past 65504 to inf); "
+                    "storage_dtype is for tables whose optimizer keeps no state (SGD, or none). For 16-bit weights "
+                    "with float32 state give dtype=torch.float16 or torch.bfloat16 (in every tier) instead")
 
     @functools.cached_property  # (asked for on every lookup; the config is frozen)
     def layout(self) -> RowLayout:
@@ -298,6 +306,9 @@ def _check_table(t) -> None:
     object.__setattr__(t, "feature_names", tuple(t.feature_names))
     if not t.feature_names:
         raise ValueError(f"table {t.name!r} has no features: give feature_names")
+    if t.dtype not in WEIGHT_TYPES:
+        raise ValueError(f"table {t.name!r}: dtype {t.dtype!r} is not supported: use torch.float32, torch.float16 "
+                         "or torch.bfloat16")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -42,6 +42,13 @@ def _make_config(num_embeddings, embedding_dim, padding_idx, options: dict) -> T
     return TableConfig(num_embeddings, embedding_dim, padding_idx=padding_idx, **options)
 
 
+def _pretrained_dtype(embeddings: Tensor, table_args: dict) -> None:
+    """from_pretrained's dtype when none is given: 16-bit embeddings' own (torch keeps a half
+    weight half); any other dtype's table is float32."""
+    if embeddings.dtype in (torch.float16, torch.bfloat16):
+        table_args.setdefault("dtype", embeddings.dtype)
+
+
 def eager_when_compiled(method):
     """method, run eagerly (a graph break) where torch.compile traces a call of it: a lookup's host
     work (numpy, native calls) is not for tracing. torch.compiler.disable is applied there, not
@@ -271,9 +278,11 @@ class TieredEmbeddingBag(_TieredBase):
     def from_pretrained(cls, embeddings: Tensor, freeze: bool = True, mode: str = "mean", padding_idx=None,
                         include_last_offset: bool = False, **table_args) -> "TieredEmbeddingBag":
         """Like torch.nn.EmbeddingBag.from_pretrained (but mode is the third positional argument);
-        table_args as the constructor's."""
+        table_args as the constructor's (dtype: float16 or bfloat16 embeddings' own by default, as
+        torch keeps them; else float32)."""
         if embeddings.dim() != 2:
             raise ValueError(f"embeddings must be 2-D, got shape {tuple(embeddings.shape)}")
+        _pretrained_dtype(embeddings, table_args)
         m = cls(embeddings.shape[0], embeddings.shape[1], mode, padding_idx=padding_idx,
                 include_last_offset=include_last_offset, _weight=embeddings, **table_args)
         m._grad_anchor.requires_grad_(not freeze)
@@ -381,9 +390,11 @@ class TieredEmbedding(_TieredBase):
     @classmethod
     def from_pretrained(cls, embeddings: Tensor, freeze: bool = True, padding_idx=None,
                         **table_args) -> "TieredEmbedding":
-        """Like torch.nn.Embedding.from_pretrained; table_args as the constructor's."""
+        """Like torch.nn.Embedding.from_pretrained; table_args as the constructor's (dtype: as
+        TieredEmbeddingBag.from_pretrained's)."""
         if embeddings.dim() != 2:
             raise ValueError(f"embeddings must be 2-D, got shape {tuple(embeddings.shape)}")
+        _pretrained_dtype(embeddings, table_args)
         return cls(embeddings.shape[0], embeddings.shape[1], padding_idx=padding_idx, _weight=embeddings,
                    _freeze=freeze, **table_args)
 

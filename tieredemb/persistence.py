@@ -18,6 +18,8 @@ from torch import Tensor
 
 from ssd_backend.common import write_json_atomic
 
+from .optim import RowLayout
+
 # state_dict() of a table above this many bytes raises (it would hold every row in memory at
 # once); export_rows() moves such tables chunk by chunk.
 STATE_DICT_MAX_BYTES = 8 << 30
@@ -197,20 +199,27 @@ def write_export(directory, chunks, meta: dict) -> int:
     return total
 
 
+def _state_words(meta: dict) -> int:
+    """The optimizer state's words in a row of a table's meta: its width less the pad and the
+    weights' words (which depend on its dtype: a meta without one is float32's)."""
+    dtype = getattr(torch, meta.get("dtype", "float32"))
+    return meta["width"] - meta.get("row_pad", 0) - RowLayout(meta["embedding_dim"], dtype, 0).weight_words
+
+
 def read_export_meta(directory, mine: dict) -> dict:
     """The meta.json of an export at directory, checked against a table's meta (mine): the same
-    rows, dim and row width less its padding (rows of any alignment import: the chunks hold the
-    weights and the state), else ValueError naming the field."""
+    rows, dim and optimizer state width (rows of any alignment and any dtype import: the chunks
+    hold the weights as float32 and the state; a 16-bit table rounds them to the nearest, as
+    load_state_dict does), else ValueError naming the field."""
     directory = os.fspath(directory)
     path = os.path.join(directory, "meta.json")
     if not os.path.exists(path):
         raise FileNotFoundError(f"{directory} holds no export (no meta.json): export_rows writes one")
     with open(path) as f:
         meta = json.load(f)
-    words = lambda m: m["width"] - m.get("row_pad", 0)  # noqa: E731
     for field, ours, theirs in (("num_embeddings", mine["num_embeddings"], meta["num_embeddings"]),
                                 ("embedding_dim", mine["embedding_dim"], meta["embedding_dim"]),
-                                ("width less row_pad", words(mine), words(meta))):
+                                ("optimizer state width", _state_words(mine), _state_words(meta))):
         if theirs != ours:
             raise ValueError(f"{directory}: exported {field} {theirs} != this table's {ours}")
     return meta
