@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import warnings
 
 import pytest
 import torch
@@ -381,3 +382,31 @@ def test_a_collection_closes_every_group_even_after_one_fails(tmp_path):
     with pytest.raises(Exception, match="closed"):
         ebc.close()
     make(ssd_path=tmp_path, ssd={"backend": "log"}).close()  # (refused as locked if a group's store were held)
+
+
+def test_flush_and_close_warn_of_tables_a_plan_keeps_in_host_memory(tmp_path):
+    """A plan may keep some tables in host memory beside others stored under ssd_path: flush() and
+    close() store the others only (a review: a collection reopened there had silently reset them)."""
+    plan = {"tables": [{"name": t.name, "cache_rows": t.num_embeddings // 2, "store": "host" if t.name == "b" else "ssd",
+                        "rows": t.num_embeddings} for t in TABLES]}
+    ebc = make(ssd_path=tmp_path / "s", plan=plan)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ebc.flush()  # (nothing written yet: nothing lost)
+    train(ebc, range(2))
+    kept = rows_of(ebc)
+    with pytest.warns(UserWarning, match=r"flush\(\): tables \['b'\] keep their rows in host memory"):
+        ebc.flush()
+    with pytest.warns(UserWarning, match=r"close\(\): tables \['b'\] keep their rows in host memory .* starts them "
+                                         r"from their initial values"):
+        ebc.close()
+    back = make(ssd_path=tmp_path / "s", plan=plan)
+    now = rows_of(back)
+    assert_same_rows({k: now[k] for k in "ac"}, {k: kept[k] for k in "ac"})
+    assert not torch.equal(now["b"][0], kept["b"][0])  # (what the warning says)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        back.close()
+        host = make()  # (no ssd_path: nothing is stored, as for a module: no warning)
+        train(host, range(1))
+        host.close()

@@ -24,6 +24,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import os
+import warnings
 
 import numpy as np
 import torch
@@ -366,12 +367,29 @@ class _Collection(CollectionPrefetch, CollectionState, nn.Module):
             e.reset_stats()
 
     def flush(self) -> None:
+        """Makes every SSD-stored table durable (tables a plan keeps in host memory are not
+        stored: a warning says so when they hold written rows)."""
+        self._warn_rows_not_stored("flush()")
         for e in self.engines:
             e.flush()
+
+    def _warn_rows_not_stored(self, what: str) -> None:
+        """Warns if tables kept in host memory beside SSD-stored ones (a plan's choice) hold rows
+        written: flush() and close() store the others only, and a collection reopened on the same
+        ssd_path starts these from their initial values."""
+        if all(g.store == "host" for g in self.groups):  # (no ssd_path: nothing is stored, as a module's)
+            return
+        held = [t.name for e, g in zip(self.engines, self.groups) if g.store == "host" and not e._closed
+                and len(e._store.written_ids(0, 1)) for t in g.tables]
+        if held:
+            warnings.warn(f"{what}: tables {held} keep their rows in host memory (the plan's choice), so they are "
+                          "not stored under ssd_path: a collection reopened there starts them from their initial "
+                          "values. Keep them with export_rows(dir), or store them on SSD", stacklevel=3)
 
     def close(self) -> None:
         """Closes every group's table, even after one fails (its stores let go all the same); then
         raises the first failure."""
+        self._warn_rows_not_stored("close()")
         failed = None
         for e in self.engines:
             try:

@@ -287,7 +287,10 @@ class TableConfig:
                 "dtype": str(self.dtype).removeprefix("torch."), "seed": self.seed,
                 "optimizer": self.optimizer.to_meta() if self.optimizer else None,
                 "init": {"kind": self.init.kind, "a": self.init.a, "b": self.init.b},
-                "padding_idx": self.padding_idx}
+                "padding_idx": self.padding_idx,
+                # (it changes the arithmetic as the optimizer's settings do; named only where set, so
+                # that tables stored before keep their meta)
+                **({"stochastic_rounding": True} if self.stochastic_rounding and self.dtype != torch.float32 else {})}
 
 
 def _check_table(t) -> None:

@@ -78,10 +78,10 @@ class Persistence:
         return write_export(directory, self.iter_rows(chunk_rows), {**self.config.meta(), "step": self.step})
 
     def import_rows(self, directory) -> int:
-        """Loads what export_rows wrote into this table (same shape and optimizer), which must have
-        no row written yet (rows the export leaves out then read as their initial values). The
-        export is checked whole (its meta, every chunk's shapes and ids, their count) before any
-        row is written. Returns rows."""
+        """Loads what export_rows wrote into this table (the same rows, dim and optimizer state
+        width; any dtype), which must have no row written yet (rows the export leaves out then
+        read as this table's initial values). The export is checked whole (its meta, every
+        chunk's shapes and ids, their count) before any row is written. Returns rows."""
         meta = read_export_meta(directory, self.config.meta())
         chunks = check_chunks(directory, meta, self.config.embedding_dim, self.layout.state_width)
         refuse_written(directory, self._store.written_ids(0, 1), type(self).__name__)
