@@ -4,6 +4,8 @@ stochastic. Results do not depend on tiers, prefetch or the backing store (bit f
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -182,6 +184,10 @@ def test_an_export_imports_into_a_table_of_another_dtype(tmp_path, src, dst):
     other = make(dst, tieredemb.RowWiseAdagrad(lr=0.1))  # (Adagrad's D state words against 1)
     with pytest.raises(ValueError, match=f"exported optimizer state width {D} != this table's 1"):
         other.import_rows(tmp_path / "x")
+    meta = json.loads((tmp_path / "x" / "meta.json").read_text())
+    (tmp_path / "x" / "meta.json").write_text(json.dumps({**meta, "dtype": "float64"}))
+    with pytest.raises(ValueError, match=r"x: dtype 'float64' is not one of \['bfloat16', 'float16', 'float32'\]"):
+        make(dst).import_rows(tmp_path / "x")
 
 
 def test_a_collections_export_imports_into_tables_of_another_dtype(tmp_path):

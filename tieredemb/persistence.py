@@ -18,7 +18,7 @@ from torch import Tensor
 
 from ssd_backend.common import write_json_atomic
 
-from .optim import RowLayout
+from .optim import WEIGHT_TYPES, RowLayout
 
 # state_dict() of a table above this many bytes raises (it would hold every row in memory at
 # once); export_rows() moves such tables chunk by chunk.
@@ -199,11 +199,14 @@ def write_export(directory, chunks, meta: dict) -> int:
     return total
 
 
-def _state_words(meta: dict) -> int:
+def _state_words(meta: dict, where: str) -> int:
     """The optimizer state's words in a row of a table's meta: its width less the pad and the
     weights' words (which depend on its dtype: a meta without one is float32's)."""
-    dtype = getattr(torch, meta.get("dtype", "float32"))
-    return meta["width"] - meta.get("row_pad", 0) - RowLayout(meta["embedding_dim"], dtype, 0).weight_words
+    dtypes = {str(d).removeprefix("torch."): d for d in WEIGHT_TYPES}
+    name = meta.get("dtype", "float32")
+    if name not in dtypes:
+        raise ValueError(f"{where}: dtype {name!r} is not one of {sorted(dtypes)}")
+    return meta["width"] - meta.get("row_pad", 0) - RowLayout(meta["embedding_dim"], dtypes[name], 0).weight_words
 
 
 def read_export_meta(directory, mine: dict) -> dict:
@@ -219,7 +222,8 @@ def read_export_meta(directory, mine: dict) -> dict:
         meta = json.load(f)
     for field, ours, theirs in (("num_embeddings", mine["num_embeddings"], meta["num_embeddings"]),
                                 ("embedding_dim", mine["embedding_dim"], meta["embedding_dim"]),
-                                ("optimizer state width", _state_words(mine), _state_words(meta))):
+                                ("optimizer state width", _state_words(mine, "this table"),
+                                 _state_words(meta, directory))):
         if theirs != ours:
             raise ValueError(f"{directory}: exported {field} {theirs} != this table's {ours}")
     return meta
