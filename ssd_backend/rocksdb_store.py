@@ -145,6 +145,7 @@ class RocksDBStore(QueuedStore):
         opts.set_paranoid_checks(True)
         opts.increase_parallelism(max(2, os.cpu_count() or 2))
         opts.set_max_open_files(-1)
+        opts.set_keep_log_file_num(2)  # (RocksDB's own info logs: each open rolled one, 1000 kept by default)
         opts.set_use_direct_reads(direct_reads)
         opts.set_compression_type(rocksdict.DBCompressionType.lz4() if compression == "lz4"
                                   else rocksdict.DBCompressionType.none())

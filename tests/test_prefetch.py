@@ -616,3 +616,33 @@ def test_an_error_on_shutdowns_retry_is_said_with_the_first(monkeypatch):
     with pytest.raises(KeyboardInterrupt) as got:
         prefetcher.shutdown()
     assert len(calls) == 3 and any("injected release failure" in n for n in got.value.__notes__)
+
+
+@pytest.mark.parametrize("wait", ["window", "room"])
+def test_a_table_dropped_with_batches_registered_lets_its_store_go(tmp_path, wait):
+    """A batch registered and never trained kept the worker waiting (for the lookahead window to
+    fill, or for room beside the pinned rows), and the worker kept the store: its memory, its
+    threads and the directory's lock, for the life of the process (a review: 20 drops, 20 workers;
+    the same ssd_path then refused to open). The module's collection stops its worker."""
+    import gc
+    import weakref
+    stores, before = [], set(threading.enumerate())
+    for _ in range(3):  # (a notebook running one cell again: the same path each time)
+        emb = make_table(tmp_path, cache_rows=CACHE if wait == "window" else 2 * BAGS * LEN,
+                         ssd_options={"backend": "log"})
+        emb.prefetch_lookahead = 2 if wait == "window" else 0
+        batches = make_batches(3, seed=len(stores))
+        for ids, offsets, _ in batches:
+            emb.prefetch(ids, offsets)
+        stores.append(weakref.ref(emb._store))
+        del emb
+        gc.collect()
+        deadline = time.monotonic() + 10
+        while stores[-1]() is not None and time.monotonic() < deadline:
+            time.sleep(0.01)
+            gc.collect()
+        assert stores[-1]() is None
+    for t in set(threading.enumerate()) - before:  # (each ends once it has let go of its store)
+        if t.name == "tieredemb-prefetch":
+            t.join(10)
+            assert not t.is_alive()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import weakref
 
 import numpy as np
 import torch
@@ -83,6 +84,7 @@ class _TieredBase(Persistence, nn.Module):
         self._store = TableStore.from_config(config)
         self.step = restored_step(self._store, config.ssd_path)
         self._prefetch = Prefetcher(self._store)
+        weakref.finalize(self, Prefetcher.stop_soon, self._prefetch)  # (dropped without close())
         self._closed = False
         if _weight is not None:
             if tuple(_weight.shape) != (config.num_embeddings, config.embedding_dim):
@@ -187,9 +189,10 @@ class _TieredBase(Persistence, nn.Module):
         self._store.write(ids, rows)
 
     def close(self) -> None:
-        """Flushes and releases the tiers (the SSD store's lock); the table is unusable after.
-        A flush that fails is raised, and the tiers and the store are let go all the same; a
-        second close does nothing (the first let everything go: there is nothing to try again)."""
+        """Flushes and lets the backing store go (its files and the SSD directory's lock); the table
+        takes no more lookups after, and stats() still answers. The tiers' memory goes when the
+        module is collected. A flush that fails is raised, and the store is let go all the same;
+        a second close does nothing (the first let everything go: there is nothing to try again)."""
         if self._closed:
             return
         self._prefetch.close()

@@ -258,6 +258,18 @@ class Prefetcher:
             self.error = None
             self._forget_all()
 
+    def stop_soon(self) -> None:
+        """Tells the worker to stop, without waiting for it: its module was collected (a batch
+        registered and never trained kept it waiting, and so the store alive and locked, for the
+        life of the process). It is woken now, unless this thread holds one of the package's locks
+        (collected inside one: it then sees this at its next timed wake-up). No join: this may
+        run on the worker's own thread."""
+        self.stopping = True
+        if not locks.any_held():
+            with self.cond:
+                self.cond.notify_all()
+            self._wake_waiting_worker()
+
     def close(self) -> None:
         """shutdown(), for good: a later register() raises."""
         self.shutdown()
