@@ -6,8 +6,9 @@ written_ids, num_written, replayed, close).
 
 Writes are synchronous (no Python runs per row and no write queue): when write() returns the
 rows are in the page cache, durable at the next flush(); StoreWriteError (e.g. disk full)
-means nothing was written and the store stays usable. Threading: read/write/flush may be
-called from one thread at a time (the engine's); native I/O threads serve each read.
+means nothing was written and the store stays usable. Threading: the engine calls from one
+thread at a time; calls from several threads at once take turns in the native file (one runs
+at a time; the counters of stats() may then miss some). Native I/O threads serve each read.
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@
 #include <nanobind/stl/unique_ptr.h>
 
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -25,12 +26,25 @@ using namespace nb::literals;
 namespace {
 
 // A native file store that may be closed from Python; every call checks that it is still open.
+// One call at a time (the files' contract): a call from a second thread waits for the one
+// running instead of racing it (two threads writing one store crashed the process). serial()
+// is taken first in every call, with the GIL released while it waits: the holder gives the
+// GIL up inside its call.
 template <typename F>
 struct PyFile {
   std::unique_ptr<F> file;
+  std::mutex mu;
   F& get() {
     if (!file) throw std::runtime_error("the store's files are closed");
     return *file;
+  }
+  std::unique_lock<std::mutex> serial() {
+    std::unique_lock<std::mutex> lock(mu, std::try_to_lock);
+    if (!lock.owns_lock()) {
+      GilReleased released;
+      lock.lock();
+    }
+    return lock;
   }
 };
 using PySlotFile = PyFile<SlotFile>;
@@ -63,6 +77,7 @@ void add_common(Cls& cls) {
   using F = std::remove_reference_t<decltype(std::declval<Py&>().get())>;
   cls
       .def("read", [](Py& self, Ids ids, Bytes out) {
+            auto serial = self.serial();
             F& f = self.get();
             const int64_t n = static_cast<int64_t>(ids.shape(0));
             raise_if_error(check_rows("out (uint8)", out.shape(0), n, out.shape(1), f.row_bytes()));
@@ -72,6 +87,7 @@ void add_common(Cls& cls) {
           }, "ids"_a.noconvert(), "out"_a.noconvert(),
           "fills out[k] with row ids[k] where it was written; returns found uint8 [n] (0: never written, out[k] untouched)")
       .def("read_to", [](Py& self, Ids ids, Bytes out, Ids out_rows) {
+            auto serial = self.serial();
             F& f = self.get();
             const int64_t n = static_cast<int64_t>(ids.shape(0));
             std::vector<uint8_t> found(static_cast<size_t>(n));
@@ -83,16 +99,19 @@ void add_common(Cls& cls) {
           }, "ids"_a.noconvert(), "out"_a.noconvert(), "out_rows"_a.noconvert(),
           "read, with row ids[k] into out[out_rows[k]] (e.g. a cache tier's pool: no staging copy)")
       .def("write", [](Py& self, Ids ids, ConstBytes rows) {
+            auto serial = self.serial();
             F& f = self.get();
             const int64_t n = static_cast<int64_t>(ids.shape(0));
             raise_if_error(check_rows("rows (uint8)", rows.shape(0), n, rows.shape(1), f.row_bytes()));
             run_without_gil([&] { return f.Write(ids.data(), n, rows.data()); });
           }, "ids"_a.noconvert(), "rows"_a.noconvert(), "writes rows to their slots and marks them written")
       .def("sync", [](Py& self) {
+            auto serial = self.serial();
             F& f = self.get();
             run_without_gil([&] { return f.Sync(); });
           }, "makes every returned write durable: fdatasync of the data, then of the written bitmap")
       .def("written_ids", [](Py& self, int64_t start, int64_t limit) {
+            auto serial = self.serial();
             F& f = self.get();
             std::vector<int64_t> ids;
             {
@@ -102,11 +121,13 @@ void add_common(Cls& cls) {
             return to_numpy(std::move(ids));
           }, "start"_a, "limit"_a, "sorted written ids >= start, at most limit (< 0: all)")
       .def("num_written", [](Py& self) {
+            auto serial = self.serial();
             F& f = self.get();
             GilReleased released;
             return f.num_written();
           })
       .def("close", [](Py& self) {
+            auto serial = self.serial();
             if (!self.file) return;
             run_without_gil([&] {
               Status s = self.file->Close();
@@ -114,7 +135,10 @@ void add_common(Cls& cls) {
               return s;
             });
           }, "closes the files (no sync); safe to call twice")
-      .def_prop_ro("replayed", [](Py& self) { return self.get().replayed(); },
+      .def_prop_ro("replayed", [](Py& self) {
+            auto serial = self.serial();
+            return self.get().replayed();
+          },
                    "rows the last open restored from the log past the last sync");
 }
 
@@ -148,10 +172,12 @@ void register_ssd(nb::module_& m) {
           }, "dir"_a, "num_rows"_a, "row_bytes"_a, "segment_bytes"_a, "create"_a, "direct"_a, "io_threads"_a,
           "opens (replaying the log) or creates the table; RuntimeError ('corrupted: ...' for damaged files)")
       .def("checkpoint", [](PyLogFile& self, const std::string& dst_dir) {
+            auto serial = self.serial();
             LogFile& f = self.get();
             run_without_gil([&] { return f.Checkpoint(dst_dir); });
           }, "dst_dir"_a, "syncs, then links every segment into dst_dir (an empty directory) with a flush mark")
       .def("write_from", [](PyLogFile& self, Ids ids, ConstBytes src, Ids src_rows) {
+            auto serial = self.serial();
             LogFile& f = self.get();
             const int64_t n = static_cast<int64_t>(ids.shape(0));
             run_without_gil([&] {
@@ -161,6 +187,7 @@ void register_ssd(nb::module_& m) {
           }, "ids"_a.noconvert(), "src"_a.noconvert(), "src_rows"_a.noconvert(),
           "writes rows src[src_rows[k]] as the rows of ids[k] (no gather)")
       .def("log_stats", [](PyLogFile& self) {
+            auto serial = self.serial();
             LogFile& f = self.get();
             int64_t live, log, segments, compactions, rows_compacted;
             {
@@ -185,6 +212,7 @@ void register_ssd(nb::module_& m) {
                                         "(ssd/stream_io.h)")
       .def_static("open", [](nb::object file, int64_t kinds, int64_t fresh, int64_t dirty, uint32_t mark) {
             PyLogFile& f = nb::cast<PyLogFile&>(file);
+            auto serial = f.serial();
             const int64_t row_bytes = f.get().row_bytes();  // (raises if the files are closed)
             if (kinds < 1 || fresh < 0 || fresh >= kinds || dirty < 0 || dirty >= kinds)
               throw nb::value_error("fresh and dirty must be counts among the transfer's first `kinds` entries");
