@@ -773,3 +773,84 @@ def test_inverse_indices_naming_other_keys_are_refused_by_name():
     inverse = (["f1", "zz"], torch.tensor([[0, 0, 0, 0], [0, 1, 2, 0]]))
     with pytest.raises(ValueError, match="inverse_indices must be"):
         ebc(VariableBatchKJT(["f1", "f2"], values, lengths, [1, 3], inverse))
+
+
+def test_in_torchrecs_place():
+    """What a model written for torchrec's EmbeddingBagCollection does with it (a review against
+    torchrec 1.9.2): its configs, is_weighted given by position, device=None, a KeyedJaggedTensor
+    carrying features of other modules, FeatureProcessedEmbeddingBagCollection (it adds the
+    configs' feature_names as lists), and torch.fx / torchrec.fx tracing (the collection one node)."""
+    torchrec = pytest.importorskip("torchrec")
+    from torchrec.modules.feature_processor_ import PositionWeightedModule
+    from torchrec.modules.fp_embedding_modules import FeatureProcessedEmbeddingBagCollection
+    import torchrec.fx
+
+    theirs = [torchrec.EmbeddingBagConfig(num_embeddings=30, embedding_dim=4, name="t1", feature_names=["f1"]),
+              torchrec.EmbeddingBagConfig(num_embeddings=20, embedding_dim=4, name="t2", feature_names=["f2", "f3"],
+                                          pooling=torchrec.PoolingType.MEAN, data_type=torchrec.DataType.FP16),
+              torchrec.EmbeddingBagConfig(num_embeddings=10, embedding_dim=2, name="t3")]  # (features: [name])
+    ebc = TieredEmbeddingBagCollection(theirs, False, device=None, optimizer=tieredemb.SGD(lr=0.1))
+    assert [(t.name, t.feature_names, t.pooling, t.dtype) for t in ebc.embedding_bag_configs()] == [
+        ("t1", ["f1"], "sum", torch.float32), ("t2", ["f2", "f3"], "mean", torch.float16), ("t3", ["t3"], "sum",
+                                                                                            torch.float32)]
+    assert ebc.embedding_bag_configs()[0].init == tieredemb.Init("uniform", -(1 / 30) ** 0.5, (1 / 30) ** 0.5)
+    peer = torchrec.EmbeddingBagCollection(tables=theirs)
+    for t in theirs:
+        peer.embedding_bags[t.name].weight.data.copy_(ebc.read_rows(t.name, torch.arange(t.num_embeddings)))
+    kjt = torchrec.KeyedJaggedTensor(keys=["other", "f3", "t3", "f1", "f2"],
+                                     values=torch.tensor([99, 1, 2, 3, 4, 5, 6, 7, 8, 9]),
+                                     lengths=torch.tensor([1, 0, 2, 1, 1, 0, 1, 2, 0, 2]))
+    torch.testing.assert_close(ebc(kjt).values(), peer(kjt).values(), rtol=1e-3, atol=1e-3)
+    with pytest.raises(ValueError, match=r"features: missing \['f2'\]"):
+        ebc(torchrec.KeyedJaggedTensor(keys=["f1", "f3", "t3"], values=torch.tensor([1, 2, 3]),
+                                       lengths=torch.tensor([1, 1, 1])))
+    with pytest.raises(ValueError, match=r"table 't': its init_fn .* cannot be run here"):
+        TieredEmbeddingBagCollection([torchrec.EmbeddingBagConfig(num_embeddings=3, embedding_dim=2, name="t",
+                                                                  init_fn=torch.nn.init.xavier_uniform_)])
+    zeros = TieredEmbeddingBagCollection([torchrec.EmbeddingBagConfig(num_embeddings=3, embedding_dim=2, name="t",
+                                                                      init_fn=torch.nn.init.zeros_)])
+    assert zeros.embedding_bag_configs()[0].init == tieredemb.Init("zeros")
+    with pytest.raises(TypeError, match=r"takes tieredemb.EmbeddingBagConfig tables \(or torchrec's\), got dict"):
+        TieredEmbeddingBagCollection([{"name": "t"}])
+
+    summed = [t for t in TABLES if t.pooling == "sum"]  # (per-sample weights: sum pooling)
+    weighted = TieredEmbeddingBagCollection(summed, True, optimizer=tieredemb.SGD(lr=0.1))
+    assert weighted.is_weighted()
+    keys = [f for t in summed for f in t.feature_names]
+    fp = FeatureProcessedEmbeddingBagCollection(weighted, {f: PositionWeightedModule(6) for f in keys})
+    b = batch(3)
+    kjt = torchrec.KeyedJaggedTensor(keys=keys, values=torch.cat([b[f][0] for f in keys]),
+                                     lengths=torch.cat([b[f][2] for f in keys]))
+    assert fp(kjt).values().shape == (B, sum(t.embedding_dim * len(t.feature_names) for t in summed))
+
+    class Model(torch.nn.Module):
+        def __init__(self, ebc):
+            super().__init__()
+            self.ebc, self.top = ebc, torch.nn.Linear(14, 1)
+
+        def forward(self, kjt):
+            return self.top(self.ebc(kjt).values())
+
+    model = Model(ebc)
+    for trace in (torch.fx.symbolic_trace, torchrec.fx.symbolic_trace):
+        traced = trace(model)
+        assert [n.op for n in traced.graph.nodes].count("call_function") == 1  # (the collection, one node)
+        assert torch.equal(traced(kjt_of := torchrec.KeyedJaggedTensor(
+            keys=["f1", "f2", "f3", "t3"], values=torch.tensor([1, 2, 3, 4, 5]),
+            lengths=torch.tensor([1, 1, 1, 0, 1, 0, 0, 1]))), model(kjt_of))
+    before = ebc.read_rows("t1", torch.arange(30))
+    traced(kjt_of).sum().backward()  # (trains through the traced model)
+    assert not torch.equal(ebc.read_rows("t1", torch.arange(30)), before)
+
+    class Bags(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bag = tieredemb.TieredEmbeddingBag(10, 4, "sum")
+
+        def forward(self, ids, offsets):
+            return self.bag(ids, offsets) * 2
+
+    bags = Bags()
+    traced = torch.fx.symbolic_trace(bags)
+    ids, offsets = torch.tensor([1, 2, 3]), torch.tensor([0, 2])
+    assert torch.equal(traced(ids, offsets), bags(ids, offsets))

@@ -32,8 +32,7 @@ from torch import Tensor, nn
 
 from .collection_prefetch import CollectionPrefetch, Prepared
 from .collection_state import CollectionState
-from .config import EmbeddingBagConfig, EmbeddingConfig, Init, TableConfig, parse_budget  # noqa: F401
-# (the configs re-exported: tieredemb.collection.EmbeddingBagConfig)
+from .config import EmbeddingBagConfig, EmbeddingConfig, Init, TableConfig, from_torchrec, parse_budget
 from .keyed import (InverseKeyed, KeyedEmbeddings, features_of, is_keyed_jagged, jagged, keyed,  # noqa: F401
                     keyed_lengths, variable_batch)  # (InverseKeyed and KeyedEmbeddings re-exported)
 from . import lookup, planner
@@ -71,6 +70,7 @@ class _Collection(CollectionPrefetch, CollectionState, nn.Module):
     statistics. Subclasses say what a group's engine is, and what a lookup returns."""
 
     _is_weighted = False  # whether a KeyedJaggedTensor's weights are per-sample weights
+    _config: type = EmbeddingBagConfig  # the tables' config type
 
     def _kind(self, t) -> tuple:
         raise NotImplementedError
@@ -89,6 +89,11 @@ class _Collection(CollectionPrefetch, CollectionState, nn.Module):
             raise TypeError(f"dtype={table_args['dtype']!r}: a collection's tables take their dtype from their configs "
                             "(EmbeddingBagConfig(..., dtype=...)), not from the collection")
         cache_bytes, host_bytes = parse_budget("cache_bytes", cache_bytes), parse_budget("host_bytes", host_bytes)
+        tables = [from_torchrec(t, self._config is EmbeddingBagConfig) for t in tables]
+        wrong = [t for t in tables if not isinstance(t, self._config)]
+        if wrong:
+            raise TypeError(f"{type(self).__name__} takes tieredemb.{self._config.__name__} tables (or torchrec's), "
+                            f"got {type(wrong[0]).__name__}: {wrong[0]!r}")
         names = [t.name for t in tables]
         if len(set(names)) != len(names):
             raise ValueError(f"table names must be unique, got {names}")
@@ -185,10 +190,12 @@ class _Collection(CollectionPrefetch, CollectionState, nn.Module):
         keyed_check = self._keyed_on_device(features)
         given = features_of(features, None if keyed_check is None else keyed_check[0], self._is_weighted)
         missing = [f for f in self.feature_table if f not in given]
-        unknown = [f for f in given if f not in self.feature_table]
-        if missing or unknown:
-            raise ValueError(f"features: missing {missing}, unknown {unknown} (this collection reads "
-                             f"{list(self.feature_table)})")
+        if missing:
+            raise ValueError(f"features: missing {missing} (this collection reads {list(self.feature_table)}; "
+                             f"given {list(given)})")
+        # (other features are left alone, as torchrec's collections leave them: one KeyedJaggedTensor
+        # may feed several modules)
+        given = {f: given[f] for f in self.feature_table}
         self._check_batch(given)
         if keyed_check is None:
             check = self._check_ranges(given)
@@ -420,7 +427,7 @@ class TieredEmbeddingBagCollection(_Collection):
 
     _state_prefix = "embedding_bags"  # (TorchRec's: its state_dict keys)
 
-    def __init__(self, tables: list, *, is_weighted: bool = False, **args):
+    def __init__(self, tables: list, is_weighted: bool = False, **args):  # (torchrec's order)
         if not isinstance(is_weighted, bool):
             raise TypeError(f"is_weighted must be a bool, got {is_weighted!r}")
         super().__init__(tables, **args)
@@ -495,6 +502,7 @@ class TieredEmbeddingCollection(_Collection):
     tables: EmbeddingConfig list {_ARGS}"""
 
     _state_prefix = "embeddings"
+    _config = EmbeddingConfig
 
     def embedding_configs(self) -> list:
         """The tables' configs, in order (as TorchRec's EmbeddingCollection answers)."""

@@ -141,7 +141,7 @@ class TableConfig:
         Adam); None: inference only.
     init, seed: rows never written read as init's draw for (seed, row id).
     padding_idx: a row that starts at zero and is never updated (torch's padding_idx).
-    device: where tier 0 lives: 'cpu' or 'cuda[:k]'.
+    device: where tier 0 lives: 'cpu' or 'cuda[:k]' (None: torch's default device).
     dtype: the weights' dtype in every tier: float32, float16 or bfloat16 (half the bytes moved and
         stored); the optimizer state stays float32, and the math is float32 (pooled outputs too).
     stochastic_rounding: with a 16-bit dtype, the updated weights are rounded stochastically
@@ -182,7 +182,7 @@ class TableConfig:
     init: Init = Init()
     seed: int = 0
     padding_idx: int | None = None
-    device: torch.device | str = "cpu"
+    device: torch.device | str | None = "cpu"
     dtype: torch.dtype = torch.float32
     stochastic_rounding: bool = False
     zero_copy: bool = False
@@ -212,7 +212,8 @@ class TableConfig:
             raise TypeError(f"init must be a tieredemb.Init, got {type(self.init).__name__}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**64:
             raise ValueError(f"seed must be an int in [0, 2**64), got {self.seed!r}")
-        device = torch.device(self.device)
+        # (None: torch's default device, as torch's modules take it)
+        device = torch.get_default_device() if self.device is None else torch.device(self.device)
         if device.type not in ("cpu", "cuda"):
             raise ValueError(f"device {device} is not supported: use 'cpu' or 'cuda'")
         if device.type == "cuda" and device.index is None and torch.cuda.is_available():
@@ -306,7 +307,7 @@ def _check_table(t) -> None:
         object.__setattr__(t, field, int(value))
     if isinstance(t.feature_names, str) or not all(isinstance(f, str) for f in t.feature_names):
         raise TypeError(f"table {t.name!r}: feature_names must be a list of feature names, got {t.feature_names!r}")
-    object.__setattr__(t, "feature_names", tuple(t.feature_names))
+    object.__setattr__(t, "feature_names", list(t.feature_names))  # (a list, as torchrec's: its modules add them)
     if not t.feature_names:
         raise ValueError(f"table {t.name!r} has no features: give feature_names")
     if t.dtype not in WEIGHT_TYPES:
@@ -351,3 +352,50 @@ class EmbeddingBagConfig:
         _check_table(self)
         if self.pooling not in ("sum", "mean"):
             raise ValueError(f"table {self.name!r}: pooling {self.pooling!r} is not 'sum' or 'mean'")
+
+
+_TORCHREC_DTYPES = {"FP32": torch.float32, "FP16": torch.float16, "BF16": torch.bfloat16}
+
+
+def _init_of(t, name: str, ours: str) -> Init:
+    """A torchrec config's init as an Init: its init_fn (torchrec makes one, uniform between
+    weight_init_min and weight_init_max, +-sqrt(1 / num_embeddings) by default) where it is
+    torch.nn.init's uniform_, normal_ or zeros_ with its arguments, or none."""
+    fn = getattr(t, "init_fn", None)
+    if fn is None:
+        bound = math.sqrt(1 / t.num_embeddings) if t.num_embeddings > 0 else 0.0
+        return Init("uniform", -bound if t.weight_init_min is None else t.weight_init_min,
+                    bound if t.weight_init_max is None else t.weight_init_max)
+    base, kw = (fn.func, fn.keywords) if isinstance(fn, functools.partial) and not fn.args else (fn, {})
+    if base is torch.nn.init.uniform_ and set(kw) <= {"a", "b"}:
+        return Init("uniform", kw.get("a", 0.0), kw.get("b", 1.0))
+    if base is torch.nn.init.normal_ and set(kw) <= {"mean", "std"}:
+        return Init("normal", kw.get("mean", 0.0), kw.get("std", 1.0))
+    if base is torch.nn.init.zeros_ and not kw:
+        return Init("zeros")
+    raise ValueError(f"table {name!r}: its init_fn {fn!r} cannot be run here (rows start on first use, as a function "
+                     "of the seed and the row): torch.nn.init's uniform_, normal_ or zeros_ (as a functools.partial) "
+                     f"can, or give a tieredemb.{ours} with init=tieredemb.Init(...)")
+
+
+def from_torchrec(t, pooled: bool):
+    """A torchrec EmbeddingBagConfig (pooled) or EmbeddingConfig as ours; ours as it is. Its name,
+    rows, dim, features ([name] where none), pooling and data_type carry over; its rows start
+    as its init_fn draws them (_init_of), as a function of the seed and the row here, not from
+    torch's generator."""
+    ours = EmbeddingBagConfig if pooled else EmbeddingConfig
+    if isinstance(t, (EmbeddingBagConfig, EmbeddingConfig)) or not type(t).__module__.startswith("torchrec"):
+        return t  # (ours, or not a config at all: the collection's checks name it)
+    name = getattr(t, "name", "?")
+    data_type = getattr(getattr(t, "data_type", None), "name", "FP32")
+    if data_type not in _TORCHREC_DTYPES:
+        raise ValueError(f"table {name!r}: data_type {data_type} is not supported: FP32, FP16 or BF16")
+    args = dict(name=name, num_embeddings=t.num_embeddings, embedding_dim=t.embedding_dim,
+                feature_names=list(t.feature_names) or [name], init=_init_of(t, name, ours.__name__),
+                dtype=_TORCHREC_DTYPES[data_type])
+    if pooled:
+        pooling = getattr(getattr(t, "pooling", None), "name", "SUM")
+        if pooling not in ("SUM", "MEAN"):
+            raise ValueError(f"table {name!r}: pooling {pooling} is not SUM or MEAN")
+        args["pooling"] = pooling.lower()
+    return ours(**args)
