@@ -250,3 +250,26 @@ def test_a_zero_copy_tables_lookups_replay_graphs_bit_for_bit(apart, monkeypatch
     assert graphs["failed"] is None and graphs["replays"] >= 16
     assert (write_backs.count(True) >= 8 and False in write_backs) if apart else not write_backs
     print(graphs)
+
+
+def test_a_learning_rate_set_every_step_reaches_replayed_updates():
+    """A backward graph holds its optimizer's rate (a host number baked into its launch): a rate
+    set every step (set_learning_rate: an LR schedule) captures anew for the first rates and then
+    runs the ordinary kernels; either way every step trains with the rate set for it, as the
+    ordinary path does, bit for bit."""
+    g = torch.Generator().manual_seed(7)
+    data = [((torch.rand(40, generator=g) ** 2 * NUM).long(), torch.arange(0, 40, 5), torch.randn(8, D, generator=g))
+            for _ in range(6)]
+    runs = []
+    for graphs in (True, False):
+        emb = device_tier(tieredemb.TieredEmbeddingBag(NUM, D, "sum", optimizer=tieredemb.RowWiseAdagrad(lr=0.1), seed=5),
+                          None, graphs=graphs)
+        outs = []
+        for step, batch in enumerate(data):
+            emb.set_learning_rate(0.1 / (step + 1))
+            outs += train(emb, [batch])
+        runs.append((torch.cat(outs), rows_and_state(emb)))
+        if graphs:
+            stats = emb._store.tier0.graphs.stats()
+            assert stats["replays"] > 0 and stats["failed"] is None
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])

@@ -196,3 +196,47 @@ def test_adagrad_matches_torch_with_an_eps_that_shows(kernels):
         opt.step()
         emb(ids, offsets).backward(grad)
     torch.testing.assert_close(emb.read_rows(torch.arange(num)), ref.weight.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_a_learning_rate_schedule_matches_torchs(tmp_path, kernels):
+    """set_learning_rate (FBGEMM's TBE's name) from the next backward on, as a torch LR scheduler
+    sets its optimizer's; the rate was fixed for a table's life (a review of FBGEMM parity). A
+    store reopens with the optimizer it was made with, the rate set again after."""
+    ref = torch.nn.EmbeddingBag(NUM, DIM, mode="sum", _weight=initial_weight())
+    opt = torch.optim.Adagrad(ref.parameters(), lr=0.1, eps=1e-10)
+    sched = torch.optim.lr_scheduler.ExponentialLR(opt, 0.9)
+    ours = tieredemb.TieredEmbeddingBag(NUM, DIM, mode="sum", optimizer=tieredemb.Adagrad(lr=0.1, eps=1e-10),
+                                        _weight=initial_weight(), cache_rows=80, ssd_path=tmp_path / "t",
+                                        ssd_options={"backend": "log"})
+    for step, (ids, offsets, grad) in enumerate(batches()):
+        if step == STEPS // 2:  # (a resume: the first optimizer, then the rate the schedule is at)
+            ours.close()
+            ours = tieredemb.TieredEmbeddingBag(NUM, DIM, mode="sum", cache_rows=80, ssd_path=tmp_path / "t",
+                                                optimizer=tieredemb.Adagrad(lr=0.1, eps=1e-10))
+        ours.set_learning_rate(opt.param_groups[0]["lr"])  # (the schedule's rate this step)
+        assert ours.get_learning_rate() == opt.param_groups[0]["lr"]
+        opt.zero_grad()
+        ref(ids, offsets).backward(grad)
+        opt.step()
+        sched.step()
+        ours(ids, offsets).backward(grad)
+    torch.testing.assert_close(ours.read_rows(torch.arange(NUM)), ref.weight.detach(), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match=r"lr=-0.5: must be >= 0"):
+        ours.set_learning_rate(-0.5)
+    assert 0 < ours.get_learning_rate() < 0.1 * 0.9 ** (STEPS - 2)
+    with pytest.raises(RuntimeError, match="has no optimizer: its learning rate cannot be set"):
+        tieredemb.TieredEmbeddingBag(NUM, DIM, optimizer=None).set_learning_rate(0.1)
+
+
+def test_a_collections_learning_rate():
+    tables = [tieredemb.EmbeddingBagConfig("a", 50, 4, ["fa"]), tieredemb.EmbeddingBagConfig("b", 30, 8, ["fb"])]
+    ebc = tieredemb.TieredEmbeddingBagCollection(tables, optimizer=tieredemb.SGD(lr=0.5))
+    ebc.set_learning_rate(0.0)  # (nothing moves at rate 0)
+    before = [ebc.read_rows(t.name, torch.arange(t.num_embeddings)) for t in tables]
+    batch = {"fa": (torch.tensor([1, 2, 3]), torch.tensor([0, 1])), "fb": (torch.tensor([4, 5]), torch.tensor([0, 1]))}
+    ebc(batch).values().sum().backward()
+    assert all(torch.equal(ebc.read_rows(t.name, torch.arange(t.num_embeddings)), w) for t, w in zip(tables, before))
+    ebc.set_learning_rate(0.25)
+    assert ebc.get_learning_rate() == 0.25 and [t.optimizer.lr for t in ebc.embedding_bag_configs()] == [0.25, 0.25]
+    ebc(batch).values().sum().backward()
+    assert torch.equal(ebc.read_rows("a", torch.tensor([1])), before[0][1:2] - 0.25)

@@ -373,6 +373,24 @@ class _Collection(CollectionPrefetch, CollectionState, nn.Module):
         for e in self.engines:
             e.reset_stats()
 
+    def set_learning_rate(self, lr: float) -> None:
+        """Every table's optimizer's learning rate from the next backward on (see
+        TieredEmbeddingBag.set_learning_rate; a group's tables share one optimizer)."""
+        trained = [e for e in self.engines if e.config.optimizer is not None]
+        if not trained:
+            raise RuntimeError(f"{type(self).__name__}: no table has an optimizer: no learning rate to set")
+        for e in trained:  # (the rate checked by the first: nothing changed if it is refused)
+            e.set_learning_rate(lr)
+        self.tables = [t if t.optimizer is None else dataclasses.replace(t, optimizer=dataclasses.replace(
+            t.optimizer, lr=lr)) for t in self.tables]
+
+    def get_learning_rate(self) -> float:
+        """The tables' learning rate (one for all: set_learning_rate's)."""
+        rates = {e.get_learning_rate() for e in self.engines if e.config.optimizer is not None}
+        if len(rates) != 1:
+            raise RuntimeError(f"{type(self).__name__}: the tables' groups have learning rates {sorted(rates)}")
+        return rates.pop()
+
     def flush(self) -> None:
         """Makes every SSD-stored table durable (tables a plan keeps in host memory are not
         stored: a warning says so when they hold written rows)."""

@@ -4,6 +4,7 @@ lookup's flow is lookup.py, the tiers tiers/, saving and restoring persistence.p
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import weakref
@@ -142,6 +143,23 @@ class _TieredBase(Persistence, nn.Module):
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    def set_learning_rate(self, lr: float) -> None:
+        """The optimizer's learning rate from the next backward on (as FBGEMM's TBE's: an LR
+        schedule calls it every step; its other settings stay). A table stored on SSD reopens only
+        with the optimizer it was made with, its first rate: set the rate again after."""
+        if self.config.optimizer is None:
+            raise RuntimeError(f"{self.described()} has no optimizer: its learning rate cannot be set")
+        optimizer = dataclasses.replace(self.config.optimizer, lr=lr)  # (the rate checked there)
+        config = copy.copy(self.config)  # (the rest checked already: dataclasses.replace would take ~0.1 ms)
+        object.__setattr__(config, "optimizer", optimizer)
+        self.config = config
+
+    def get_learning_rate(self) -> float:
+        """The optimizer's learning rate (FBGEMM's TBE's name)."""
+        if self.config.optimizer is None:
+            raise RuntimeError(f"{self.described()} has no optimizer")
+        return self.config.optimizer.lr
 
     def described(self) -> str:
         """The module as errors name it."""
