@@ -158,6 +158,10 @@ def main() -> None:
                                                     offsets, None, mode, -1, 1, grad,
                                                     saved[mode], opt, step, mode == 0, weights,
                                                     stochastic, sr_seed)
+            for opt in opts:  # (a CUDA graph's update: its scalars, the rate among them, on the device)
+                pooling.backward_update(pool, dirty, dim, unique, unique, torch.tensor([10]), inverse, offsets, None,
+                                        0, -1, 1, grad, None, opt, 2, False, weights, bool(weights), 7,
+                                        scalars=pooling.step_scalars(pool.device))
             for rows in (None, torch.arange(10)):
                 for kind, seed in ((0, 1), (1, 5), (2, 0)):
                     rowinit.init_rows(unique, pool, rows, dim, kind, 0.0, 1.0, seed, 1, weights)

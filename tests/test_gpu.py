@@ -718,6 +718,24 @@ def test_cuda_graphs_train_bit_for_bit_as_kernels_launched_one_by_one(mode, opt)
     assert tables[1]._store.tier0.graphs is None
 
 
+def test_cuda_graphs_take_a_learning_rate_set_every_step():
+    """An LR schedule (set_learning_rate each step) replays one backward graph that reads the rate
+    from the device: the rows those of cuda_graphs=False bit for bit, two captures in all."""
+    data = [_shaped(k, 16, 5) for k in range(6)]
+    rows = []
+    for graphs in (True, False):
+        emb = tieredemb.TieredEmbeddingBag(NUM, DIM, "sum", seed=3, device="cuda", cuda_graphs=graphs,
+                                           optimizer=tieredemb.RowWiseAdagrad(lr=0.1))
+        for step, (ids, offsets, grad) in enumerate(data):
+            emb.set_learning_rate(0.1 / (step + 1))
+            emb(ids, offsets).backward(grad.cuda())
+        rows.append(_table(emb))
+        if graphs:
+            stats = emb._store.tier0.graphs.stats()
+            assert stats["failed"] is None and stats["captures"] == 2 and stats["replays"] >= 4
+    assert torch.equal(rows[0], rows[1])
+
+
 def test_cuda_graphs_of_a_zero_copy_table_train_bit_for_bit_as_kernels_launched_one_by_one():
     """A zero-copy tier 0 (10 % of the rows) replays CUDA graphs of its lookups: the queued
     residency (plan, rows moved through the mapped host rows, commit, pins), the pooling, the

@@ -141,6 +141,7 @@ class _Input:
         self.out_at_given = None  # (the host's out_at last copied in)
         self.offsets_given = None  # (the host's bag boundaries last copied in: fixed bags give the same each batch)
         self.scalars = None  # the backward's step-dependent scalars (pooling.step_scalars)
+        self.rate = None  # the learning rate in scalars (None: none yet)
         self.pinned: list = [None, None]
         self.turn = 0
         self.write_back = None  # a zero-copy residency's victims' write-back, queued after each replay (ZeroCopy)
@@ -472,12 +473,15 @@ class StepGraphs:
             if shape.grad is None:  # (the added bags' rows stay zero)
                 shape.grad = torch.zeros(shape.out.shape, dtype=torch.float32, device=self.tier.device)
                 for inp in inputs:
-                    inp.scalars = pooling.step_scalars(self.tier.device)
+                    inp.scalars, inp.rate = pooling.step_scalars(self.tier.device), None
             shape.grad[:shape.samples].copy_(grad)
             for inp, a, step in zip(inputs, native, steps):  # (what changes every step, read by the graph)
                 config = inp.table.config
                 if a is not None and pooling.step_dependent(config.optimizer, config.stochastic_rounding):
                     pooling.fill_step_scalars(inp.scalars, a.adam_step_size, step)
+                if a is not None and inp.rate != a.lr:  # (set_learning_rate: an LR schedule)
+                    inp.scalars[2].fill_(a.lr)
+                    inp.rate = a.lr
 
             def work():
                 try:
@@ -538,9 +542,9 @@ def _changed(last: np.ndarray | None, now: np.ndarray) -> bool:
 
 def _arguments(a) -> tuple:
     """What a backward graph holds of the optimizer (a: its native_args): the arguments that stay
-    from step to step (Adam's step size and the step are read from device tensors: see
-    pooling.backward_update's scalars)."""
-    return a.kind, a.lr, a.eps, a.one_minus_beta1, a.one_minus_beta2, a.accumulator_divisor
+    from step to step (Adam's step size, the step and the learning rate are read from device
+    tensors: see pooling.backward_update's scalars)."""
+    return a.kind, a.eps, a.one_minus_beta1, a.one_minus_beta2, a.accumulator_divisor
 
 
 class _Replayed(torch.autograd.Function):

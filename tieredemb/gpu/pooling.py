@@ -217,9 +217,10 @@ def _chunk_kernel(sorted_ptr, order_ptr, start_ptr, chunk_ptr, unique_ptr, sorte
 def _update_kernel(pool_ptr, dirty_ptr, slots_ptr, unique_ptr, num_unique_ptr, order_ptr, start_ptr, chunk_ptr,
                    partial_ptr, sorted_bag_ptr, scale_ptr, grad_ptr, at_ptr, argmax_ptr, dim, dim_f, width,
                    weight_words, skip_id, frozen_id, lr, eps, one_minus_beta1, one_minus_beta2, adam_step_ptr, acc_div,
-                   sr_seed, step_ptr,
+                   sr_seed, step_ptr, lr_ptr,
                    OPT: tl.constexpr, MODE: tl.constexpr, HAS_AT: tl.constexpr, SCALE: tl.constexpr,
-                   WEIGHTS: tl.constexpr, STOCHASTIC: tl.constexpr, TILE: tl.constexpr, BLOCK: tl.constexpr):
+                   WEIGHTS: tl.constexpr, STOCHASTIC: tl.constexpr, LR_READ: tl.constexpr, TILE: tl.constexpr,
+                   BLOCK: tl.constexpr):
     """Unique rows u = program 0, then a grid's stride apart, below U; for each, g = the sum of its
     occurrences' gradients (occurrences order[start[u]] .. order[start[u+1]-1], each the gradient
     of its bag times its scale (see _tile_grad); for max only the columns it was the argmax of; a
@@ -229,7 +230,10 @@ def _update_kernel(pool_ptr, dirty_ptr, slots_ptr, unique_ptr, num_unique_ptr, o
     row in the pool, and the row marked dirty. Rows skip_id (left out of the bags) and frozen_id
     (the padding row) are left alone. 16-bit weights (WEIGHTS 1, 2) are updated in float32 and
     rounded back: to the nearest, or stochastically (STOCHASTIC). Every sum has a fixed order: the
-    same bits from run to run."""
+    same bits from run to run. LR_READ: the rate is read from lr_ptr (a CUDA graph's, which serves
+    every rate an LR schedule sets), else it is lr."""
+    if LR_READ:
+        lr = tl.load(lr_ptr)
     for u in range(tl.program_id(0), tl.load(num_unique_ptr), tl.num_programs(0)):
         uid = tl.load(unique_ptr + u)
         if (uid != skip_id) & (uid != frozen_id):
@@ -351,8 +355,8 @@ def backward_update(pool: torch.Tensor, dirty: torch.Tensor, dim: int, slots: to
     max, the bags' scales for mean). groups: the dedup's grouping of the occurrences
     (gpu/dedup.py), or None to sort for it here. scalars: what changes from step to step, as
     device tensors the kernel reads (a CUDA graph of this call then serves every step, its
-    caller filling them: gpu/graphed.py): (Adam's step size float32 [1], the step int64 [1]);
-    None: made here from optimizer and step. Returns the per-sample weights' gradient when
+    caller filling them: gpu/graphed.py): step_scalars' (Adam's step size, the step, the rate);
+    None: made here from optimizer and step (the rate then passed as a number). Returns the per-sample weights' gradient when
     asked."""
     n, bags, dev = inverse.numel(), offsets.numel() - 1, pool.device
     if n == 0:
@@ -400,6 +404,7 @@ def backward_update(pool: torch.Tensor, dirty: torch.Tensor, dim: int, slots: to
                                                    MODE=mode, HAS_AT=at is not None, SCALE=scale_kind, TILE=tile,
                                                    BLOCK=block)
     a = optimizer.native_args(step)
+    lr_read = scalars is not None  # (a caller's scalars hold the rate too)
     if scalars is None:
         if step_dependent(optimizer, stochastic_rounding):
             scalars = step_scalars(dev)
@@ -411,9 +416,9 @@ def backward_update(pool: torch.Tensor, dirty: torch.Tensor, dim: int, slots: to
             pool, dirty, slots, unique, num_unique, order, start, chunk, partial, sorted_bag, scale, grad_out, at_arg,
             argmax_arg, dim, float(dim), pool.shape[1], dim if weights == 0 else (dim + 1) // 2, skip_id, frozen_id,
             a.lr, a.eps, a.one_minus_beta1, a.one_minus_beta2, scalars[0], a.accumulator_divisor, sr_seed, scalars[1],
-            OPT=optimizer.kind,
+            scalars[2], OPT=optimizer.kind,
             MODE=mode, HAS_AT=at is not None, SCALE=scale_kind, WEIGHTS=weights, STOCHASTIC=stochastic_rounding,
-            TILE=tile, BLOCK=block, num_warps=UPDATE_WARPS)
+            LR_READ=lr_read, TILE=tile, BLOCK=block, num_warps=UPDATE_WARPS)
     return psw_grad
 
 
@@ -435,12 +440,13 @@ def _unread_scalars(device) -> tuple:
 
 def step_scalars(device) -> tuple:
     """Device tensors for backward_update's scalars: (Adam's step size float32 [1], the step
-    int64 [1])."""
-    return torch.empty(1, dtype=torch.float32, device=device), torch.empty(1, dtype=torch.int64, device=device)
+    int64 [1], the learning rate float32 [1])."""
+    return (torch.empty(1, dtype=torch.float32, device=device), torch.empty(1, dtype=torch.int64, device=device),
+            torch.empty(1, dtype=torch.float32, device=device))
 
 
 def fill_step_scalars(scalars: tuple, adam_step_size: float, step: int) -> None:
-    """Fills step_scalars' tensors on the current stream (a fill kernel each: no copy from the
-    host, nothing waits)."""
+    """Fills step_scalars' step tensors on the current stream (a fill kernel each: no copy from
+    the host, nothing waits)."""
     scalars[0].fill_(adam_step_size)
     scalars[1].fill_(step)
