@@ -321,3 +321,60 @@ def test_a_training_plan_prices_the_write_back_of_every_row_it_reads():
     for t, s in zip(trained.tables, served.tables):
         assert t.cache_rows == s.cache_rows and t.tier0_hit == s.tier0_hit
         assert t.bytes_per_batch == pytest.approx(2 * s.bytes_per_batch) and t.bytes_per_batch > 0
+
+
+def test_a_budget_that_holds_every_table_holds_them_whole_and_moves_nothing():
+    """A table whole in host memory moves no row (its group has no tier 0): the planner priced
+    every first touch as a miss, so it never made a table whole, and the plan moved more than
+    either split, which did (a review: 2 tables at twice their bytes, planned 545/2000 and 880/3000
+    rows, 1,564 misses measured against none)."""
+    everything = sum(r * b for r, b in tables().values())
+    got = planner.plan(traces(), tables(), cache_bytes=2 * everything)
+    for strategy in ("planned", "proportional"):  # (equal shares leave the largest table short)
+        assert all(t.cache_rows == t.rows and t.tier0_hit == 1.0 for t in got[strategy].tables)
+        assert got[strategy].seconds_per_batch == 0.0
+    partial = planner.plan(traces(), tables(), cache_bytes=budget() * 4)["planned"]
+    whole = [t.name for t in partial.tables if t.cache_rows == t.rows]
+    assert whole and len(whole) < len(MIX)  # (some whole, the rest cached: grouped apart)
+    stats = train(TieredEmbeddingBagCollection(configs(), plan=partial), traces())
+    for t in partial.tables:
+        measured = stats[t.name]["tier0"]
+        if t.name in whole:
+            assert measured is None  # (no tier 0: the table itself)
+        else:
+            assert abs(measured["hit_rate"] - t.tier0_hit) <= 0.01
+
+
+def test_the_planned_split_is_never_predicted_dearer_than_a_simple_one():
+    """A scan's cliff (no hits until its whole cycle fits) against a table with a small hot set:
+    the greedy, by gain per byte, fed the hot set first and then could not reach the cliff (a
+    review: 1.29x the moves of the proportional split, predicted and measured). Planned is now the
+    cheapest of the three."""
+    rng = np.random.default_rng(0)
+    batches, cycle = 100, 1000
+    scan = (np.arange(batches * 50) % cycle).astype(np.int64)
+    hot = np.concatenate([np.concatenate([rng.choice(250, 30, replace=False), 250 + i * 20 + np.arange(20)])
+                          for i in range(batches)]).astype(np.int64)
+    tr = {"scan": (scan, np.arange(batches + 1) * 50), "hot": (hot, np.arange(batches + 1) * 50)}
+    tabs = {"scan": (1_000_000, 64), "hot": (5000, 64)}
+    for extra in (cycle - 50, cycle, cycle + 100):
+        got = planner.plan(tr, tabs, cache_bytes=(100 + extra) * 64)
+        assert got["planned"].seconds_per_batch <= min(got["proportional"].seconds_per_batch,
+                                                       got["equal"].seconds_per_batch)
+
+
+def test_a_plans_bad_tables_and_traces_are_refused_by_name():
+    tr = {"t": (np.array([1, 2, 3]), np.array([0, 3]))}
+    for bad, message in [((("2000", 64)), r"table 't': rows '2000' must be a whole number > 0"),
+                         (((2000.7, 64)), r"table 't': rows 2000.7 must be a whole number > 0"),
+                         (((2000, None)), r"table 't': row bytes None must be a whole number > 0")]:
+        with pytest.raises(ValueError, match=message):
+            planner.plan(tr, {"t": bad}, cache_bytes=10_000)
+    with pytest.raises(ValueError, match=r"table 't': trace ids must be integers, got float64"):
+        planner.plan({"t": (np.array([1.5, 2.0]), np.array([0, 2]))}, {"t": (2000, 64)}, cache_bytes=10_000)
+
+
+def test_a_plan_with_another_policy_warns(plans):
+    """The curves are LRU's: lfu and clock measure hit rates a few points off (a review: up to 7.4)."""
+    with pytest.warns(UserWarning, match=r"a plan predicts LRU's hit rates .* policy='clock' will measure others"):
+        TieredEmbeddingBagCollection(configs(), plan=plans["planned"], policy="clock")

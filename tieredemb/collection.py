@@ -105,10 +105,15 @@ class _Collection(CollectionPrefetch, CollectionState, nn.Module):
                        for t in tables]
         self.feature_table = {f: t for t in self.tables for f in t.feature_names}
         self._row_alignment = table_args.get("row_alignment", TableConfig.row_alignment)  # (budgets count the padding)
+        if plan is not None and table_args.get("policy", "lru") != "lru":
+            warnings.warn(f"a plan predicts LRU's hit rates (its curves are LRU's); policy={table_args['policy']!r} "
+                          "will measure others", stacklevel=3)
         tier0, store = self._shares(cache_bytes, host_bytes, ssd_path, plan)
         groups: dict = {}
-        for t in self.tables:
-            groups.setdefault((*self._kind(t), store[t.name]), []).append(t)
+        for t in self.tables:  # (a table whole in host memory apart from those cached: its group needs no tier 0,
+            # and moves no row, as the planner prices it)
+            whole = store[t.name] == "host" and tier0[t.name] >= t.num_embeddings
+            groups.setdefault((*self._kind(t), whole, store[t.name]), []).append(t)
         self.groups = [_Group(g, key[-1]) for key, g in groups.items()]
         total_bytes = sum(t.num_embeddings * self._row_bytes(t) for t in self.tables)
         self.lookups = {t.name: 0 for t in self.tables}
