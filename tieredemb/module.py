@@ -51,12 +51,12 @@ def _pretrained_dtype(embeddings: Tensor, table_args: dict) -> None:
         table_args.setdefault("dtype", embeddings.dtype)
 
 
-_UNTRACED: dict = {}  # "Class.method" -> the method eager_when_compiled decorated
+_UNTRACED: dict = {}  # "module:Class.method" -> the method eager_when_compiled decorated
 
 
 @torch.fx.wrap
 def _untraced(module, method: str, *args, **kwargs):
-    """module's method (named "Class.method"), run: a leaf of torch.fx's symbolic tracing, which
+    """module's method (named "module:Class.method"), run: a leaf of torch.fx's symbolic tracing, which
     records this call as one node (torchrec traces models so, e.g. in its train pipelines)."""
     return _UNTRACED[method](module, *args, **kwargs)
 
@@ -66,13 +66,14 @@ def eager_when_compiled(method):
     of it, one node where torch.fx does. A lookup's host work (numpy, native calls, lengths read
     to the host) is not for tracing. torch.compiler.disable is applied there, not here: applied
     when the class is made, it would import torch._dynamo (a second or more)."""
-    _UNTRACED[method.__qualname__] = method
+    name = f"{method.__module__}:{method.__qualname__}"
+    _UNTRACED[name] = method
 
     @functools.wraps(method)
     def call(self, *args, **kwargs):
         if torch.compiler.is_compiling():
             return torch.compiler.disable(method)(self, *args, **kwargs)
-        return _untraced(self, method.__qualname__, *args, **kwargs)
+        return _untraced(self, name, *args, **kwargs)
     return call
 
 
