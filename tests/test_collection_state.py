@@ -410,3 +410,18 @@ def test_flush_and_close_warn_of_tables_a_plan_keeps_in_host_memory(tmp_path):
         host = make()  # (no ssd_path: nothing is stored, as for a module: no warning)
         train(host, range(1))
         host.close()
+
+
+def test_an_ssd_groups_directory_keeps_its_number_when_whole_tables_are_grouped_apart(tmp_path):
+    """A plan's tables whole in host memory are grouped apart from cached ones of their kind (since
+    5cbe756); an SSD group's directory keeps the number it had before (a review: a directory written
+    then was refused as holding other tables, its group now counted one further)."""
+    tables = [EmbeddingBagConfig(n, 100, 4, [n + "_f"]) for n in ("B", "C", "A")]
+    plan = {"tables": [{"name": "B", "cache_rows": 100, "store": "host", "rows": 100},
+                       {"name": "C", "cache_rows": 10, "store": "host", "rows": 100},
+                       {"name": "A", "cache_rows": 10, "store": "ssd", "rows": 100}]}
+    ebc = make(tables, plan=plan, ssd_path=tmp_path / "s")
+    assert [[t.name for t in g.tables] for g in ebc.groups] == [["B"], ["C"], ["A"]]
+    ebc.close()
+    assert sorted(os.listdir(tmp_path / "s")) == ["collection.json", "group1"]  # (as before: B and C were group0)
+    make(tables, plan=plan, ssd_path=tmp_path / "s").close()

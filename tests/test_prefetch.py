@@ -6,6 +6,9 @@ training thread with their traceback; threads stop on exhaustion, break and exce
 from __future__ import annotations
 
 import signal
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 import traceback
@@ -646,3 +649,28 @@ def test_a_table_dropped_with_batches_registered_lets_its_store_go(tmp_path, wai
         if t.name == "tieredemb-prefetch":
             t.join(10)
             assert not t.is_alive()
+
+
+EXIT_TRAINS = textwrap.dedent("""
+    import atexit
+    def at_exit():  # (registered before tieredemb's own exit hooks: it runs after them)
+        import faulthandler
+        faulthandler.dump_traceback_later(20, exit=True)
+        import torch
+        ids, offsets = torch.tensor([1, 2, 3, 4]), torch.tensor([0, 2])
+        TABLE[0].prefetch(ids, offsets)
+        TABLE[0](ids, offsets).sum().backward()
+        TABLE[0].close()
+        print("trained at exit", flush=True)
+    atexit.register(at_exit)
+    import tieredemb
+    TABLE = [tieredemb.TieredEmbeddingBag(10, 4, "sum", optimizer=tieredemb.SGD(lr=0.1), cache_rows=5)]
+""")
+
+
+def test_a_table_alive_at_exit_still_prefetches_there():
+    """The finalizer that stops a dropped table's worker ran at exit too (weakref.finalize's
+    default), on tables still alive: an exit hook that then trained with prefetch waited forever
+    (a review of this session's diff)."""
+    done = subprocess.run([sys.executable, "-c", EXIT_TRAINS], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "trained at exit" in done.stdout, done.stderr[-2000:]

@@ -240,3 +240,15 @@ def test_a_collections_learning_rate():
     assert ebc.get_learning_rate() == 0.25 and [t.optimizer.lr for t in ebc.embedding_bag_configs()] == [0.25, 0.25]
     ebc(batch).values().sum().backward()
     assert torch.equal(ebc.read_rows("a", torch.tensor([1])), before[0][1:2] - 0.25)
+
+
+def test_a_numpy_learning_rate_is_a_python_float(tmp_path):
+    """A schedule may give numpy numbers: taken as floats (a review: np.float32 was kept, and
+    export_rows then failed writing it into meta.json)."""
+    import numpy as np
+    emb = tieredemb.TieredEmbeddingBag(NUM, DIM, optimizer=tieredemb.Adam(lr=np.float32(0.01), betas=(np.float64(0.8),
+                                                                                                     0.9)))
+    emb.set_learning_rate(np.float32(0.05))
+    assert type(emb.get_learning_rate()) is float and all(type(b) is float for b in emb.optimizer.betas)
+    emb.write_rows(torch.arange(3), torch.ones(3, DIM))
+    emb.export_rows(tmp_path / "x")

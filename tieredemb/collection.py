@@ -45,9 +45,10 @@ class _Group:
     """Tables of one kind (dim, optimizer, init, dtype, pooling for bags) and store: one engine
     over their rows."""
 
-    def __init__(self, tables: list[EmbeddingBagConfig], store: str):
+    def __init__(self, tables: list[EmbeddingBagConfig], store: str, directory: str):
         self.tables = tables
         self.store = store  # "host" or "ssd"
+        self.directory = directory  # its store's under ssd_path (an SSD group's)
         self.offsets = dict(zip((t.name for t in tables), np.cumsum([0] + [t.num_embeddings for t in tables])))
         self.rows = sum(t.num_embeddings for t in tables)
 
@@ -113,8 +114,11 @@ class _Collection(CollectionPrefetch, CollectionState, nn.Module):
         for t in self.tables:  # (a table whole in host memory apart from those cached: its group needs no tier 0,
             # and moves no row, as the planner prices it)
             whole = store[t.name] == "host" and tier0[t.name] >= t.num_embeddings
-            groups.setdefault((*self._kind(t), whole, store[t.name]), []).append(t)
-        self.groups = [_Group(g, key[-1]) for key, g in groups.items()]
+            groups.setdefault((*self._kind(t), store[t.name], whole), []).append(t)
+        # An SSD group's directory is numbered as before whole tables were grouped apart (by its kind and
+        # store among all groups'): directories written then open as they are.
+        numbered = list(dict.fromkeys(key[:-1] for key in groups))
+        self.groups = [_Group(g, key[-2], f"group{numbered.index(key[:-1])}") for key, g in groups.items()]
         total_bytes = sum(t.num_embeddings * self._row_bytes(t) for t in self.tables)
         self.lookups = {t.name: 0 for t in self.tables}
         self.looked_up: list = []  # the last forward's ids, per group
@@ -136,7 +140,7 @@ class _Collection(CollectionPrefetch, CollectionState, nn.Module):
                     host = max(sum(c for _, c in parts), host_bytes * group_bytes // total_bytes // self._row_bytes(t0))
                 self.engines.append(self._engine(
                     g, partitions=None if whole else parts, host_rows=host, optimizer=t0.optimizer, init=t0.init,
-                    dtype=t0.dtype, ssd_path=os.path.join(ssd_path, f"group{k}") if g.store == "ssd" else None,
+                    dtype=t0.dtype, ssd_path=os.path.join(ssd_path, g.directory) if g.store == "ssd" else None,
                     **table_args))
                 self.engines[-1]._state_in_collection = True  # (state_dict: the collection's, table by table)
                 self.engines[-1]._tables = [t.name for t in g.tables]

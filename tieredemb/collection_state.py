@@ -114,8 +114,8 @@ class CollectionState:
         if os.path.exists(path):
             raise ValueError(f"checkpoint path {path}: already exists; give a new directory")
         os.makedirs(path)
-        for k, engine in enumerate(self.engines):
-            engine.checkpoint(os.path.join(path, f"group{k}"))
+        for engine, group in zip(self.engines, self.groups):
+            engine.checkpoint(os.path.join(path, group.directory))
         self._write_manifest(path)
 
     # -- export / import -----------------------------------------------------------------------------
@@ -186,8 +186,7 @@ class CollectionState:
     # -- which tables an SSD directory holds -----------------------------------------------------------
     def _stored_layout(self) -> dict:
         """{group<k>: [[table, rows], ...]} of the groups stored on SSD."""
-        return {f"group{k}": [[t.name, t.num_embeddings] for t in g.tables]
-                for k, g in enumerate(self.groups) if g.store == "ssd"}
+        return {g.directory: [[t.name, t.num_embeddings] for t in g.tables] for g in self.groups if g.store == "ssd"}
 
     def _check_manifest(self, ssd_path: str) -> None:
         """Raises ValueError, before any store is opened, if ssd_path holds other tables in a

@@ -99,7 +99,8 @@ class _TieredBase(Persistence, nn.Module):
         self._store = TableStore.from_config(config)
         self.step = restored_step(self._store, config.ssd_path)
         self._prefetch = Prefetcher(self._store)
-        weakref.finalize(self, Prefetcher.stop_soon, self._prefetch)  # (dropped without close())
+        # (dropped without close(); not at exit, where the module may still train: prefetch.py stops workers then)
+        weakref.finalize(self, Prefetcher.stop_soon, self._prefetch).atexit = False
         self._closed = False
         if _weight is not None:
             if tuple(_weight.shape) != (config.num_embeddings, config.embedding_dim):

@@ -51,6 +51,13 @@ class Optimizer:
 
     def __post_init__(self):
         _check("lr", self.lr, ">= 0", lambda v: v >= 0)
+        for field in dataclasses.fields(self):  # (numpy numbers as Python floats: a table's meta is JSON)
+            value = getattr(self, field.name)
+            if isinstance(value, numbers.Real) and not isinstance(value, (bool, int)):
+                object.__setattr__(self, field.name, float(value))
+            elif isinstance(value, tuple):
+                object.__setattr__(self, field.name, tuple(float(v) if isinstance(v, numbers.Real)
+                                                           and not isinstance(v, (bool, int)) else v for v in value))
 
     def state_width(self, dim: int) -> int:
         """Floats of state stored after the dim weights of each row."""
