@@ -95,6 +95,12 @@ class Init:
         return ("normal", "uniform", "zeros").index(self.kind)
 
 
+def check_weight_dtype(dtype, where: str = "") -> None:
+    """ValueError (its message starting with where) unless dtype is a weights' dtype."""
+    if dtype not in WEIGHT_TYPES:
+        raise ValueError(f"{where}dtype {dtype!r} is not supported: use torch.float32, torch.float16 or torch.bfloat16")
+
+
 def _positive_int(name: str, v) -> None:
     if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
         raise ValueError(f"{name} must be a positive int, got {v!r}")
@@ -199,8 +205,7 @@ class TableConfig:
                     or not -n <= self.padding_idx < n:
                 raise ValueError(f"padding_idx {self.padding_idx!r} out of range [{-n}, {n})")
             set_("padding_idx", self.padding_idx % n)
-        if self.dtype not in WEIGHT_TYPES:
-            raise ValueError(f"dtype {self.dtype} is not supported: use torch.float32, torch.float16 or torch.bfloat16")
+        check_weight_dtype(self.dtype)
         if not isinstance(self.stochastic_rounding, bool):
             raise TypeError(f"stochastic_rounding must be a bool, got {self.stochastic_rounding!r}")
         if self.policy not in POLICIES:
@@ -310,9 +315,7 @@ def _check_table(t) -> None:
     object.__setattr__(t, "feature_names", list(t.feature_names))  # (a list, as torchrec's: its modules add them)
     if not t.feature_names:
         raise ValueError(f"table {t.name!r} has no features: give feature_names")
-    if t.dtype not in WEIGHT_TYPES:
-        raise ValueError(f"table {t.name!r}: dtype {t.dtype!r} is not supported: use torch.float32, torch.float16 "
-                         "or torch.bfloat16")
+    check_weight_dtype(t.dtype, f"table {t.name!r}: ")
 
 
 @dataclasses.dataclass(frozen=True)

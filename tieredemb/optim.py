@@ -51,13 +51,13 @@ class Optimizer:
 
     def __post_init__(self):
         _check("lr", self.lr, ">= 0", lambda v: v >= 0)
-        for field in dataclasses.fields(self):  # (numpy numbers as Python floats: a table's meta is JSON)
+        def as_float(v):  # (numpy numbers as Python floats: a table's meta is JSON)
+            return float(v) if isinstance(v, numbers.Real) and not isinstance(v, (bool, int)) else v
+
+        for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            if isinstance(value, numbers.Real) and not isinstance(value, (bool, int)):
-                object.__setattr__(self, field.name, float(value))
-            elif isinstance(value, tuple):
-                object.__setattr__(self, field.name, tuple(float(v) if isinstance(v, numbers.Real)
-                                                           and not isinstance(v, (bool, int)) else v for v in value))
+            object.__setattr__(self, field.name, tuple(map(as_float, value)) if isinstance(value, tuple)
+                               else as_float(value))
 
     def state_width(self, dim: int) -> int:
         """Floats of state stored after the dim weights of each row."""

@@ -16,9 +16,9 @@ import os
 import torch
 from torch import Tensor
 
-from ssd_backend.common import write_json_atomic
+from ssd_backend.common import DTYPE_BY_NAME, write_json_atomic
 
-from .optim import WEIGHT_TYPES, RowLayout
+from .optim import RowLayout
 
 # state_dict() of a table above this many bytes raises (it would hold every row in memory at
 # once); export_rows() moves such tables chunk by chunk.
@@ -202,11 +202,11 @@ def write_export(directory, chunks, meta: dict) -> int:
 def _state_words(meta: dict, where: str) -> int:
     """The optimizer state's words in a row of a table's meta: its width less the pad and the
     weights' words (which depend on its dtype: a meta without one is float32's)."""
-    dtypes = {str(d).removeprefix("torch."): d for d in WEIGHT_TYPES}
     name = meta.get("dtype", "float32")
-    if name not in dtypes:
-        raise ValueError(f"{where}: dtype {name!r} is not one of {sorted(dtypes)}")
-    return meta["width"] - meta.get("row_pad", 0) - RowLayout(meta["embedding_dim"], dtypes[name], 0).weight_words
+    if name not in DTYPE_BY_NAME:  # (the stores' names of the same three dtypes)
+        raise ValueError(f"{where}: dtype {name!r} is not one of {sorted(DTYPE_BY_NAME)}")
+    weights = RowLayout(meta["embedding_dim"], DTYPE_BY_NAME[name], 0).weight_words
+    return meta["width"] - meta.get("row_pad", 0) - weights
 
 
 def read_export_meta(directory, mine: dict) -> dict:
