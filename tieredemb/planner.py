@@ -10,12 +10,14 @@ training each is also written back once evicted) times the bytes of a row over t
 host-to-tier-0 bandwidth, plus, for a table stored on SSD, the same rows over the SSD's
 bandwidth. The model counts row moves only: kernels and dedup cost the same under any plan.
 
-Choice. Tier 0's budget goes greedily, a step of one table's curve grid at a time, to the step
-that saves the most seconds per byte (the curves are close to convex, so this is close to the
-optimum; a table whose step reaches all its rows sits whole in tier 0). Then host memory holds
-whole tables, the ones whose SSD reads cost most per byte first, while host_bytes lasts; the
-rest go to SSD. The planner also prices the two obvious splits of tier 0, in proportion to the
-tables' bytes and in equal shares, with the same model and the same placement rule.
+Choice. Tier 0's budget is split by a multiple-choice knapsack over each table's curve grid
+(geometric sizes, and the sizes where its curve falls): the split of least predicted seconds,
+exact over slices of the budget, whatever the curves' shape (a scan's cliff included); the bytes
+the slices leave go greedily to the step that saves the most per byte (a table whose size
+reaches all its rows sits whole in tier 0). Then host memory holds whole tables, the ones whose
+SSD reads cost most per byte first, while host_bytes lasts; the rest go to SSD. The planner also
+prices the two obvious splits of tier 0, in proportion to the tables' bytes and in equal shares,
+with the same model and the same placement rule.
 
     plans = tieredemb.plan({"user": (ids, offsets), ...}, {"user": (rows, row_bytes), ...},
                            cache_bytes="1GiB")
@@ -113,7 +115,7 @@ def load(plan) -> dict:
 class _Curve:
     """A table's exact LRU misses per batch (batch mode) at any tier-0 size of at least its widest
     batch, from every counted lookup's stack distance (one pass; a size's misses are then one
-    binary search: the greedy asks at many sizes), and a grid of sizes for the report."""
+    binary search: the planner asks at many sizes), and a grid of sizes to choose from and report."""
 
     def __init__(self, ids, offsets, rows: int, points: int, warmup: int = 0):
         from .trace.reuse import DUPLICATE, FIRST_USE, stack_distances
@@ -132,7 +134,11 @@ class _Curve:
         self._distances = np.sort(d)  # a tier of C rows hits a lookup iff its distance < C
         self.smallest = min(rows, max(1, widest))  # batch mode: a batch fits in the tier
         grid = np.geomspace(self.smallest, rows, points).astype(np.int64)
-        self.sizes = np.unique(np.concatenate([grid, [self.smallest, rows]]))
+        # and the sizes where the curve falls: one past the distances at `points` quantiles (a
+        # scan's cliff, all of whose lookups hit once its cycle fits, lies on no geometric grid)
+        seen = self._distances[:np.searchsorted(self._distances, np.iinfo(np.int64).max, "left")]
+        knees = seen[np.linspace(0, seen.size - 1, points).astype(np.int64)] + 1 if seen.size else grid[:0]
+        self.sizes = np.unique(np.clip(np.concatenate([grid, knees, [self.smallest, rows]]), self.smallest, rows))
 
     def misses_at(self, size: int) -> float:
         """Misses per batch of a tier of `size` rows (at least the widest batch)."""
@@ -247,9 +253,8 @@ def plan(traces: dict, tables: dict, *, cache_bytes, host_bytes=None, bandwidth:
             store = placed
         plans[strategy] = Plan(strategy, [_price(n, *tables[n], curves[n], cache[n], store[n], bandwidth, train)
                                           for n in tables], train, bandwidth)
-    # The greedy assumes curves close to convex; a scan's cliff (a table that hits only once all
-    # its cycle fits) can make it spend the budget where a simple split would not: the planned
-    # split is then the cheapest of the three, as predicted.
+    # The knapsack is exact over the curves' grids; a simple split's sizes lie off them, and the
+    # placement rule is shared: the planned split is the cheapest of the three, as predicted.
     cheapest = min(plans.values(), key=lambda p: p.seconds_per_batch)
     if cheapest.seconds_per_batch < plans["planned"].seconds_per_batch:
         plans["planned"] = dataclasses.replace(cheapest, strategy="planned")
@@ -262,18 +267,55 @@ def _split(strategy, budget, tables, curves, store, bw, train) -> dict:
     lo = {n: curves[n].smallest for n in names}
     if strategy != "planned":
         return _shares(strategy, budget, tables, lo)
-    # Greedy: each step moves one table to a larger size on its grid (or as far as the last bytes
-    # reach), the step that saves the most per byte; looking past the next grid size steps over
-    # a curve's flat stretches.
-    size = dict(lo)
-    left = budget - sum(size[n] * tables[n][1] for n in names)
 
     def cost(n, s):
         return _seconds(tables[n][1], curves[n], s, store[n], bw, train)
 
+    left = budget - sum(lo[n] * tables[n][1] for n in names)
+    size = _knapsack(names, lo, left, tables, curves, cost)
+    return _top_up(size, left - sum((size[n] - lo[n]) * tables[n][1] for n in names), tables, curves, cost)
+
+
+def _knapsack(names, lo, left, tables, curves, cost) -> dict:
+    """Each table's size from its curve's sizes, of least total cost whose bytes past every
+    table's least fit in `left`: a multiple-choice knapsack solved exactly over slices of the
+    budget (a size's bytes round up to whole slices, so the choice fits; each table wastes less
+    than a slice, which _top_up spends). The curves need not be convex: a cliff is reached
+    wherever reaching it pays, where a greedy by gain per byte may spend the bytes first on a
+    table whose first steps save more per byte and then cannot reach it."""
+    slices = min(1 << 16, max(4096, 256 * len(names)))
+    unit = max(1, -(-left // slices))
+    top = left // unit
+    least = np.zeros(top + 1)  # least cost of the tables so far within u slices
+    picks = []
+    for n in names:
+        sizes = curves[n].sizes[curves[n].sizes > lo[n]]
+        sizes = np.concatenate([[lo[n]], sizes[-(-(sizes - lo[n]) * tables[n][1] // unit) <= top]])
+        weight = -(-(sizes - lo[n]) * tables[n][1] // unit)
+        cost_at = [cost(n, int(s)) for s in sizes]
+        after, pick = np.full(top + 1, np.inf), np.zeros(top + 1, np.int32)
+        for k, (w, c) in enumerate(zip(weight.tolist(), cost_at)):
+            candidate = least[:top + 1 - w] + c
+            better = candidate < after[w:]
+            after[w:][better] = candidate[better]
+            pick[w:][better] = k
+        picks.append((n, sizes, weight, pick))
+        least = after
+    size, u = {}, top
+    for n, sizes, weight, pick in reversed(picks):
+        k = int(pick[u])
+        size[n], u = int(sizes[k]), u - int(weight[k])
+    return {n: size[n] for n in names}
+
+
+def _top_up(size, left, tables, curves, cost) -> dict:
+    """Spend the bytes left greedily: each step moves one table to a larger size on its grid (or
+    as far as the last bytes reach), the step that saves the most per byte; looking past the next
+    grid size steps over a curve's flat stretches."""
+    size = dict(size)
     while True:
         best = None
-        for n in names:
+        for n in size:
             rb = tables[n][1]
             grid = curves[n].sizes
             steps = [int(s) for s in grid[(grid > size[n]) & ((grid - size[n]) * rb <= left)]]

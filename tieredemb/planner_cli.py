@@ -48,7 +48,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--probe", metavar="DIR", nargs="?", const="",
                    help="measure the bandwidths on this machine: host copies, and SSD reads in a directory DIR "
                         "(no DIR: host copies only)")
-    p.add_argument("--points", type=int, default=48, help="sizes on each table's curve grid (default 48)")
+    p.add_argument("--points", type=int, default=48,
+                   help="geometric sizes on each table's curve grid, and as many where the curve falls (default 48)")
     p.add_argument("--warmup", type=int, default=0, metavar="BATCHES",
                    help="the trace's first BATCHES batches only fill tier 0; predict the batches after them "
                         "(a steady state; default 0: from a cold start)")
