@@ -48,11 +48,41 @@ def test_cuda_matches_cpu(tiers, mode):
 
 
 @pytest.mark.parametrize("opt", [lambda: tieredemb.SGD(lr=0.1), lambda: tieredemb.RowWiseAdagrad(lr=0.1),
-                                 lambda: tieredemb.Adam(lr=0.01)], ids=["sgd", "rowwise", "adam"])
+                                 lambda: tieredemb.Adam(lr=0.01),
+                                 lambda: tieredemb.RowWiseAdagrad(lr=0.1, weight_decay=0.3),
+                                 lambda: tieredemb.Adam(lr=0.01, weight_decay=0.3, weight_decay_mode="decoupled")],
+                         ids=["sgd", "rowwise", "adam", "rowwise-l2", "adamw"])
 def test_cuda_optimizers_match_cpu(opt):
     cpu, _ = _train("cpu", "sum", opt, cache_rows=60)
     gpu, _ = _train("cuda", "sum", opt, cache_rows=60)
     torch.testing.assert_close(_table(gpu), _table(cpu), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["l2", "decoupled"])
+def test_rowwise_weight_decay_matches_fbgemms_gpu_tbe(mode):
+    """FBGEMM's CPU TBE leaves weight_decay out (test_weight_decay.py holds its CUDA rule); its GPU
+    TBE applies it: the same weights after 30 steps."""
+    tbe_mod = pytest.importorskip("fbgemm_gpu.split_table_batched_embeddings_ops_training")
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import ComputeDevice, EmbeddingLocation, PoolingMode
+
+    tbe = tbe_mod.SplitTableBatchedEmbeddingBagsCodegen(
+        embedding_specs=[(NUM, DIM, EmbeddingLocation.DEVICE, ComputeDevice.CUDA)],
+        optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD, learning_rate=0.1, eps=1e-8, weight_decay=0.3,
+        weight_decay_mode=tbe_mod.WeightDecayMode.L2 if mode == "l2" else tbe_mod.WeightDecayMode.DECOUPLE,
+        pooling_mode=PoolingMode.SUM, device="cuda")
+    ours, _ = _train("cuda", "sum", lambda: tieredemb.RowWiseAdagrad(lr=0.1, eps=1e-8, weight_decay=0.3,
+                                                                     weight_decay_mode=mode),
+                     padding_idx=None, cache_rows=60)
+    fresh, _ = _train("cuda", "sum", padding_idx=None, steps=0)  # (the rows as seed 3 draws them)
+    tbe.split_embedding_weights()[0].copy_(fresh.read_rows(torch.arange(NUM)).cuda())
+    g = torch.Generator().manual_seed(0)
+    for _ in range(30):
+        ids, offsets, grad = torch.randint(0, NUM, (64,), generator=g), torch.arange(0, 64, 4), torch.randn(16, DIM,
+                                                                                                         generator=g)
+        tbe(ids.cuda(), torch.cat([offsets, torch.tensor([64])]).cuda()).backward(grad.cuda())
+    torch.testing.assert_close(ours.read_rows(torch.arange(NUM)), tbe.split_embedding_weights()[0].cpu(),
+                               rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("tiers", TIERS, ids=["whole", "cache", "host", "overflow"])

@@ -22,7 +22,9 @@ from tieredemb.gpu.tier import collection_on_cpu_tensors, on_cpu_tensors  # noqa
 NUM, D = 300, 8
 OPTIMIZERS = {"sgd": lambda: tieredemb.SGD(lr=0.1), "adagrad": lambda: tieredemb.Adagrad(lr=0.1),
               "rowwise": lambda: tieredemb.RowWiseAdagrad(lr=0.1), "adam": lambda: tieredemb.Adam(lr=0.05),
-              "msrowwise": lambda: tieredemb.MomentumScaledRowWiseAdagrad(lr=0.1, scale=4)}
+              "msrowwise": lambda: tieredemb.MomentumScaledRowWiseAdagrad(lr=0.1, scale=4),
+              "adagrad-l2": lambda: tieredemb.Adagrad(lr=0.1, weight_decay=0.2),
+              "adamw": lambda: tieredemb.Adam(lr=0.05, weight_decay=0.3, weight_decay_mode="decoupled")}
 
 
 device_tier = on_cpu_tensors  # emb with its tier 0 replaced by a DeviceTier on CPU tensors
@@ -40,7 +42,7 @@ _TIER_CASES = {"whole": dict(cache_rows=None), "cache64": dict(cache_rows=64), "
                "host": dict(cache_rows=40, host_rows=80)}
 _MODES = ["sum", "mean", "max"]
 # Every optimizer with every tier, the pooling mode taken in turn so that every pair of the three
-# (optimizer and tier, optimizer and mode, tier and mode) is met: 20 cases, not the 60 of all
+# (optimizer and tier, optimizer and mode, tier and mode) is met: 28 cases, not the 84 of all
 # three crossed (the suite's time; the mode's kernels do not depend on the tier's residency).
 _ENGINE_CASES = [(opt, _MODES[(i + j) % 3], tier) for i, opt in enumerate(sorted(OPTIMIZERS))
                  for j, tier in enumerate(_TIER_CASES)]

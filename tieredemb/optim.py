@@ -37,20 +37,35 @@ def _check(name: str, value, rule: str, ok) -> None:
         raise ValueError(f"{name}={value!r}: must be {rule}")
 
 
+WEIGHT_DECAY_MODES = ("l2", "decoupled")
+
+
 @dataclasses.dataclass(frozen=True)
 class Optimizer:
     """A fused optimizer: applied inside backward to the rows a batch touched (one step per
     backward, the gradients of duplicate ids summed first); its state is stored in each row after
     the weights and travels with the row through every tier. lr: learning rate, >= 0.
-    Subclasses: SGD, Adagrad, RowWiseAdagrad, MomentumScaledRowWiseAdagrad, Adam."""
+    Subclasses: SGD, Adagrad, RowWiseAdagrad, MomentumScaledRowWiseAdagrad, Adam.
+
+    weight_decay (keyword, >= 0; 0: none) decays the rows a step touches, and only them (as
+    FBGEMM's TBE does; torch's dense optimizers decay every row each step, and its sparse ones
+    take none). weight_decay_mode "l2" (torch's `weight_decay`, FBGEMM's L2): the summed gradient
+    g becomes g + weight_decay * w before the optimizer sees it, its state included. "decoupled"
+    (torch's AdamW, FBGEMM's DECOUPLE): w becomes w * (1 - lr * weight_decay), then the step
+    with g as it is."""
 
     lr: float
+    weight_decay: float = dataclasses.field(default=0.0, kw_only=True)
+    weight_decay_mode: str = dataclasses.field(default="l2", kw_only=True)
 
     kind = -1
     name = ""
 
     def __post_init__(self):
         _check("lr", self.lr, ">= 0", lambda v: v >= 0)
+        _check("weight_decay", self.weight_decay, ">= 0", lambda v: v >= 0)
+        if self.weight_decay_mode not in WEIGHT_DECAY_MODES:
+            raise ValueError(f"weight_decay_mode={self.weight_decay_mode!r}: must be one of {WEIGHT_DECAY_MODES}")
         def as_float(v):  # (numpy numbers as Python floats: a table's meta is JSON)
             return float(v) if isinstance(v, numbers.Real) and not isinstance(v, (bool, int)) else v
 
@@ -67,13 +82,23 @@ class Optimizer:
         a = _C.OptimizerArgs()
         a.kind = self.kind
         a.lr = self.lr
-        for field in ("eps", "one_minus_beta1", "one_minus_beta2", "accumulator_divisor"):
+        for field in ("eps", "one_minus_beta1", "one_minus_beta2", "accumulator_divisor", "weight_decay"):
             if hasattr(self, field):
                 setattr(a, field, getattr(self, field))
+        a.decoupled_weight_decay = self.weight_decay_mode == "decoupled"
         return a
 
     def apply_torch(self, rows: torch.Tensor, grad: torch.Tensor, dim: int, step: int) -> None:
         """rows: float32 [U, W] (updated in place); grad: [U, D] summed gradients."""
+        if self.weight_decay:
+            w, decay = rows[:, :dim], torch.tensor(self.weight_decay, dtype=torch.float32)
+            if self.weight_decay_mode == "decoupled":
+                w.mul_(1 - torch.tensor(self.lr, dtype=torch.float32) * decay)
+            else:
+                grad = grad + decay * w
+        self._step_torch(rows, grad, dim, step)
+
+    def _step_torch(self, rows: torch.Tensor, grad: torch.Tensor, dim: int, step: int) -> None:
         raise NotImplementedError
 
     def to_meta(self) -> dict:
@@ -87,13 +112,13 @@ class SGD(Optimizer):
     kind = 0
     name = "sgd"
 
-    def apply_torch(self, rows, grad, dim, step):
+    def _step_torch(self, rows, grad, dim, step):
         rows[:, :dim].add_(grad, alpha=-self.lr)
 
 
 @dataclasses.dataclass(frozen=True)
 class Adagrad(Optimizer):
-    """torch.optim.Adagrad's update (lr_decay = weight_decay = initial accumulator = 0): a sum of
+    """torch.optim.Adagrad's update (lr_decay = initial accumulator = 0): a sum of
     squared gradients per element (D floats of state); eps > 0 is added to its square root."""
 
     eps: float = 1e-10
@@ -104,7 +129,7 @@ class Adagrad(Optimizer):
         super().__post_init__()
         _check("eps", self.eps, "> 0", lambda v: v > 0)
 
-    def apply_torch(self, rows, grad, dim, step):
+    def _step_torch(self, rows, grad, dim, step):
         w, s = rows[:, :dim], rows[:, dim:2 * dim]
         s.addcmul_(grad, grad)
         w.add_(-self.lr * (grad / (s.sqrt() + self.eps)))
@@ -126,7 +151,7 @@ class RowWiseAdagrad(Optimizer):
         super().__post_init__()
         _check("eps", self.eps, "> 0", lambda v: v > 0)
 
-    def apply_torch(self, rows, grad, dim, step):
+    def _step_torch(self, rows, grad, dim, step):
         m = rows[:, dim]
         m.add_(grad.square().sum(1) / dim)
         rows[:, :dim].sub_((self.lr / ((m / self.accumulator_divisor).sqrt() + self.eps)).unsqueeze(1) * grad)
@@ -211,7 +236,7 @@ class Adam(Optimizer):
         a.adam_step_size = self.step_size(step)
         return a
 
-    def apply_torch(self, rows, grad, dim, step):
+    def _step_torch(self, rows, grad, dim, step):
         w, m, v = rows[:, :dim], rows[:, dim:2 * dim], rows[:, 2 * dim:3 * dim]
         m_update = (grad - m) * self.one_minus_beta1
         v_update = (grad * grad - v) * self.one_minus_beta2

@@ -307,6 +307,8 @@ void register_kernels(nb::module_& m) {
       .def_rw("one_minus_beta2", &OptimizerArgs::one_minus_beta2)
       .def_rw("adam_step_size", &OptimizerArgs::adam_step_size)
       .def_rw("accumulator_divisor", &OptimizerArgs::accumulator_divisor)
+      .def_rw("weight_decay", &OptimizerArgs::weight_decay)
+      .def_rw("decoupled_weight_decay", &OptimizerArgs::decoupled_weight_decay)
       .def_rw("stochastic_rounding", &OptimizerArgs::stochastic_rounding)
       .def_rw("sr_seed", &OptimizerArgs::sr_seed)
       .def_rw("step", &OptimizerArgs::step);

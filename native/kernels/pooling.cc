@@ -27,9 +27,18 @@ inline float dot(const float* __restrict x, const float* __restrict y, int64_t n
   return ((part[0] + part[4]) + (part[2] + part[6])) + ((part[1] + part[5]) + (part[3] + part[7]));
 }
 
-// One optimizer step on weights w[0, dim) with gradient g and the row's state.
+// One optimizer step on weights w[0, dim) with gradient g (L2 weight decay adds to it) and the
+// row's state.
 inline void apply_optimizer(const OptimizerArgs& o, int64_t dim, float* __restrict w, float* __restrict state,
-                            const float* __restrict g) {
+                            float* __restrict g) {
+  if (o.weight_decay != 0.f) {
+    if (o.decoupled_weight_decay) {
+      const float keep = 1.f - o.lr * o.weight_decay;
+      for (int64_t d = 0; d < dim; ++d) w[d] *= keep;
+    } else {
+      for (int64_t d = 0; d < dim; ++d) g[d] += o.weight_decay * w[d];
+    }
+  }
   switch (o.kind) {
     case OptimizerKind::kSGD:
       for (int64_t d = 0; d < dim; ++d) w[d] += -o.lr * g[d];
@@ -164,10 +173,11 @@ inline const float* row_weights(const float* row, int64_t dim, float* buf) {
   }
 }
 
-// One optimizer step on unique row u (its row in the pool is `row`) with gradient g. 16-bit
-// weights are decoded into buf[dim], updated there, and written back rounded (opt).
+// One optimizer step on unique row u (its row in the pool is `row`) with gradient g (a scratch
+// row: weight decay may add to it). 16-bit weights are decoded into buf[dim], updated there, and
+// written back rounded (opt).
 template <WeightType W>
-inline void update_row(const OptimizerArgs& opt, const PoolingArgs& a, int64_t u, float* row, const float* g,
+inline void update_row(const OptimizerArgs& opt, const PoolingArgs& a, int64_t u, float* row, float* g,
                        float* buf) {
   if constexpr (W == WeightType::kFloat32) {
     apply_optimizer(opt, a.dim, row, row + a.dim, g);

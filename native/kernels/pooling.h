@@ -50,6 +50,10 @@ struct OptimizerArgs {
   // Row-wise Adagrad divides its accumulator by this before the square root: 1 for plain
   // row-wise Adagrad, c for momentum-scaled row-wise Adagrad (tieredemb/optim.py).
   float accumulator_divisor = 1.f;
+  // Weight decay of the rows a step touches: L2 (g += weight_decay * w before the step) or, if
+  // decoupled_weight_decay, w *= 1 - lr * weight_decay before a step with g as it is.
+  float weight_decay = 0.f;
+  bool decoupled_weight_decay = false;
   // 16-bit weights are written back rounded to nearest even, or stochastically with the random
   // bits of rounding_key(sr_seed, row id, step) (weights.h): the same result on every run.
   bool stochastic_rounding = false;

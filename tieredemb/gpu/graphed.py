@@ -544,7 +544,8 @@ def _arguments(a) -> tuple:
     """What a backward graph holds of the optimizer (a: its native_args): the arguments that stay
     from step to step (Adam's step size, the step and the learning rate are read from device
     tensors: see pooling.backward_update's scalars)."""
-    return a.kind, a.eps, a.one_minus_beta1, a.one_minus_beta2, a.accumulator_divisor
+    return (a.kind, a.eps, a.one_minus_beta1, a.one_minus_beta2, a.accumulator_divisor, a.weight_decay,
+            a.decoupled_weight_decay)
 
 
 class _Replayed(torch.autograd.Function):

@@ -217,10 +217,10 @@ def _chunk_kernel(sorted_ptr, order_ptr, start_ptr, chunk_ptr, unique_ptr, sorte
 def _update_kernel(pool_ptr, dirty_ptr, slots_ptr, unique_ptr, num_unique_ptr, order_ptr, start_ptr, chunk_ptr,
                    partial_ptr, sorted_bag_ptr, scale_ptr, grad_ptr, at_ptr, argmax_ptr, dim, dim_f, width,
                    weight_words, skip_id, frozen_id, lr, eps, one_minus_beta1, one_minus_beta2, adam_step_ptr, acc_div,
-                   sr_seed, step_ptr, lr_ptr,
-                   OPT: tl.constexpr, MODE: tl.constexpr, HAS_AT: tl.constexpr, SCALE: tl.constexpr,
-                   WEIGHTS: tl.constexpr, STOCHASTIC: tl.constexpr, LR_READ: tl.constexpr, TILE: tl.constexpr,
-                   BLOCK: tl.constexpr):
+                   weight_decay, sr_seed, step_ptr, lr_ptr,
+                   OPT: tl.constexpr, DECAY: tl.constexpr, MODE: tl.constexpr, HAS_AT: tl.constexpr,
+                   SCALE: tl.constexpr, WEIGHTS: tl.constexpr, STOCHASTIC: tl.constexpr, LR_READ: tl.constexpr,
+                   TILE: tl.constexpr, BLOCK: tl.constexpr):
     """Unique rows u = program 0, then a grid's stride apart, below U; for each, g = the sum of its
     occurrences' gradients (occurrences order[start[u]] .. order[start[u+1]-1], each the gradient
     of its bag times its scale (see _tile_grad); for max only the columns it was the argmax of; a
@@ -231,7 +231,8 @@ def _update_kernel(pool_ptr, dirty_ptr, slots_ptr, unique_ptr, num_unique_ptr, o
     (the padding row) are left alone. 16-bit weights (WEIGHTS 1, 2) are updated in float32 and
     rounded back: to the nearest, or stochastically (STOCHASTIC). Every sum has a fixed order: the
     same bits from run to run. LR_READ: the rate is read from lr_ptr (a CUDA graph's, which serves
-    every rate an LR schedule sets), else it is lr."""
+    every rate an LR schedule sets), else it is lr. DECAY: no weight decay (0), L2 (1: g +=
+    weight_decay * w first), decoupled (2: w *= 1 - lr * weight_decay first)."""
     if LR_READ:
         lr = tl.load(lr_ptr)
     for u in range(tl.program_id(0), tl.load(num_unique_ptr), tl.num_programs(0)):
@@ -254,6 +255,10 @@ def _update_kernel(pool_ptr, dirty_ptr, slots_ptr, unique_ptr, num_unique_ptr, o
             slot = tl.load(slots_ptr + u)
             row = pool_ptr + slot * width + weight_words - dim  # the state: at row + dim + ...
             x = load_weights(pool_ptr, slot, cols, w, width, WEIGHTS)
+            if DECAY == 1:
+                g = g + weight_decay * x
+            elif DECAY == 2:
+                x = x * (1.0 - lr * weight_decay)
             if OPT == 0:  # SGD
                 x = x - lr * g
             elif OPT == 1:  # Adagrad: a squared-gradient sum per element
@@ -415,8 +420,9 @@ def backward_update(pool: torch.Tensor, dirty: torch.Tensor, dim: int, slots: to
         _update_kernel[(programs(n, UPDATE_PROGRAMS, pool.device),)](
             pool, dirty, slots, unique, num_unique, order, start, chunk, partial, sorted_bag, scale, grad_out, at_arg,
             argmax_arg, dim, float(dim), pool.shape[1], dim if weights == 0 else (dim + 1) // 2, skip_id, frozen_id,
-            a.lr, a.eps, a.one_minus_beta1, a.one_minus_beta2, scalars[0], a.accumulator_divisor, sr_seed, scalars[1],
-            scalars[2], OPT=optimizer.kind,
+            a.lr, a.eps, a.one_minus_beta1, a.one_minus_beta2, scalars[0], a.accumulator_divisor, a.weight_decay,
+            sr_seed, scalars[1], scalars[2], OPT=optimizer.kind,
+            DECAY=0 if not a.weight_decay else 2 if a.decoupled_weight_decay else 1,
             MODE=mode, HAS_AT=at is not None, SCALE=scale_kind, WEIGHTS=weights, STOCHASTIC=stochastic_rounding,
             LR_READ=lr_read, TILE=tile, BLOCK=block, num_warps=UPDATE_WARPS)
     return psw_grad
