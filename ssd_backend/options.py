@@ -38,6 +38,9 @@ class StoreOptions:
     def __post_init__(self):
         _check("storage_dtype", self.storage_dtype, f"one of {list(STORAGE_DTYPES)}",
                self.storage_dtype in STORAGE_DTYPES)
+        for f in dataclasses.fields(self):  # (a string "false" would be true)
+            if f.type == "bool":
+                _check(f.name, getattr(self, f.name), "True or False", isinstance(getattr(self, f.name), bool))
 
     def settings(self) -> dict:
         """The settings as keyword arguments of the backend's store."""
@@ -99,8 +102,8 @@ class LogOptions(NativeFileOptions):
 
     def __post_init__(self):
         super().__post_init__()
-        _check("segment_bytes", self.segment_bytes, "None or an int >= 65536",
-               self.segment_bytes is None or (_is_int(self.segment_bytes) and self.segment_bytes >= 1 << 16))
+        _check("segment_bytes", self.segment_bytes, "None or an int in [65536, 2**40) (a row's offset has 40 bits)",
+               self.segment_bytes is None or (_is_int(self.segment_bytes) and 1 << 16 <= self.segment_bytes < 1 << 40))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -369,16 +369,25 @@ def test_torch_optimizer_is_rejected():
     (lambda: te.Init("normal", 0.0, float("nan")), "b=nan must be a finite real number"),
     (lambda: te.Init("normal", 0.0, -1.0), r"b=-1.0 \(the std\) must be >= 0"),
     (lambda: te.Init("uniform", 1.0, 0.0), r"a=1.0 \(low\) must be <= b=0.0"),
+    # (a review: rows of inf, and a forward of inf or nan)
+    (lambda: te.Init("uniform", -1e39, 1e39), r"a=-1e\+39 must be a finite real number float32 holds"),
+    (lambda: te.Init("normal", 0, 1e300), r"b=1e\+300 must be a finite real number float32 holds"),
 ], ids=["sgd-neg-lr", "sgd-nan-lr", "sgd-inf-lr", "adagrad-neg-lr", "adagrad-eps0", "rowwise-eps",
         "adam-neg-lr", "adam-beta1", "adam-beta2", "adam-eps0", "msrowwise-scale0", "msrowwise-scale-inf",
         "sgd-lr-past-float32", "adagrad-eps-rounds-to-0", "adagrad-eps-str", "adam-one-beta", "adam-beta2-1",
-        "init-str", "init-nan", "init-neg-std", "init-uniform-reversed"])
+        "init-str", "init-nan", "init-neg-std", "init-uniform-reversed", "init-past-float32", "init-std-past-float32"])
 def test_bad_optimizer_and_init_arguments(make, match):
     with pytest.raises(ValueError, match=match):
         make()
 
 
 def test_numpy_numbers_are_numbers():
+    # (a review: numpy ints were refused by TableConfig, padding_idx 3 as "out of range [-20, 20)")
+    c = te.TableConfig(np.int64(20), np.int32(4), padding_idx=np.int64(3), cache_rows=np.int64(4), host_rows=np.int8(9))
+    assert (c.num_embeddings, c.embedding_dim, c.padding_idx, c.cache_rows, c.host_rows) == (20, 4, 3, 4, 9)
+    assert all(type(v) is int for v in (c.num_embeddings, c.embedding_dim, c.padding_idx, c.cache_rows))
+    with pytest.raises(ValueError, match=r"padding_idx 3.0 must be an int in \[-20, 20\)"):
+        te.TableConfig(20, 4, padding_idx=3.0)
     te.Adagrad(lr=np.float64(0.1), eps=np.float32(1e-8))
     te.Adam(betas=np.array([0.9, 0.999]))
     te.Adam(betas=(np.float32(0.9), 0.999))
@@ -393,3 +402,36 @@ def test_rejected_constructor_does_not_disturb_a_live_table():
         te.TieredEmbeddingBag(N, D, "sum", cache_rows=8, host_rows=2)
     gc.collect()
     assert_same(before, snapshot(m))
+
+
+@pytest.mark.parametrize("backend", ["log", "rocksdb"])
+def test_a_closed_table_refuses_its_rows(tmp_path, backend):
+    """A review: write_rows after close() was taken for rows still in tier 0 and then lost (the
+    reopened table held the old values); reads answered for resident rows only."""
+    m = te.TieredEmbeddingBag(N, D, "sum", optimizer=te.SGD(lr=0.1), cache_rows=4, ssd_path=tmp_path / "t",
+                              ssd_options={"backend": backend})
+    m.write_rows(torch.arange(6), torch.zeros(6, D))
+    m(torch.tensor([1, 2]), torch.tensor([0])).sum().backward()  # (rows 1 and 2 in tier 0)
+    before = m.read_rows(torch.arange(6))
+    m.close()
+    for call in (lambda: m.write_rows(torch.tensor([1, 2]), torch.full((2, D), 7.0)),
+                 lambda: m.read_rows(torch.tensor([1])), lambda: m.read_optimizer_state(torch.tensor([1]))):
+        with pytest.raises(RuntimeError, match=r"is closed \(close\(\) let its store go\)"):
+            call()
+    m = None  # (the table lets its directory go)
+    gc.collect()
+    reopened = te.TieredEmbeddingBag(N, D, "sum", optimizer=te.SGD(lr=0.1), cache_rows=4, ssd_path=tmp_path / "t")
+    assert torch.equal(reopened.read_rows(torch.arange(6)), before)
+
+
+@pytest.mark.parametrize("weight, error", [(torch.zeros(N, D + 1), r"_weight has shape \(30, 5\), expected \(30, 4\)"),
+                                           (torch.zeros(N, D, dtype=torch.int64),
+                                            r"_weight must be floating point, got torch.int64")])
+def test_a_table_refused_for_its_weight_makes_no_store(tmp_path, weight, error):
+    """A review: the SSD table was made before _weight was checked, and the corrected call was
+    then refused for the stored width of the first."""
+    with pytest.raises((ValueError, TypeError), match=error):
+        te.TieredEmbeddingBag(N, D, ssd_path=tmp_path / "t", _weight=weight)
+    assert not (tmp_path / "t").exists()
+    t = te.TieredEmbeddingBag(N, D, ssd_path=tmp_path / "t", _weight=torch.ones(N, D))
+    assert torch.equal(t.read_rows(torch.tensor([3])), torch.ones(1, D))

@@ -47,6 +47,11 @@ def test_options_dict_without_a_backend_is_for_the_table_the_directory_holds(tmp
     ({"backend": "slots", "io_threads": 2000}, r"io_threads 2000: must be an int in \[1, 1024\]"),
     ({"backend": "rocksdb", "compression": "zstd"}, r"compression 'zstd': must be None or 'lz4'"),
     ({"storage_dtype": torch.float64}, r"storage_dtype torch.float64: must be one of"),
+    # (a review: the string "false" turned O_DIRECT on, and kept RocksDB's log)
+    ({"backend": "log", "direct_reads": "false"}, r"direct_reads 'false': must be True or False"),
+    ({"backend": "rocksdb", "wal": "false"}, r"wal 'false': must be True or False"),
+    ({"backend": "log", "segment_bytes": 1 << 40}, r"segment_bytes 1099511627776: must be None or an int in "
+                                                   r"\[65536, 2\*\*40\)"),
 ])
 def test_bad_storage_options_are_rejected_naming_the_valid_ones(tmp_path, options, match):
     with pytest.raises(ValueError, match=match):

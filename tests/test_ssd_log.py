@@ -242,7 +242,7 @@ def test_damaged_files_and_foreign_directories(tmp_path):
     (other / "notes.txt").write_text("x")
     with pytest.raises(ValueError, match="not a log table .* not empty"):
         make(other)
-    with pytest.raises(ValueError, match="segment_bytes 1024: must be None or an int >= 65536"):
+    with pytest.raises(ValueError, match=r"segment_bytes 1024: must be None or an int in \[65536, 2\*\*40\)"):
         make(tmp_path / "small", segment_bytes=1024)
 
 

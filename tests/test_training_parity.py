@@ -145,7 +145,8 @@ def test_momentum_scaled_rowwise_adagrad_at_scale_1_is_rowwise_adagrad_and_scale
 @pytest.mark.parametrize("make_opt", [lambda: tieredemb.SGD(lr=0.05), lambda: tieredemb.Adagrad(lr=0.1),
                                       lambda: tieredemb.RowWiseAdagrad(lr=0.1), lambda: tieredemb.Adam(lr=0.01),
                                       lambda: tieredemb.MomentumScaledRowWiseAdagrad(lr=0.1, scale=8),
-                                      lambda: tieredemb.Adagrad(lr=0.1, weight_decay=0.1, weight_decay_mode="decoupled")],
+                                      lambda: tieredemb.Adagrad(lr=0.1, weight_decay=0.1,
+                                                                weight_decay_mode="decoupled")],
                          ids=["sgd", "adagrad", "rowwise", "adam", "msrowwise", "adagrad-decoupled"])
 def test_result_independent_of_tiers_and_policy(make_opt):
     """Invariant 6: the same weights and optimizer state, bit for bit, whatever the tiers (and

@@ -30,7 +30,7 @@ import ssd_backend
 from ssd_backend.common import write_json_atomic
 
 from .persistence import (TABLE_KEYS, check_chunk_rows, check_chunks, import_chunks, read_export_meta,
-                          refuse_written, rows_in_state_dict, save_rows, write_export)
+                          refuse_unmatched_keys, refuse_written, rows_in_state_dict, save_rows, write_export)
 
 MANIFEST = "collection.json"
 _FORMAT = "tieredemb-collection-1"
@@ -64,13 +64,7 @@ class CollectionState:
         the model's load_state_dict does that)."""
         if strict:
             mine = self._keys("")
-            missing = sorted(k for k in mine if k.endswith(".weight") and k not in state_dict)
-            unexpected = [k for k in state_dict if k not in mine]
-            msgs = ([f"Unexpected key(s) in state_dict: {', '.join(repr(k) for k in unexpected)}. "] if unexpected
-                    else []) + ([f"Missing key(s) in state_dict: {', '.join(repr(k) for k in missing)}. "]
-                                if missing else [])
-            if msgs:
-                raise RuntimeError(f"Error(s) in loading state_dict for {type(self).__name__}:\n\t" + "\n\t".join(msgs))
+            refuse_unmatched_keys(type(self).__name__, state_dict, mine, {k for k in mine if k.endswith(".weight")})
         return super().load_state_dict(state_dict, strict, assign)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
@@ -149,14 +143,14 @@ class CollectionState:
 
     def import_rows(self, directory) -> dict:
         """Loads what export_rows wrote: every table from directory/<table>, into tables with no
-        row written yet (rows an export leaves out then read as their initial values). Each export
-        is checked whole (rows, dim, row width, its chunks; a group's tables one step count)
-        before any row is written. Returns {table: rows}."""
+        row written yet (rows an export leaves out then read as their initial values). Every
+        table's export is checked whole (rows, dim, row width, step, its chunks; a group's tables
+        one step count) before any table's row is written. Returns {table: rows}."""
         places = list(self._table_places())
         where = {t.name: os.path.join(os.fspath(directory), t.name) for t, _, _ in places}
         metas = {t.name: read_export_meta(where[t.name], self._export_shape(t, e)) for t, e, _ in places}
         for engine, group in zip(self.engines, self.groups):
-            steps = {t.name: metas[t.name].get("step", 0) for t in group.tables}
+            steps = {t.name: metas[t.name]["step"] for t in group.tables}
             if len(set(steps.values())) > 1:
                 raise ValueError(f"{directory}: tables {sorted(steps)} share a group and so a step count, but "
                                  f"were exported at different steps: {steps}")
@@ -169,7 +163,7 @@ class CollectionState:
         for t, engine, _ in places:
             out[t.name] = import_chunks(chunks[t.name],
                                         lambda ids, w, s, name=t.name: self.write_rows(name, ids, w, s))
-            engine.step = metas[t.name].get("step", 0)
+            engine.step = metas[t.name]["step"]
         return out
 
     @staticmethod

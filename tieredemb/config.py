@@ -56,16 +56,29 @@ def parse_budget(name: str, value) -> int | None:
     return int(value)
 
 
+def whole(v) -> int | None:
+    """v as a Python int where it is an integer (Python's, numpy's, a 0-d integer tensor's: not a
+    bool), else None."""
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral) and not (
+            isinstance(v, torch.Tensor) and v.ndim == 0 and not v.dtype.is_floating_point and not v.dtype.is_complex
+            and v.dtype != torch.bool):
+        return None
+    return int(v)
+
+
 def parse_rows(name: str, value: int | str | None, row_bytes: int) -> int | None:
     """A tier capacity given in rows (int) or bytes ('512MiB') -> rows; None stays None."""
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, str)):
+    if whole(value) is None and not isinstance(value, str):
         raise TypeError(f"{name} must be a number of rows or a size like '512MiB', got {value!r}")
-    rows = value if isinstance(value, int) else parse_bytes(value) // row_bytes
+    rows = whole(value) if whole(value) is not None else parse_bytes(value) // row_bytes
     if rows <= 0:
         raise ValueError(f"{name} must hold at least one row, got {value!r}")
     return rows
+
+
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,8 +96,10 @@ class Init:
         if self.kind not in ("normal", "uniform", "zeros"):
             raise ValueError(f"init kind {self.kind!r} is not one of 'normal', 'uniform', 'zeros'")
         for name, v in (("a", self.a), ("b", self.b)):
-            if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v):
-                raise ValueError(f"init {self.kind!r}: {name}={v!r} must be a finite real number")
+            if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) \
+                    or abs(v) > _FLOAT32_MAX:
+                raise ValueError(f"init {self.kind!r}: {name}={v!r} must be a finite real number float32 holds "
+                                 f"(|{name}| <= {_FLOAT32_MAX:.8g})")
         if self.kind == "normal" and self.b < 0:
             raise ValueError(f"init 'normal': b={self.b!r} (the std) must be >= 0")
         if self.kind == "uniform" and self.a > self.b:
@@ -101,9 +116,10 @@ def check_weight_dtype(dtype, where: str = "") -> None:
         raise ValueError(f"{where}dtype {dtype!r} is not supported: use torch.float32, torch.float16 or torch.bfloat16")
 
 
-def _positive_int(name: str, v) -> None:
-    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+def _positive_int(name: str, v) -> int:
+    if whole(v) is None or whole(v) <= 0:
         raise ValueError(f"{name} must be a positive int, got {v!r}")
+    return whole(v)
 
 
 def _check_partitions(partitions, num_embeddings: int, cache_rows) -> tuple:
@@ -197,14 +213,15 @@ class TableConfig:
 
     def __post_init__(self):
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
-        _positive_int("num_embeddings", self.num_embeddings)
-        _positive_int("embedding_dim", self.embedding_dim)
+        set_("num_embeddings", _positive_int("num_embeddings", self.num_embeddings))
+        set_("embedding_dim", _positive_int("embedding_dim", self.embedding_dim))
         n = self.num_embeddings
         if self.padding_idx is not None:
-            if isinstance(self.padding_idx, bool) or not isinstance(self.padding_idx, int) \
-                    or not -n <= self.padding_idx < n:
+            if whole(self.padding_idx) is None:
+                raise ValueError(f"padding_idx {self.padding_idx!r} must be an int in [{-n}, {n})")
+            if not -n <= whole(self.padding_idx) < n:
                 raise ValueError(f"padding_idx {self.padding_idx!r} out of range [{-n}, {n})")
-            set_("padding_idx", self.padding_idx % n)
+            set_("padding_idx", whole(self.padding_idx) % n)
         check_weight_dtype(self.dtype)
         if not isinstance(self.stochastic_rounding, bool):
             raise TypeError(f"stochastic_rounding must be a bool, got {self.stochastic_rounding!r}")

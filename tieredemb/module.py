@@ -96,6 +96,13 @@ class _TieredBase(Persistence, nn.Module):
         # not parameters: they live in the tiers and are updated by the fused optimizer). On the
         # table's device, where code that asks a module's parameters for its device looks.
         self._grad_anchor = nn.Parameter(torch.empty(0, device=config.device))
+        if _weight is not None:  # (checked before the store is opened: an SSD table refused here is not made)
+            _weight = torch.as_tensor(_weight)
+            if tuple(_weight.shape) != (config.num_embeddings, config.embedding_dim):
+                raise ValueError(f"_weight has shape {tuple(_weight.shape)}, expected "
+                                 f"({config.num_embeddings}, {config.embedding_dim})")
+            if not _weight.dtype.is_floating_point:
+                raise TypeError(f"_weight must be floating point, got {_weight.dtype}")
         self._store = TableStore.from_config(config)
         self.step = restored_step(self._store, config.ssd_path)
         self._prefetch = Prefetcher(self._store)
@@ -103,9 +110,6 @@ class _TieredBase(Persistence, nn.Module):
         weakref.finalize(self, Prefetcher.stop_soon, self._prefetch).atexit = False
         self._closed = False
         if _weight is not None:
-            if tuple(_weight.shape) != (config.num_embeddings, config.embedding_dim):
-                raise ValueError(f"_weight has shape {tuple(_weight.shape)}, expected "
-                                 f"({config.num_embeddings}, {config.embedding_dim})")
             self.write_rows(torch.arange(config.num_embeddings), _weight.detach())
 
     _tables = None  # a collection's group engine: its tables' names (errors name them)
@@ -192,18 +196,25 @@ class _TieredBase(Persistence, nn.Module):
             raise TypeError(f"ids must be an integer tensor, got {ids.dtype}")
         return ids.reshape(-1).to(torch.int64)
 
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise RuntimeError(f"{self.described()} is closed (close() let its store go): {what}")
+
     def read_rows(self, ids) -> Tensor:
         """ids: int [n]. Returns float32 [n, D] (CPU): current values wherever the rows live
         (16-bit weights converted exactly)."""
+        self._check_open("its rows are read where it is reopened")
         return self.layout.weights(self._store.read(self._check_ids(ids)))
 
     def read_optimizer_state(self, ids) -> Tensor:
         """ids: int [n]. Returns float32 [n, S]: the optimizer state stored with each row."""
+        self._check_open("its rows are read where it is reopened")
         return self.layout.state(self._store.read(self._check_ids(ids)))
 
     def write_rows(self, ids, values: Tensor, optimizer_state: Tensor | None = None) -> None:
         """Sets rows: ids int [n] unique; values [n, D] (rounded to the nearest value of the table's
         dtype); optimizer_state [n, S] (kept if None)."""
+        self._check_open("a row written now would be lost")
         ids = self._check_ids(ids)
         values = torch.as_tensor(values)
         if tuple(values.shape) != (len(ids), self.embedding_dim):

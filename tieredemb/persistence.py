@@ -13,6 +13,7 @@ import json
 import numbers
 import os
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -28,11 +29,14 @@ STATE_DICT_MAX_BYTES = 8 << 30
 # reopened; flush() then stores it in the store's record).
 _OLD_STEP_FILE = "tieredemb_step.json"
 
+# A step count is below this: the native optimizer keeps it as an int64.
+STEP_LIMIT = 1 << 63
+
 
 def restored_step(store, ssd_path: str | None) -> int:
     """The step count stored with the table (0 for a new one)."""
     if "step" in store.state:
-        return int(store.state["step"])
+        return check_step(store.state["step"], f"ssd_path {ssd_path}: the stored step", "as flush() stores it")
     old = None if ssd_path is None else os.path.join(ssd_path, _OLD_STEP_FILE)
     if old is not None and os.path.exists(old):
         try:
@@ -86,10 +90,18 @@ class Persistence:
         chunks = check_chunks(directory, meta, self.config.embedding_dim, self.layout.state_width)
         refuse_written(directory, self._store.written_ids(0, 1), type(self).__name__)
         total = import_chunks(chunks, self.write_rows)
-        self.step = meta.get("step", 0)
+        self.step = meta["step"]
         return total
 
     # -- state_dict for tables that fit in memory ---------------------------------------------
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """torch's, but a strict load with the weight missing or a key not the table's raises before
+        any row is written (torch loads what it can, then raises; a table inside a model loaded by
+        the model's load_state_dict does that)."""
+        if strict and not self._state_in_collection:
+            refuse_unmatched_keys(type(self).__name__, state_dict, set(TABLE_KEYS), {"weight"})
+        return super().load_state_dict(state_dict, strict, assign)
+
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         if self._state_in_collection:  # (its collection saves its rows, table by table)
             return
@@ -174,11 +186,32 @@ def rows_in_state_dict(state_dict, prefix: str, n: int, d: int, state_width: int
     if isinstance(step, Tensor):
         good = step.dim() == 0 and not step.dtype.is_floating_point and step.dtype != torch.bool
         step = step.item() if good else step
-    if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
-        error_msgs.append(f"{prefix}optimizer_step must be an integer >= 0 (a 0-d integer tensor, as state_dict "
-                          f"saves it), got {step!r}")
+    try:
+        step = check_step(step, f"{prefix}optimizer_step", "a 0-d integer tensor, as state_dict saves it")
+    except ValueError as e:
+        error_msgs.append(str(e))
         return None
-    return w, st, int(step)
+    return w, st, step
+
+
+def check_step(step, what: str, form: str) -> int:
+    """step as an int if it is a step count: an integer (not a bool) in [0, 2**63); else ValueError
+    naming what, its form (how it is saved) and the value."""
+    if isinstance(step, bool) or not isinstance(step, numbers.Integral) or not 0 <= step < STEP_LIMIT:
+        raise ValueError(f"{what} must be an integer >= 0 ({form}) and < 2**63 (the optimizer counts steps in an "
+                         f"int64), got {step!r}")
+    return int(step)
+
+
+def refuse_unmatched_keys(module: str, state_dict, keys: set, required: set) -> None:
+    """For a strict load_state_dict, before anything is written: RuntimeError (torch's message)
+    if state_dict holds a key not in keys or lacks one of required."""
+    unexpected = [k for k in state_dict if k not in keys]
+    missing = sorted(k for k in required if k not in state_dict)
+    msgs = ([f"Unexpected key(s) in state_dict: {', '.join(repr(k) for k in unexpected)}. "] if unexpected
+            else []) + ([f"Missing key(s) in state_dict: {', '.join(repr(k) for k in missing)}. "] if missing else [])
+    if msgs:
+        raise RuntimeError(f"Error(s) in loading state_dict for {module}:\n\t" + "\n\t".join(msgs))
 
 
 def write_export(directory, chunks, meta: dict) -> int:
@@ -213,7 +246,8 @@ def read_export_meta(directory, mine: dict) -> dict:
     """The meta.json of an export at directory, checked against a table's meta (mine): the same
     rows, dim and optimizer state width (rows of any alignment and any dtype import: the chunks
     hold the weights as float32 and the state; a 16-bit table rounds them to the nearest, as
-    load_state_dict does), else ValueError naming the field."""
+    load_state_dict does), and its step a step count (check_step), else ValueError naming the
+    field. Its "step" is then an int (0 where it has none)."""
     directory = os.fspath(directory)
     path = os.path.join(directory, "meta.json")
     if not os.path.exists(path):
@@ -226,20 +260,24 @@ def read_export_meta(directory, mine: dict) -> dict:
                                  _state_words(meta, directory))):
         if theirs != ours:
             raise ValueError(f"{directory}: exported {field} {theirs} != this table's {ours}")
+    meta["step"] = check_step(meta.get("step", 0), f"{path}: step", "as export_rows writes it")
     return meta
 
 
 def check_chunks(directory, meta: dict, dim: int, state_width: int) -> list[str]:
     """The chunk files of an export (meta: its meta.json, read_export_meta's), checked before any
     row is written: numbered from 0 without a gap, each {ids int64 [k] in [0, rows), weights [k,
-    dim], state [k, state_width or 0]}, and as many rows in all as meta.json says. ValueError
-    naming the file and the rule. (Read mapped: the rows themselves are not read here.)"""
+    dim], state [k, state_width or 0]} (weights and state floating point), no id listed twice in
+    the export, and as many rows in all as meta.json says. ValueError naming the file and the
+    rule. (Read mapped: the rows themselves are not read here; the ids are, and a bit per row of
+    the table marks those listed: 125 MB for 10^9 rows.)"""
     directory = os.fspath(directory)
     paths = sorted(glob.glob(os.path.join(directory, "chunk_*.pt")))
     for k, path in enumerate(paths):
         if os.path.basename(path) != f"chunk_{k:06d}.pt":
             raise ValueError(f"{directory}: chunk_{k:06d}.pt is missing (found {os.path.basename(path)})")
     rows, total = meta["num_embeddings"], 0
+    listed = np.zeros((rows + 7) // 8, np.uint8)
     for path in paths:
         try:
             c = torch.load(path, mmap=True)
@@ -253,11 +291,31 @@ def check_chunks(directory, meta: dict, dim: int, state_width: int) -> list[str]
                              f"(or [k, 0]), got {_shapes(ids, w, st)}")
         if k and not (0 <= int(ids.min()) and int(ids.max()) < rows):
             raise ValueError(f"{path}: ids must lie in [0, {rows}), got [{int(ids.min())}, {int(ids.max())}]")
+        if not (w.dtype.is_floating_point and st.dtype.is_floating_point):
+            raise ValueError(f"{path}: weights and state must be floating point, got {w.dtype} and {st.dtype}")
+        _mark_listed(path, ids, listed)
         total += k
     if total != meta.get("rows", total):
         raise ValueError(f"{directory}: its chunks hold {total} rows, its meta.json says {meta['rows']}: a chunk "
                          f"is missing or damaged")
     return paths
+
+
+def _mark_listed(path: str, ids: Tensor, listed: np.ndarray) -> None:
+    """Marks a chunk's ids (in range) in listed (a bit per row of the table), ValueError if one is
+    listed twice in the chunk or was by an earlier chunk (write_rows would refuse the one, and the
+    other would keep the last chunk's value)."""
+    s = ids.sort().values.numpy()
+    twice = np.flatnonzero(s[1:] == s[:-1])
+    if len(twice):
+        raise ValueError(f"{path}: id {int(s[twice[0]])} is listed twice in this chunk; an export lists each id once")
+    byte, bit = s >> 3, np.left_shift(1, s & 7).astype(np.uint8)
+    earlier = np.flatnonzero(listed[byte] & bit)
+    if len(earlier):
+        raise ValueError(f"{path}: id {int(s[earlier[0]])} is listed in an earlier chunk too; an export lists each "
+                         "id once")
+    first = np.flatnonzero(np.diff(byte, prepend=-1))  # (ids sorted: each byte's bits together)
+    listed[byte[first]] |= np.bitwise_or.reduceat(bit, first)
 
 
 def _shapes(*tensors) -> str:
