@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 # Each command: name -> (module, function, one-line help). The function takes argv and returns
@@ -43,7 +44,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tieredemb: unknown command {argv[0]!r}\n{_usage()}", file=sys.stderr)
         return 2
     module, func, _ = COMMANDS[argv[0]]
-    return getattr(importlib.import_module(module), func)(argv[1:])
+    try:
+        return getattr(importlib.import_module(module), func)(argv[1:])
+    except BrokenPipeError:  # (`tieredemb mrc t.trace | head`: the reader has what it wanted)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (no second error at exit's flush)
+        return 1
 
 
 if __name__ == "__main__":

@@ -239,8 +239,9 @@ class Prefetcher:
             except BaseException as e:
                 if interrupted is None:
                     interrupted = e
-                else:  # (a real error on the retry is said, not lost)
-                    interrupted.add_note(f"then, running shutdown's steps again: {e!r}")
+                else:  # (a real error on the retry is said, not lost; Python 3.10 has no add_note)
+                    note = f"then, running shutdown's steps again: {e!r}"
+                    interrupted.__notes__ = [*getattr(interrupted, "__notes__", []), note]
         if interrupted is not None:
             raise interrupted
 

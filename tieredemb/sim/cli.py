@@ -44,6 +44,8 @@ def _run(name: str, body, argv: list[str], parser: argparse.ArgumentParser) -> i
 
         with compile_notice(name), open_input(a.trace, a) as source:
             return body(a, source)
+    except BrokenPipeError:  # (the reader went away: cli.main ends quietly)
+        raise
     except (ValueError, OSError) as e:  # SimError, TraceError and missing files
         print(f"tieredemb {name}: error: {e}", file=sys.stderr)
         return 2

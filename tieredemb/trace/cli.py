@@ -163,6 +163,8 @@ def trace(argv: list[str]) -> int:
 
         with compile_notice(f"trace {a.command}"):
             return commands[a.command]()
+    except BrokenPipeError:  # (the reader went away: cli.main ends quietly)
+        raise
     except (TraceError, OSError) as e:
         print(f"tieredemb trace {a.command}: {e}", file=sys.stderr)
         return 2
