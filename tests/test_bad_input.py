@@ -435,3 +435,39 @@ def test_a_table_refused_for_its_weight_makes_no_store(tmp_path, weight, error):
     assert not (tmp_path / "t").exists()
     t = te.TieredEmbeddingBag(N, D, ssd_path=tmp_path / "t", _weight=torch.ones(N, D))
     assert torch.equal(t.read_rows(torch.tensor([3])), torch.ones(1, D))
+
+
+def test_errors_that_named_python_internals_name_the_value():
+    """A review of bad input: each of these raised an AttributeError, a numba TypingError or
+    nanobind's, or was truncated silently (float lengths, float sizes)."""
+    from tieredemb import metrics, planner, sim
+    from training import KJT
+
+    ebc = te.TieredEmbeddingBagCollection([te.EmbeddingBagConfig("t", 10, 4, ["a"])])
+    for lengths in (torch.tensor([1.9, 1.9, 0.2]), torch.tensor([[2, 2]]), [2, 2]):
+        with pytest.raises(ValueError, match=r"KeyedJaggedTensor: lengths must be a 1-D integer tensor, got "):
+            ebc(KJT(["a"], torch.tensor([1, 2, 3, 4]), lengths))
+    trace = {"t": (np.arange(20) % 10, np.array([0, 10, 20]))}
+    for kw, error, match in [(dict(bandwidth=5), TypeError, r"bandwidth must be a planner.Bandwidth"),
+                             (dict(train="no"), TypeError, r"train must be True or False, got 'no'")]:
+        with pytest.raises(error, match=match):
+            planner.plan(trace, {"t": (10, 64)}, cache_bytes=10_000, **kw)
+    with pytest.raises(ValueError, match=r"table 't': a trace is a pair \(ids, batch offsets\), got tuple of 3"):
+        planner.plan({"t": (*trace["t"], None)}, {"t": (10, 64)}, cache_bytes=10_000)
+    assert planner.Bandwidth(np.float32(1e9)).to_tier0 == 1e9
+    with pytest.raises(ValueError, match=r"bandwidth ssd must be a finite number > 0 of bytes/s, got inf"):
+        planner.Bandwidth(ssd=float("inf"))
+    keys, offsets = np.arange(200) % 50, np.arange(0, 201, 10)
+    with pytest.raises(sim.SimError, match=r"capacity 1180591620717411303424 must be a positive integer number of rows, "
+                                           r"below 2\*\*63"):
+        sim.simulate(keys, offsets, "lru", [2**70])
+    with pytest.raises(sim.SimError, match=r"sizes must be whole row counts below 2\*\*63, got float64 \[20.5\]"):
+        sim.mrc(keys, offsets, [20.5])
+    with pytest.raises(sim.SimError, match=r"points 0 must be a whole number >= 1"):
+        sim.mrc(keys, offsets, points=0)
+    with pytest.raises(TypeError, match=r"'x': int is not a tiered table or collection"):
+        metrics.prometheus({"x": 3})
+    t = te.TieredEmbeddingBag(N, D, optimizer=te.Adagrad(lr=0.1))
+    assert t.read_rows([]).shape == (0, D)
+    t.write_rows([1], torch.ones(1, D), optimizer_state=[[0.5] * D])
+    assert t.read_optimizer_state([1]).tolist() == [[0.5] * D]

@@ -149,7 +149,7 @@ def test_split_trace_and_bad_input():
         planner.plan(tr, tables(), cache_bytes=1000)
     with pytest.raises(ValueError, match=r"traces and tables name different tables: \['hot'\]"):
         planner.plan({k: v for k, v in tr.items() if k != "hot"}, tables(), cache_bytes=budget())
-    with pytest.raises(ValueError, match=r"bandwidth ssd must be > 0 bytes/s, got 0"):
+    with pytest.raises(ValueError, match=r"bandwidth ssd must be a finite number > 0 of bytes/s, got 0"):
         planner.Bandwidth(ssd=0)
     bad = [
         ({**tr, "tiny": (tr["tiny"][0] + 2_000, tr["tiny"][1])}, {}, r"table 'tiny': trace id \d+ is outside its rows \[0, 2000\)"),

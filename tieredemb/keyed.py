@@ -178,7 +178,12 @@ def _keyed_jagged(kjt, lengths: Tensor | None, keyed_weights: bool) -> dict:
     keys = list(kjt.keys())
     values = _ids("KeyedJaggedTensor values()", kjt.values())
     weights = _call(kjt, "weights_or_none") if keyed_weights else None
-    lengths = (keyed_lengths(kjt) if lengths is None else lengths).to("cpu", torch.int64)
+    lengths = keyed_lengths(kjt) if lengths is None else lengths
+    if not isinstance(lengths, Tensor) or lengths.dtype.is_floating_point or lengths.dtype.is_complex \
+            or lengths.dtype == torch.bool or lengths.dim() != 1:
+        got = f"{lengths.dtype} {tuple(lengths.shape)}" if isinstance(lengths, Tensor) else type(lengths).__name__
+        raise ValueError(f"KeyedJaggedTensor: lengths must be a 1-D integer tensor, got {got}")
+    lengths = lengths.to("cpu", torch.int64)
     if not keys:
         raise ValueError("KeyedJaggedTensor: no keys")
     if len(set(keys)) != len(keys):

@@ -53,9 +53,23 @@ _PREFETCH = {
 }
 
 
+def _checked(tables) -> dict:
+    """tables, if it maps names to tiered modules or collections; else TypeError naming the first
+    that is not one."""
+    from .collection import _Collection
+    from .module import _TieredBase
+
+    if not isinstance(tables, dict):
+        raise TypeError(f"give {{name: table or collection}}, got {type(tables).__name__}")
+    for name, table in tables.items():
+        if not isinstance(table, (_TieredBase, _Collection)):
+            raise TypeError(f"{name!r}: {type(table).__name__} is not a tiered table or collection")
+    return tables
+
+
 def as_json(tables: dict) -> str:
     """{name: its stats()} (a table module's or a collection's) as a JSON document."""
-    return json.dumps({name: table.stats() for name, table in tables.items()}, indent=1, sort_keys=True)
+    return json.dumps({name: table.stats() for name, table in _checked(tables).items()}, indent=1, sort_keys=True)
 
 
 def prometheus(tables: dict) -> str:
@@ -71,7 +85,7 @@ def prometheus(tables: dict) -> str:
         tags = ",".join(f'{k}="{_escape(str(v))}"' for k, v in labels.items())
         lines.append(f"{metric}{{{tags}}} {float(value):.17g}")
 
-    for name, obj in tables.items():
+    for name, obj in _checked(tables).items():
         for labels, part, stats in _parts(name, obj):
             if part == "prefetch":
                 specs = _PREFETCH

@@ -192,6 +192,8 @@ class _TieredBase(Persistence, nn.Module):
     # -- rows ---------------------------------------------------------------------------------
     def _check_ids(self, ids) -> Tensor:
         ids = torch.as_tensor(ids)
+        if ids.numel() == 0 and ids.dtype.is_floating_point:
+            ids = ids.to(torch.int64)  # (no ids: torch.as_tensor([]) is float32)
         if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
             raise TypeError(f"ids must be an integer tensor, got {ids.dtype}")
         return ids.reshape(-1).to(torch.int64)
@@ -222,6 +224,7 @@ class _TieredBase(Persistence, nn.Module):
         if not values.dtype.is_floating_point:
             raise TypeError(f"values must be floating point, got {values.dtype}")
         state_w = self.layout.state_width
+        optimizer_state = None if optimizer_state is None else torch.as_tensor(optimizer_state)
         if optimizer_state is not None and tuple(optimizer_state.shape) != (len(ids), state_w):
             raise ValueError(f"optimizer_state has shape {tuple(optimizer_state.shape)}, expected ({len(ids)}, {state_w})")
         if len(torch.unique(ids)) != len(ids):

@@ -51,8 +51,9 @@ class Bandwidth:
     def __post_init__(self):
         for name in ("to_tier0", "ssd"):
             v = getattr(self, name)
-            if not (isinstance(v, (int, float)) and v > 0):
-                raise ValueError(f"bandwidth {name} must be > 0 bytes/s, got {v!r}")
+            if isinstance(v, bool) or not isinstance(v, numbers.Real) or not (0 < v < float("inf")):
+                raise ValueError(f"bandwidth {name} must be a finite number > 0 of bytes/s, got {v!r}")
+            object.__setattr__(self, name, float(v))
 
 
 @dataclasses.dataclass
@@ -211,6 +212,10 @@ def plan(traces: dict, tables: dict, *, cache_bytes, host_bytes=None, bandwidth:
     starts cold would count every first touch as a miss any plan pays (the same warm-up for
     every table: their traces are of the same batches). ValueError if tier 0 cannot hold every
     table's widest batch (the least a tier is planned at), or warmup leaves a trace no batch."""
+    if not isinstance(bandwidth, Bandwidth):
+        raise TypeError(f"bandwidth must be a planner.Bandwidth (or planner.probe()'s), got {bandwidth!r}")
+    if not isinstance(train, bool):
+        raise TypeError(f"train must be True or False, got {train!r}")
     if set(traces) != set(tables):
         raise ValueError(f"traces and tables name different tables: {sorted(set(traces) ^ set(tables))}")
     if not tables:
@@ -224,6 +229,10 @@ def plan(traces: dict, tables: dict, *, cache_bytes, host_bytes=None, bandwidth:
     points = _whole("points", points, "curve points")
     if points < 2:
         raise ValueError(f"points {points} must be >= 2 (a curve's grid runs from its widest batch to all its rows)")
+    for n, trace in traces.items():
+        if not isinstance(trace, (tuple, list)) or len(trace) != 2:
+            raise ValueError(f"table {n!r}: a trace is a pair (ids, batch offsets), got {type(trace).__name__}"
+                             + (f" of {len(trace)}" if isinstance(trace, (tuple, list)) else ""))
     traces = {n: _checked_trace(n, *traces[n], tables[n][0]) for n in tables}
     batches = {n: len(offsets) - 1 for n, (_, offsets) in traces.items()}
     if len(set(batches.values())) > 1:

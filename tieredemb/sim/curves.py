@@ -11,6 +11,7 @@ happen to be in or out of the sample.
 
 from __future__ import annotations
 
+import numbers
 import operator
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -96,6 +97,8 @@ def mrc(keys, batch_offsets=None, sizes=None, *, policy: str = "lru", mode: str 
     keys = check_keys(keys)
     if mode not in MODES:
         raise SimError(f"unknown mode {mode!r} (known: {', '.join(MODES)})")
+    if sizes is None and (isinstance(points, bool) or not isinstance(points, numbers.Integral) or points < 1):
+        raise SimError(f"points {points!r} must be a whole number >= 1 of curve sizes")
     code, k = parse_policy(policy, lookahead)
     name = POLICIES[code] + (f"-{k}" if k else "")
     offsets = None if mode == "request" or batch_offsets is None else check_offsets(batch_offsets, keys.size)
@@ -125,7 +128,11 @@ def mrc(keys, batch_offsets=None, sizes=None, *, policy: str = "lru", mode: str 
     if sizes is None:
         distinct = nkeys if original is not None else distinct_keys(dense, nkeys)
         sizes = default_sizes(int(np.ceil(distinct / scale)), int(np.ceil(smallest / scale)), points)
-    sizes = np.unique(np.asarray(sizes, dtype=np.int64))
+    given = np.asarray(sizes)
+    if given.size and (given.dtype.kind not in "iu" or given.max() >= 2**63):
+        raise SimError(f"sizes must be whole row counts below 2**63, got {given.dtype} "
+                       f"{given.reshape(-1)[:3].tolist()}{' ...' if given.size > 3 else ''}")
+    sizes = np.unique(given.astype(np.int64))
     if sizes.size == 0 or sizes[0] <= 0:
         raise SimError(f"sizes must be positive row counts, got {sizes[:1].tolist()}")
     scaled = np.maximum(1, np.round(sizes * scale)).astype(np.int64)

@@ -65,8 +65,8 @@ def parse_stack(policy, capacities, lookahead: int | None, mode: str) -> tuple[l
     if not caps:
         raise SimError("capacities: give at least one tier capacity (rows)")
     for c in caps:
-        if isinstance(c, bool) or not isinstance(c, (int, np.integer)) or c <= 0:
-            raise SimError(f"capacity {c!r} must be a positive integer number of rows")
+        if isinstance(c, bool) or not isinstance(c, (int, np.integer)) or not 0 < c < 2**63:
+            raise SimError(f"capacity {c!r} must be a positive integer number of rows, below 2**63")
     names = [policy] if isinstance(policy, str) else list(policy)
     if len(names) == 1:
         names = names * len(caps)
