@@ -80,11 +80,20 @@ class IdTable {
   bool clean_ = true;  // false only if a call ended early (an allocation failed)
 };
 
+// The calling thread's table. Not inlined: in a shared object each use of a thread_local is a
+// call to __tls_get_addr, which GCC made again at each use (4 a id) rather than keep the address;
+// a reference a call returns stays in a register (dedup 1.7x faster, measured).
+template <class Key>
+[[gnu::noinline]] IdTable<Key>& thread_table() {
+  thread_local IdTable<Key> table;
+  return table;
+}
+
 template <class Key>
 void dedup_with(const int64_t* ids, int64_t n, std::vector<int64_t>* unique, int64_t* inverse) {
   // One thread: splitting the batch and merging the parts' lists measured slower on 2 cores
   // (dedup_segments splits where no merge is needed).
-  thread_local IdTable<Key> table;
+  IdTable<Key>& table = thread_table<Key>();
   table.begin(n);
   unique->clear();
   constexpr int64_t kAhead = 16;  // hash slots prefetched ahead
