@@ -198,15 +198,16 @@ def test_a_cold_numba_cache_is_announced_once(small_trace, tmp_path):
     assert again.stdout.splitlines()[:-1] == first.stdout.splitlines()[:-1]
 
 
-@pytest.mark.parametrize("args", [["trace", "inspect"], ["mrc"]])
+@pytest.mark.parametrize("args", [["trace", "inspect", "T"], ["mrc", "T"], ["plan", "T", "--cache-bytes", "100KiB",
+                                                                             "--dim", "4"]])
 def test_output_into_a_closed_pipe_ends_quietly(small_trace, args):
     """`tieredemb mrc t.trace | head`: a review saw '[Errno 32] Broken pipe' and status 2. The
     reader's end is closed before the command writes."""
     read, write = os.pipe()
     os.close(read)
     try:
-        run = subprocess.run([sys.executable, "-m", "tieredemb", *args, str(small_trace)], stdout=write,
-                             stderr=subprocess.PIPE, text=True, timeout=300)
+        run = subprocess.run([sys.executable, "-m", "tieredemb", *[str(small_trace) if a == "T" else a for a in args]],
+                             stdout=write, stderr=subprocess.PIPE, text=True, timeout=300)
     finally:
         os.close(write)
     assert run.returncode == 1 and run.stderr == "", run.stderr

@@ -398,6 +398,19 @@ def test_the_planned_split_is_the_least_predicted_cost_of_any_split():
         assert got <= best * (1 + 1e-12), budget
 
 
+def test_a_cliff_reached_with_the_last_bytes_of_the_budget_is_planned():
+    """A review: the knapsack's slices rounded a size's bytes up, and a cliff that needed the whole
+    budget (to within a slice) weighed one slice more than the budget: the plan gave its bytes to
+    a table with a flat curve (1.8x the moves; the greedy had found it)."""
+    cycle, batches = 3000, 9000  # (a slice of the budget is 47 bytes: a row of 64 is no whole number of them)
+    tr = {"scan": (np.arange(batches) % cycle, np.arange(batches + 1)),
+          "flat": (np.random.default_rng(0).integers(0, 50_000, batches), np.arange(batches + 1))}
+    tabs = {"scan": (2 * cycle, 64), "flat": (50_000, 64)}
+    for extra in range(0, 160, 8):
+        got = planner.plan(tr, tabs, cache_bytes=(cycle + 1) * 64 + extra, warmup=cycle)["planned"]
+        assert got.tables[0].cache_rows == cycle and got.tables[0].tier0_hit == 1.0, extra
+
+
 def test_a_plans_bad_tables_and_traces_are_refused_by_name():
     tr = {"t": (np.array([1, 2, 3]), np.array([0, 3]))}
     for bad, message in [((("2000", 64)), r"table 't': rows '2000' must be a whole number > 0"),

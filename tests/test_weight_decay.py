@@ -130,3 +130,24 @@ def test_weight_decay_is_checked_kept_and_keyword_only(tmp_path):
     emb = tieredemb.TieredEmbeddingBag(NUM, DIM, optimizer=opt, ssd_path=tmp_path / "t")
     emb.set_learning_rate(0.5)
     assert emb.optimizer.weight_decay == 0.25 and emb.optimizer.weight_decay_mode == "decoupled"
+
+
+@pytest.mark.parametrize("backend", ["log", "rocksdb"])
+def test_a_table_stored_before_weight_decay_reopens(tmp_path, backend):
+    """A review: tables stored before the weight decay fields were refused on reopen (their meta's
+    optimizer had no such fields). A table without weight decay stores none; one with it reopens
+    with it only."""
+    import json
+
+    opt = tieredemb.RowWiseAdagrad(lr=0.1)
+    t = tieredemb.TieredEmbeddingBag(NUM, DIM, optimizer=opt, ssd_path=tmp_path / "t", ssd_options={"backend": backend})
+    assert "weight_decay" not in json.dumps(t.config.meta())
+    t.close()
+    tieredemb.TieredEmbeddingBag(NUM, DIM, optimizer=opt, ssd_path=tmp_path / "t").close()
+    decayed = tieredemb.RowWiseAdagrad(lr=0.1, weight_decay=0.2)
+    w = tieredemb.TieredEmbeddingBag(NUM, DIM, optimizer=decayed, ssd_path=tmp_path / "w",
+                                     ssd_options={"backend": backend})
+    w.close()
+    tieredemb.TieredEmbeddingBag(NUM, DIM, optimizer=decayed, ssd_path=tmp_path / "w").close()
+    with pytest.raises(ValueError, match=r"stored optimizer .* != requested"):
+        tieredemb.TieredEmbeddingBag(NUM, DIM, optimizer=opt, ssd_path=tmp_path / "w")

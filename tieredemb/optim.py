@@ -102,7 +102,12 @@ class Optimizer:
         raise NotImplementedError
 
     def to_meta(self) -> dict:
-        return {"name": self.name, **dataclasses.asdict(self)}
+        """The optimizer as a table's stored meta records it (no weight decay fields without
+        weight decay: tables stored before them keep their meta, and reopen)."""
+        meta = {"name": self.name, **dataclasses.asdict(self)}
+        if not self.weight_decay:
+            del meta["weight_decay"], meta["weight_decay_mode"]
+        return meta
 
 
 @dataclasses.dataclass(frozen=True)

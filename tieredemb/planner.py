@@ -12,8 +12,8 @@ bandwidth. The model counts row moves only: kernels and dedup cost the same unde
 
 Choice. Tier 0's budget is split by a multiple-choice knapsack over each table's curve grid
 (geometric sizes, and the sizes where its curve falls): the split of least predicted seconds,
-exact over slices of the budget, whatever the curves' shape (a scan's cliff included); the bytes
-the slices leave go greedily to the step that saves the most per byte (a table whose size
+over 4096 or more slices of the budget, whatever the curves' shape (a scan's cliff included); the
+bytes the slices leave go greedily to the step that saves the most per byte (a table whose size
 reaches all its rows sits whole in tier 0). Then host memory holds whole tables, the ones whose
 SSD reads cost most per byte first, while host_bytes lasts; the rest go to SSD. The planner also
 prices the two obvious splits of tier 0, in proportion to the tables' bytes and in equal shares,
@@ -287,19 +287,23 @@ def _split(strategy, budget, tables, curves, store, bw, train) -> dict:
 
 def _knapsack(names, lo, left, tables, curves, cost) -> dict:
     """Each table's size from its curve's sizes, of least total cost whose bytes past every
-    table's least fit in `left`: a multiple-choice knapsack solved exactly over slices of the
-    budget (a size's bytes round up to whole slices, so the choice fits; each table wastes less
-    than a slice, which _top_up spends). The curves need not be convex: a cliff is reached
-    wherever reaching it pays, where a greedy by gain per byte may spend the bytes first on a
-    table whose first steps save more per byte and then cannot reach it."""
+    table's least fit in `left`: a multiple-choice knapsack over slices of the budget. A size's
+    bytes round up to whole slices, and the slices run to the budget's plus one a table (a size
+    that fits exactly may weigh one more than the budget's whole slices: a cliff reached with the
+    last bytes is a choice too); the best choice within u slices whose bytes fit, u from the most
+    down, is taken (at the budget's whole slices every choice fits). Each table wastes less than a
+    slice, which _top_up spends. The curves need not be convex: a cliff is reached wherever
+    reaching it pays, where a greedy by gain per byte may spend the bytes first on a table whose
+    first steps save more per byte and then cannot reach it."""
     slices = min(1 << 16, max(4096, 256 * len(names)))
     unit = max(1, -(-left // slices))
-    top = left // unit
+    fits = left // unit  # (slices every choice within which fits)
+    top = fits + len(names)
     least = np.zeros(top + 1)  # least cost of the tables so far within u slices
     picks = []
     for n in names:
-        sizes = curves[n].sizes[curves[n].sizes > lo[n]]
-        sizes = np.concatenate([[lo[n]], sizes[-(-(sizes - lo[n]) * tables[n][1] // unit) <= top]])
+        sizes = curves[n].sizes[(curves[n].sizes > lo[n]) & ((curves[n].sizes - lo[n]) * tables[n][1] <= left)]
+        sizes = np.concatenate([[lo[n]], sizes])
         weight = -(-(sizes - lo[n]) * tables[n][1] // unit)
         cost_at = [cost(n, int(s)) for s in sizes]
         after, pick = np.full(top + 1, np.inf), np.zeros(top + 1, np.int32)
@@ -308,13 +312,17 @@ def _knapsack(names, lo, left, tables, curves, cost) -> dict:
             better = candidate < after[w:]
             after[w:][better] = candidate[better]
             pick[w:][better] = k
-        picks.append((n, sizes, weight, pick))
+        picks.append((n, sizes, pick))
         least = after
-    size, u = {}, top
-    for n, sizes, weight, pick in reversed(picks):
-        k = int(pick[u])
-        size[n], u = int(sizes[k]), u - int(weight[k])
-    return {n: size[n] for n in names}
+    for start in range(top, fits - 1, -1):
+        size, u = {}, start
+        for n, sizes, pick in reversed(picks):
+            k = int(pick[u])
+            size[n] = int(sizes[k])
+            u -= -(-(size[n] - lo[n]) * tables[n][1] // unit)
+        if sum((size[n] - lo[n]) * tables[n][1] for n in names) <= left:
+            return {n: size[n] for n in names}
+    raise AssertionError("unreachable: within the budget's whole slices every choice fits")
 
 
 def _top_up(size, left, tables, curves, cost) -> dict:

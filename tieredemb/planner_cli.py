@@ -68,6 +68,8 @@ def plan(argv: list[str]) -> int:
             outputs = {flag: stack.enter_context(PendingFile(path))
                        for flag, path in (("json", a.json), ("png", a.png and png_path(a.png))) if path}
             return _plan(a, outputs)
+    except BrokenPipeError:  # (the reader went away: cli.main ends quietly)
+        raise
     except (ValueError, OSError) as e:  # TraceError, bad sizes, missing files
         print(f"tieredemb plan: error: {e}", file=sys.stderr)
         return 2

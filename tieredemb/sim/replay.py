@@ -333,6 +333,8 @@ def replay(argv: list[str]) -> int:
                                progress=progress)
     except SystemExit as e:  # --help
         return int(e.code or 0)
+    except BrokenPipeError:  # (the reader went away: cli.main ends quietly)
+        raise
     except (_ArgError, ValueError, OSError) as e:
         print(f"tieredemb replay: error: {e}", file=sys.stderr)
         return 2
