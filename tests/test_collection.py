@@ -854,3 +854,14 @@ def test_in_torchrecs_place():
     traced = torch.fx.symbolic_trace(bags)
     ids, offsets = torch.tensor([1, 2, 3]), torch.tensor([0, 2])
     assert torch.equal(traced(ids, offsets), bags(ids, offsets))
+
+
+def test_a_host_budget_below_tier_0s_is_refused(tmp_path):
+    """A review of memory: host_bytes under cache_bytes was raised to tier 0's size without a
+    word (64 MiB asked, 645 MiB taken); a single table is refused so."""
+    tables = [EmbeddingBagConfig("a", 40_000, 16, ["a"]), EmbeddingBagConfig("b", 20_000, 8, ["b"])]
+    with pytest.raises(ValueError, match=r"host_bytes 20000: group0's share is \d+ rows, fewer than its tier 0's \d+; "
+                                         r"a host cache holds tier 0's rows and more"):
+        TieredEmbeddingBagCollection(tables, cache_bytes=400_000, host_bytes=20_000, ssd_path=tmp_path / "c")
+    assert not (tmp_path / "c").exists()
+    TieredEmbeddingBagCollection(tables, cache_bytes=400_000, host_bytes=400_000, ssd_path=tmp_path / "c")

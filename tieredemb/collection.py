@@ -124,20 +124,35 @@ class _Collection(CollectionPrefetch, CollectionState, nn.Module):
         self.looked_up: list = []  # the last forward's ids, per group
         self._ahead = collections.deque()  # prefetched batches (Prepared), oldest first
         self.engines = nn.ModuleList()
-        self._record_then_open(ssd_path, lambda: self._open_groups(tier0, host_bytes, total_bytes, ssd_path,
-                                                                   table_args))
+        hosts = self._host_rows(tier0, host_bytes, total_bytes)
+        self._record_then_open(ssd_path, lambda: self._open_groups(tier0, hosts, ssd_path, table_args))
 
-    def _open_groups(self, tier0: dict, host_bytes, total_bytes: int, ssd_path, table_args: dict) -> None:
+    def _host_rows(self, tier0: dict, host_bytes, total_bytes: int) -> list:
+        """Each group's host cache rows (None: none), its share of host_bytes; ValueError if a share
+        is short of its tier 0's rows."""
+        hosts = []
+        for g in self.groups:
+            parts = [(t.num_embeddings, tier0[t.name]) for t in g.tables]
+            host = None
+            if host_bytes is not None and not all(cap >= rows for rows, cap in parts):
+                group_bytes = sum(t.num_embeddings * self._row_bytes(t) for t in g.tables)
+                host = host_bytes * group_bytes // total_bytes // self._row_bytes(g.tables[0])
+                need = sum(c for _, c in parts)
+                if host < need - len(parts):  # (less than a row a table short: a tier 0's least row, taken)
+                    raise ValueError(f"host_bytes {host_bytes}: {g.directory}'s share is {host} rows, fewer than its "
+                                     f"tier 0's {need}; a host cache holds tier 0's rows and more (give host_bytes >= "
+                                     "cache_bytes, or None for no host cache)")
+                host = max(host, need)
+            hosts.append(host)
+        return hosts
+
+    def _open_groups(self, tier0: dict, hosts: list, ssd_path, table_args: dict) -> None:
         """Each group's engine; if one fails, the ones opened are closed (their stores let go)."""
         try:
-            for k, g in enumerate(self.groups):
+            for g, host in zip(self.groups, hosts):
                 t0 = g.tables[0]
                 parts = tuple((t.num_embeddings, tier0[t.name]) for t in g.tables)
                 whole = all(cap >= rows for rows, cap in parts)
-                host = None
-                if host_bytes is not None and not whole:
-                    group_bytes = sum(t.num_embeddings * self._row_bytes(t) for t in g.tables)
-                    host = max(sum(c for _, c in parts), host_bytes * group_bytes // total_bytes // self._row_bytes(t0))
                 self.engines.append(self._engine(
                     g, partitions=None if whole else parts, host_rows=host, optimizer=t0.optimizer, init=t0.init,
                     dtype=t0.dtype, ssd_path=os.path.join(ssd_path, g.directory) if g.store == "ssd" else None,
