@@ -35,7 +35,7 @@ from .collection_state import CollectionState
 from .config import EmbeddingBagConfig, EmbeddingConfig, Init, TableConfig, from_torchrec, parse_budget
 from .keyed import (InverseKeyed, KeyedEmbeddings, features_of, is_keyed_jagged, jagged, keyed,  # noqa: F401
                     keyed_lengths, variable_batch)  # (InverseKeyed and KeyedEmbeddings re-exported)
-from . import lookup, planner
+from . import collection_budget as budget, lookup
 from .gpu import to_device
 from .module import _MODES, TieredEmbedding, TieredEmbeddingBag, eager_when_compiled
 from .optim import Optimizer
@@ -109,7 +109,8 @@ class _Collection(CollectionPrefetch, CollectionState, nn.Module):
         if plan is not None and table_args.get("policy", "lru") != "lru":
             warnings.warn(f"a plan predicts LRU's hit rates (its curves are LRU's); policy={table_args['policy']!r} "
                           "will measure others", stacklevel=3)
-        tier0, store = self._shares(cache_bytes, host_bytes, ssd_path, plan)
+        tier0, store = budget.tier0_and_store(self.tables, cache_bytes, host_bytes, ssd_path, plan,
+                                              self._row_alignment)
         groups: dict = {}
         for t in self.tables:  # (a table whole in host memory apart from those cached: its group needs no tier 0,
             # and moves no row, as the planner prices it)
@@ -119,32 +120,12 @@ class _Collection(CollectionPrefetch, CollectionState, nn.Module):
         # store among all groups'): directories written then open as they are.
         numbered = list(dict.fromkeys(key[:-1] for key in groups))
         self.groups = [_Group(g, key[-2], f"group{numbered.index(key[:-1])}") for key, g in groups.items()]
-        total_bytes = sum(t.num_embeddings * self._row_bytes(t) for t in self.tables)
         self.lookups = {t.name: 0 for t in self.tables}
         self.looked_up: list = []  # the last forward's ids, per group
         self._ahead = collections.deque()  # prefetched batches (Prepared), oldest first
         self.engines = nn.ModuleList()
-        hosts = self._host_rows(tier0, host_bytes, total_bytes)
+        hosts = budget.host_rows(self.groups, self.tables, tier0, host_bytes, self._row_alignment)
         self._record_then_open(ssd_path, lambda: self._open_groups(tier0, hosts, ssd_path, table_args))
-
-    def _host_rows(self, tier0: dict, host_bytes, total_bytes: int) -> list:
-        """Each group's host cache rows (None: none), its share of host_bytes; ValueError if a share
-        is short of its tier 0's rows."""
-        hosts = []
-        for g in self.groups:
-            parts = [(t.num_embeddings, tier0[t.name]) for t in g.tables]
-            host = None
-            if host_bytes is not None and not all(cap >= rows for rows, cap in parts):
-                group_bytes = sum(t.num_embeddings * self._row_bytes(t) for t in g.tables)
-                host = host_bytes * group_bytes // total_bytes // self._row_bytes(g.tables[0])
-                need = sum(c for _, c in parts)
-                if host < need - len(parts):  # (less than a row a table short: a tier 0's least row, taken)
-                    raise ValueError(f"host_bytes {host_bytes}: {g.directory}'s share is {host} rows, fewer than its "
-                                     f"tier 0's {need}; a host cache holds tier 0's rows and more (give host_bytes >= "
-                                     "cache_bytes, or None for no host cache)")
-                host = max(host, need)
-            hosts.append(host)
-        return hosts
 
     def _open_groups(self, tier0: dict, hosts: list, ssd_path, table_args: dict) -> None:
         """Each group's engine; if one fails, the ones opened are closed (their stores let go)."""
@@ -166,43 +147,6 @@ class _Collection(CollectionPrefetch, CollectionState, nn.Module):
                 except Exception:  # (the first error is the one to see)
                     pass
             raise
-
-    def _row_bytes(self, t: EmbeddingBagConfig) -> int:
-        """Bytes of a stored row of the table: its weights, its optimizer's state, the padding."""
-        return TableConfig(1, t.embedding_dim, optimizer=t.optimizer, dtype=t.dtype,
-                           row_alignment=self._row_alignment).width * 4
-
-    def _shares(self, cache_bytes, host_bytes, ssd_path, plan) -> tuple[dict, dict]:
-        """{table: tier-0 rows} and {table: 'host' or 'ssd'}, from the plan or the budgets."""
-        if plan is None:
-            store = "host" if ssd_path is None else "ssd"
-            if cache_bytes is None:
-                return {t.name: t.num_embeddings for t in self.tables}, {t.name: store for t in self.tables}
-            budget = cache_bytes
-            total = sum(t.num_embeddings * self._row_bytes(t) for t in self.tables)
-            return ({t.name: min(t.num_embeddings, max(1, budget * t.num_embeddings // total)) for t in self.tables},
-                    {t.name: store for t in self.tables})
-        if cache_bytes is not None or host_bytes is not None:
-            raise ValueError("give a plan or cache_bytes / host_bytes, not both: the plan already splits the budgets")
-        chosen = planner.load(plan)
-        names = {t.name for t in self.tables}
-        if set(chosen) != names:
-            raise ValueError(f"the plan is for tables {sorted(chosen)}, this collection has {sorted(names)}")
-        for t in self.tables:
-            rows, where, planned_rows, planned_bytes = chosen[t.name]
-            if planned_rows != t.num_embeddings:
-                raise ValueError(f"the plan's table {t.name!r} has {planned_rows} rows, this one {t.num_embeddings}")
-            if planned_bytes is not None and self._row_bytes(t) > planned_bytes:  # (its tiers would pass the budget)
-                raise ValueError(f"the plan's table {t.name!r} has rows of {planned_bytes} bytes, this one's take "
-                                 f"{self._row_bytes(t)} (weights, optimizer state, padding): its tiers would pass the "
-                                 "planned budget; plan for these tables (dim, optimizer, dtype, row_alignment)")
-            if not 1 <= rows or where not in ("host", "ssd"):
-                raise ValueError(f"the plan's table {t.name!r}: tier-0 rows {rows} must be >= 1 and store {where!r} "
-                                 "'host' or 'ssd'")
-            if where == "ssd" and ssd_path is None:
-                raise ValueError(f"the plan stores table {t.name!r} on SSD: give ssd_path")
-        return ({t.name: min(chosen[t.name][0], t.num_embeddings) for t in self.tables},
-                {t.name: chosen[t.name][1] for t in self.tables})
 
     # -- input and output -----------------------------------------------------------------------
     def _prepare(self, features) -> Prepared:
