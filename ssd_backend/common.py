@@ -14,6 +14,7 @@ import errno
 import itertools
 import json
 import os
+import shutil
 import threading
 import weakref
 from collections import deque
@@ -541,6 +542,26 @@ def write_json_atomic(path: str, record: dict) -> None:
         os.fsync(f.fileno())
     os.replace(tmp, path)
     fsync_dir(os.path.dirname(path) or ".")
+
+
+def build_directory(path: str, build) -> None:
+    """A new directory at path, whole or not at all: build(tmp) makes and fills tmp, a sibling
+    named path + '.partial-<pid>', which is then renamed to path (the parent fsynced). A crash on
+    the way leaves no directory at path (only the '.partial' one, to remove); an error removes
+    what build made. ValueError if path exists."""
+    path = os.path.abspath(os.fspath(path))
+    if os.path.exists(path):
+        raise ValueError(f"checkpoint path {path}: already exists; give a new directory")
+    tmp = f"{path}.partial-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)  # (one this process left before)
+    try:
+        build(tmp)
+        fsync_dir(tmp)
+        os.rename(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    fsync_dir(os.path.dirname(path))
 
 
 def fsync_dir(path: str) -> None:

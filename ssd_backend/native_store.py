@@ -17,13 +17,12 @@ import errno
 import fcntl
 import json
 import os
-import shutil
 import weakref
 
 import numpy as np
 import torch
 
-from .common import (DTYPE_BY_NAME, STORAGE_DTYPES, StoreBase, StoreCorruptedError, StoreError,
+from .common import (DTYPE_BY_NAME, STORAGE_DTYPES, StoreBase, build_directory, StoreCorruptedError, StoreError,
                      StoreWriteError, check_record, check_width, initialize, locked_error, new_stats,
                      fsync_dir, normalize_meta, write_json_atomic)
 from .options import make_options
@@ -332,27 +331,26 @@ class NativeStore(StoreBase):
         return torch.from_numpy(self._file.written_ids(start, -1 if limit is None else limit))
 
     def _checkpoint(self, path, copy) -> None:
-        """flush(), then copy(a new directory at path: ValueError if path exists) and the table's
-        record last (its presence = a table). A checkpoint that fails leaves no directory behind."""
+        """flush(), then copy(a new directory) and the table's record last, built beside path and
+        renamed to it whole (build_directory: ValueError if path exists; a crash or a failure
+        leaves no directory at path)."""
         self._check_open()
         path = os.path.abspath(os.fspath(path))
         if os.path.exists(path):
             raise ValueError(f"checkpoint path {path}: already exists; give a new directory")
         self.flush()  # the caller's thread is the only writer: nothing changes while we copy
+
+        def build(to: str) -> None:
+            os.makedirs(to)
+            copy(to)
+            self._copy_record(to)
+
         try:
-            os.makedirs(path)
+            build_directory(path, build)
+        except RuntimeError as e:
+            raise self._classify("write checkpoint " + path, e) from None
         except OSError as e:
             raise StoreError(f"ssd_path {self.path}: cannot write checkpoint {path}: {e}") from None
-        try:
-            copy(path)
-            self._copy_record(path)
-        except BaseException as e:
-            shutil.rmtree(path, ignore_errors=True)
-            if isinstance(e, RuntimeError):
-                raise self._classify("write checkpoint " + path, e) from None
-            if isinstance(e, OSError):
-                raise StoreError(f"ssd_path {self.path}: cannot write checkpoint {path}: {e}") from None
-            raise
 
     # ------------------------------------------------------------------------------- admin
 

@@ -27,7 +27,7 @@ import torch
 
 from .common import (DTYPE_BY_NAME, MAX_ID, STORAGE_DTYPES, QueuedStore, StoreCorruptedError,
                      StoreError, StoreLockedError, StoreWriteError, WriteBehind, check_record,
-                     check_width, initialize, locked_error, new_stats, normalize_meta)
+                     build_directory, check_width, initialize, locked_error, new_stats, normalize_meta)
 from .options import make_options
 
 FORMAT = "tieredemb.ssd.rocksdb/1"
@@ -385,8 +385,8 @@ class RocksDBStore(QueuedStore):
         if os.path.exists(path):
             raise ValueError(f"checkpoint path {path}: already exists; give a new directory")
         self.flush()
-        try:
-            rocksdict.Checkpoint(self._db).create_checkpoint(path)
+        try:  # (built beside path and renamed to it whole: a crash leaves no directory at path)
+            build_directory(path, lambda to: rocksdict.Checkpoint(self._db).create_checkpoint(to))
         except Exception as e:
             raise _classify(self.path, f"write checkpoint {path}", e) from None
 

@@ -88,14 +88,17 @@ def test_a_creation_killed_before_its_record_creates_again(tmp_path, kind):
 
 @pytest.mark.parametrize("kind", STORES)
 def test_a_checkpoint_killed_before_its_record_does_not_open_as_a_table(tmp_path, kind):
-    """It opened as a new, empty table (its files wiped); now it is refused, and its table is whole."""
+    """It opened as a new, empty table (its files wiped). A checkpoint is now built beside its
+    path and renamed to it whole: the path holds nothing, and the directory it was built in, its
+    files without their record, is refused as a table. The live table is whole."""
     path = tmp_path / "t"
     child = _killed_at(kind, path, "_copy_record", "checkpoint")
     assert child.returncode == -signal.SIGKILL, child.stderr
-    ck = tmp_path / "t-ck"
-    assert os.listdir(ck)
+    assert not (tmp_path / "t-ck").exists()
+    (partial,) = tmp_path.glob("t-ck.partial-*")
+    assert os.listdir(partial)
     with pytest.raises(StoreCorruptedError, match="a damaged table, or a checkpoint cut short"):
-        make(kind, ck)
+        make(kind, partial)
     with make(kind, path) as s:
         assert torch.equal(read(s, torch.arange(50)), rows_for(torch.arange(50)))
 

@@ -22,17 +22,19 @@ import fcntl
 import json
 import os
 import shutil
+import uuid
 import warnings
 
 import torch
 
 import ssd_backend
-from ssd_backend.common import write_json_atomic
+from ssd_backend.common import build_directory, write_json_atomic
 
 from .persistence import (TABLE_KEYS, check_chunk_rows, check_chunks, import_chunks, read_export_meta,
                           refuse_unmatched_keys, refuse_written, rows_in_state_dict, save_rows, write_export)
 
 MANIFEST = "collection.json"
+EXPORT_MARKER = "export.json"  # (written last by an export_rows of every table)
 _FORMAT = "tieredemb-collection-1"
 
 
@@ -98,19 +100,19 @@ class CollectionState:
     def checkpoint(self, path) -> None:
         """A consistent snapshot of every table (rows, optimizer state, step counts) at path, a new
         directory, which opens as this collection (ssd_path=path, the same tables and plan). Every
-        table must be stored on SSD. collection.json is written last: a directory that lacks it and
-        some group's checkpoint does not open (one with every group's is adopted, with a warning)."""
+        table must be stored on SSD. It is built beside path (path + '.partial-<pid>') and renamed
+        to path once whole: a crash leaves no directory at path."""
         held = [t.name for g in self.groups if g.store != "ssd" for t in g.tables]
         if held:
             raise RuntimeError(f"cannot checkpoint to {path}: tables {held} keep their rows in host memory; "
                                "use export_rows(dir), or store them on SSD (ssd_path, or a plan that does)")
-        path = os.path.abspath(os.fspath(path))
-        if os.path.exists(path):
-            raise ValueError(f"checkpoint path {path}: already exists; give a new directory")
-        os.makedirs(path)
-        for engine, group in zip(self.engines, self.groups):
-            engine.checkpoint(os.path.join(path, group.directory))
-        self._write_manifest(path)
+        def build(to: str) -> None:
+            os.makedirs(to)
+            for engine, group in zip(self.engines, self.groups):
+                engine.checkpoint(os.path.join(to, group.directory))
+            self._write_manifest(to)
+
+        build_directory(os.fspath(path), build)  # (whole or not at all: a checkpoint cut short opened as a new one)
 
     # -- export / import -----------------------------------------------------------------------------
     def iter_rows(self, table: str, chunk_rows: int = 1 << 18):
@@ -134,11 +136,18 @@ class CollectionState:
         such a module's into the collection's table; rows never written are not listed, and read
         as the importing table's initial values). Returns {table: rows written}."""
         check_chunk_rows(chunk_rows)
+        directory = os.fspath(directory)
+        os.makedirs(directory, exist_ok=True)
+        marker = os.path.join(directory, EXPORT_MARKER)
+        if os.path.exists(marker):  # (first: an export cut short lacks it, and import refuses the directory)
+            os.remove(marker)
+        export = uuid.uuid4().hex
         out = {}
         for t, engine, _ in self._table_places():
-            meta = {**engine.config.meta(), "num_embeddings": t.num_embeddings, "table": t.name, "step": engine.step}
-            out[t.name] = write_export(os.path.join(os.fspath(directory), t.name),
-                                       self.iter_rows(t.name, chunk_rows), meta)
+            meta = {**engine.config.meta(), "num_embeddings": t.num_embeddings, "table": t.name, "step": engine.step,
+                    "export": export}
+            out[t.name] = write_export(os.path.join(directory, t.name), self.iter_rows(t.name, chunk_rows), meta)
+        write_json_atomic(marker, {"export": export, "tables": sorted(out)})
         return out
 
     def import_rows(self, directory) -> dict:
@@ -149,6 +158,7 @@ class CollectionState:
         places = list(self._table_places())
         where = {t.name: os.path.join(os.fspath(directory), t.name) for t, _, _ in places}
         metas = {t.name: read_export_meta(where[t.name], self._export_shape(t, e)) for t, e, _ in places}
+        _check_one_export(os.fspath(directory), metas)
         for engine, group in zip(self.engines, self.groups):
             steps = {t.name: metas[t.name]["step"] for t in group.tables}
             if len(set(steps.values())) > 1:
@@ -270,6 +280,29 @@ class CollectionState:
         if layout:
             os.makedirs(ssd_path, exist_ok=True)
             write_json_atomic(os.path.join(ssd_path, MANIFEST), {"format": _FORMAT, "groups": layout})
+
+
+def _check_one_export(directory: str, metas: dict) -> None:
+    """ValueError unless every table's export at directory is of one export_rows call: each
+    meta.json names the export the directory's export.json names (a re-export cut short between
+    two tables left some of each). Exports written before export.json was (no table names one)
+    are taken as they are."""
+    ids = {name: m.get("export") for name, m in metas.items()}
+    if all(v is None for v in ids.values()):
+        return
+    marker = os.path.join(directory, EXPORT_MARKER)
+    try:
+        with open(marker) as f:
+            export = json.load(f)["export"]
+    except FileNotFoundError:
+        raise ValueError(f"{directory}: no {EXPORT_MARKER}: an export_rows that did not finish (its tables may "
+                         "be of different exports); export again") from None
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{directory}: {EXPORT_MARKER} is damaged ({e})") from None
+    other = sorted(name for name, v in ids.items() if v != export)
+    if other:
+        raise ValueError(f"{directory}: tables {other} are not of the export {EXPORT_MARKER} names (an export_rows "
+                         "that did not finish?); export again")
 
 
 def _names(entries) -> str:
