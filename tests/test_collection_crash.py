@@ -1,7 +1,8 @@
 """A collection's checkpoint or export cut short by a real SIGKILL (the child process kills itself
-at the point named): a checkpoint leaves no directory at its path (one cut short opened as a new,
-empty collection; a single table's: test_ssd_damage.py), an export of a collection is refused by import_rows (one written
-over an earlier export and cut short between two tables imported as a mix of the two)."""
+at the point named): a checkpoint leaves no directory at its path (one cut short opened as a
+new, empty collection; a single table's: test_ssd_damage.py), an export is refused by
+import_rows (one written over an earlier export and cut short between two tables imported as a
+mix of the two)."""
 
 from __future__ import annotations
 
