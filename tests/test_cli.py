@@ -210,4 +210,5 @@ def test_output_into_a_closed_pipe_ends_quietly(small_trace, args):
                              stdout=write, stderr=subprocess.PIPE, text=True, timeout=300)
     finally:
         os.close(write)
-    assert run.returncode == 1 and run.stderr == "", run.stderr
+    # (a cold numba cache says so on stderr first: a fresh clone's)
+    assert run.returncode == 1 and "Errno" not in run.stderr and "Traceback" not in run.stderr, run.stderr

@@ -70,7 +70,7 @@ def test_a_collection_export_written_again_and_killed_between_tables_is_refused(
     """, tmp_path / "live", tmp_path / "export")
     tables = [EmbeddingBagConfig("a", 500, 8, ["a"]), EmbeddingBagConfig("b", 300, 16, ["b"])]
     fresh = TieredEmbeddingBagCollection(tables, optimizer=tieredemb.Adagrad(lr=0.1))
-    with pytest.raises(ValueError, match=r"export: no export.json: an export_rows that did not finish"):
+    with pytest.raises(ValueError, match=r"export: tables \['a', 'b'\] are of an export_rows that did not finish"):
         fresh.import_rows(tmp_path / "export")
     live = TieredEmbeddingBagCollection(tables, cache_bytes=20_000, ssd_path=tmp_path / "live",
                                         optimizer=tieredemb.Adagrad(lr=0.1))
@@ -79,3 +79,30 @@ def test_a_collection_export_written_again_and_killed_between_tables_is_refused(
     for t in tables:
         assert torch.equal(fresh.read_rows(t.name, torch.arange(t.num_embeddings)),
                            live.read_rows(t.name, torch.arange(t.num_embeddings)))
+
+
+def test_exports_of_two_collections_and_of_a_module_share_a_directory(tmp_path):
+    """A review of export.json: it named one export for the whole directory, so a second
+    collection's export into it (a model's bag and sequence collections), or a table's export
+    replaced by a module's, was refused as unfinished."""
+    bags = TieredEmbeddingBagCollection([EmbeddingBagConfig("a", 50, 4, ["a"]), EmbeddingBagConfig("b", 30, 4, ["b"])],
+                                        optimizer=tieredemb.SGD(lr=0.1))
+    seq = tieredemb.TieredEmbeddingCollection([tieredemb.EmbeddingConfig("c", 40, 4, ["c"])],
+                                              optimizer=tieredemb.SGD(lr=0.1))
+    for ebc, t in ((bags, "a"), (bags, "b"), (seq, "c")):
+        ebc.write_rows(t, torch.arange(5), torch.full((5, 4), float(ord(t))))
+    bags.export_rows(tmp_path / "x")
+    seq.export_rows(tmp_path / "x")
+    single = tieredemb.TieredEmbeddingBag(50, 4, optimizer=tieredemb.SGD(lr=0.1))
+    single.write_rows(torch.arange(2), torch.full((2, 4), 7.0))
+    single.export_rows(tmp_path / "x" / "a")  # (table a's export replaced by a module's)
+    fresh_bags = TieredEmbeddingBagCollection([EmbeddingBagConfig("a", 50, 4, ["a"]),
+                                               EmbeddingBagConfig("b", 30, 4, ["b"])], optimizer=tieredemb.SGD(lr=0.1))
+    fresh_seq = tieredemb.TieredEmbeddingCollection([tieredemb.EmbeddingConfig("c", 40, 4, ["c"])],
+                                                    optimizer=tieredemb.SGD(lr=0.1))
+    assert fresh_bags.import_rows(tmp_path / "x") == {"a": 2, "b": 5}
+    assert fresh_seq.import_rows(tmp_path / "x") == {"c": 5}
+    assert fresh_bags.read_rows("a", torch.tensor([1]))[0, 0] == 7.0
+    with pytest.raises(ValueError, match=r"table name 'export.json': a table's name names its directory in an "
+                                         r"export: .* not '.', '..' or 'export.json'"):
+        EmbeddingBagConfig("export.json", 10, 4, ["e"])

@@ -30,11 +30,11 @@ import torch
 import ssd_backend
 from ssd_backend.common import build_directory, write_json_atomic
 
+from .config import EXPORT_MARKER
 from .persistence import (TABLE_KEYS, check_chunk_rows, check_chunks, import_chunks, read_export_meta,
                           refuse_unmatched_keys, refuse_written, rows_in_state_dict, save_rows, write_export)
 
 MANIFEST = "collection.json"
-EXPORT_MARKER = "export.json"  # (written last by an export_rows of every table)
 _FORMAT = "tieredemb-collection-1"
 
 
@@ -138,16 +138,20 @@ class CollectionState:
         check_chunk_rows(chunk_rows)
         directory = os.fspath(directory)
         os.makedirs(directory, exist_ok=True)
-        marker = os.path.join(directory, EXPORT_MARKER)
-        if os.path.exists(marker):  # (first: an export cut short lacks it, and import refuses the directory)
-            os.remove(marker)
+        # export.json lists each table's export: this one's tables leave it first (an export cut
+        # short leaves them unlisted, and import refuses them), and are listed once all are written.
+        # (Another collection's tables exported into the same directory keep their entries.)
+        mine = {t.name for t in self.tables}
+        listed = {n: v for n, v in _export_record(directory).items() if n not in mine}
+        write_json_atomic(os.path.join(directory, EXPORT_MARKER), {"tables": listed})
         export = uuid.uuid4().hex
         out = {}
         for t, engine, _ in self._table_places():
             meta = {**engine.config.meta(), "num_embeddings": t.num_embeddings, "table": t.name, "step": engine.step,
                     "export": export}
             out[t.name] = write_export(os.path.join(directory, t.name), self.iter_rows(t.name, chunk_rows), meta)
-        write_json_atomic(marker, {"export": export, "tables": sorted(out)})
+        write_json_atomic(os.path.join(directory, EXPORT_MARKER),
+                          {"tables": {**listed, **dict.fromkeys(out, export)}})
         return out
 
     def import_rows(self, directory) -> dict:
@@ -282,27 +286,30 @@ class CollectionState:
             write_json_atomic(os.path.join(ssd_path, MANIFEST), {"format": _FORMAT, "groups": layout})
 
 
-def _check_one_export(directory: str, metas: dict) -> None:
-    """ValueError unless every table's export at directory is of one export_rows call: each
-    meta.json names the export the directory's export.json names (a re-export cut short between
-    two tables left some of each). Exports written before export.json was (no table names one)
-    are taken as they are."""
-    ids = {name: m.get("export") for name, m in metas.items()}
-    if all(v is None for v in ids.values()):
-        return
-    marker = os.path.join(directory, EXPORT_MARKER)
+def _export_record(directory: str) -> dict:
+    """{table: export id} of export.json at directory ({} where there is none)."""
     try:
-        with open(marker) as f:
-            export = json.load(f)["export"]
+        with open(os.path.join(directory, EXPORT_MARKER)) as f:
+            tables = json.load(f)["tables"]
     except FileNotFoundError:
-        raise ValueError(f"{directory}: no {EXPORT_MARKER}: an export_rows that did not finish (its tables may "
-                         "be of different exports); export again") from None
+        return {}
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(f"{directory}: {EXPORT_MARKER} is damaged ({e})") from None
-    other = sorted(name for name, v in ids.items() if v != export)
-    if other:
-        raise ValueError(f"{directory}: tables {other} are not of the export {EXPORT_MARKER} names (an export_rows "
-                         "that did not finish?); export again")
+    if not isinstance(tables, dict):
+        raise ValueError(f"{directory}: {EXPORT_MARKER} is damaged (its tables are not a mapping)")
+    return tables
+
+
+def _check_one_export(directory: str, metas: dict) -> None:
+    """ValueError unless each table's export at directory is one a collection's export_rows
+    finished: its meta.json names the export export.json lists for it (a re-export cut short
+    between two tables left some of each). A table whose meta.json names none (a single table's
+    export, or one written before export.json was) is taken as it is."""
+    listed = _export_record(directory)
+    unfinished = sorted(n for n, m in metas.items() if m.get("export") is not None and listed.get(n) != m["export"])
+    if unfinished:
+        raise ValueError(f"{directory}: tables {unfinished} are of an export_rows that did not finish (its "
+                         f"{EXPORT_MARKER} does not list them): export again")
 
 
 def _names(entries) -> str:

@@ -316,12 +316,15 @@ class TableConfig:
                 **({"stochastic_rounding": True} if self.stochastic_rounding and self.dtype != torch.float32 else {})}
 
 
+EXPORT_MARKER = "export.json"  # (a collection's export's record, beside its tables' directories)
+
+
 def _check_table(t) -> None:
     if not isinstance(t.name, str) or not t.name:
         raise TypeError(f"a table's name must be a non-empty str, got {t.name!r}")
-    if t.name in (".", "..") or any(c in t.name for c in "/\\\0"):
+    if t.name in (".", "..", EXPORT_MARKER, EXPORT_MARKER + ".tmp") or any(c in t.name for c in "/\\\0"):
         raise ValueError(f"table name {t.name!r}: a table's name names its directory in an export: no '/', '\\' "
-                         "or NUL, and not '.' or '..'")
+                         f"or NUL, and not '.', '..' or {EXPORT_MARKER!r} (a collection's export's record)")
     for field in ("num_embeddings", "embedding_dim"):
         value = getattr(t, field)
         if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
