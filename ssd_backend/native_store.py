@@ -22,9 +22,9 @@ import weakref
 import numpy as np
 import torch
 
-from .common import (DTYPE_BY_NAME, STORAGE_DTYPES, StoreBase, build_directory, StoreCorruptedError, StoreError,
-                     StoreWriteError, check_record, check_width, initialize, locked_error, new_stats,
-                     fsync_dir, normalize_meta, write_json_atomic)
+from .common import (DTYPE_BY_NAME, STORAGE_DTYPES, StoreBase, StoreCorruptedError, StoreError,
+                     StoreWriteError, build_directory, check_record, check_width, initialize, locked_error,
+                     new_stats, fsync_dir, normalize_meta, write_json_atomic)
 from .options import make_options
 
 LOCK_FILE = "LOCK"

@@ -70,9 +70,11 @@ def parse_rows(name: str, value: int | str | None, row_bytes: int) -> int | None
     """A tier capacity given in rows (int) or bytes ('512MiB') -> rows; None stays None."""
     if value is None:
         return None
-    if whole(value) is None and not isinstance(value, str):
+    rows = whole(value)
+    if rows is None and not isinstance(value, str):
         raise TypeError(f"{name} must be a number of rows or a size like '512MiB', got {value!r}")
-    rows = whole(value) if whole(value) is not None else parse_bytes(value) // row_bytes
+    if rows is None:
+        rows = parse_bytes(value) // row_bytes
     if rows <= 0:
         raise ValueError(f"{name} must hold at least one row, got {value!r}")
     return rows
@@ -117,9 +119,10 @@ def check_weight_dtype(dtype, where: str = "") -> None:
 
 
 def _positive_int(name: str, v) -> int:
-    if whole(v) is None or whole(v) <= 0:
+    n = whole(v)
+    if n is None or n <= 0:
         raise ValueError(f"{name} must be a positive int, got {v!r}")
-    return whole(v)
+    return n
 
 
 def _check_partitions(partitions, num_embeddings: int, cache_rows) -> tuple:
@@ -217,11 +220,12 @@ class TableConfig:
         set_("embedding_dim", _positive_int("embedding_dim", self.embedding_dim))
         n = self.num_embeddings
         if self.padding_idx is not None:
-            if whole(self.padding_idx) is None:
+            pad = whole(self.padding_idx)
+            if pad is None:
                 raise ValueError(f"padding_idx {self.padding_idx!r} must be an int in [{-n}, {n})")
-            if not -n <= whole(self.padding_idx) < n:
+            if not -n <= pad < n:
                 raise ValueError(f"padding_idx {self.padding_idx!r} out of range [{-n}, {n})")
-            set_("padding_idx", whole(self.padding_idx) % n)
+            set_("padding_idx", pad % n)
         check_weight_dtype(self.dtype)
         if not isinstance(self.stochastic_rounding, bool):
             raise TypeError(f"stochastic_rounding must be a bool, got {self.stochastic_rounding!r}")

@@ -312,14 +312,14 @@ def _knapsack(names, lo, left, tables, curves, cost) -> dict:
             better = candidate < after[w:]
             after[w:][better] = candidate[better]
             pick[w:][better] = k
-        picks.append((n, sizes, pick))
+        picks.append((n, sizes, weight, pick))
         least = after
     for start in range(top, fits - 1, -1):
         size, u = {}, start
-        for n, sizes, pick in reversed(picks):
+        for n, sizes, weight, pick in reversed(picks):
             k = int(pick[u])
             size[n] = int(sizes[k])
-            u -= -(-(size[n] - lo[n]) * tables[n][1] // unit)
+            u -= int(weight[k])
         if sum((size[n] - lo[n]) * tables[n][1] for n in names) <= left:
             return {n: size[n] for n in names}
     raise AssertionError("unreachable: within the budget's whole slices every choice fits")
