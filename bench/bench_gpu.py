@@ -486,6 +486,10 @@ def main(argv=None) -> int:
                    help="zero-copy's swap writes the dirty victims down itself, the lookup waiting for both ways of "
                         "the bus (zerocopy.WRITE_BACK_APART = False; the default writes them down apart, on a stream "
                         "of their own)")
+    p.add_argument("--write-back-programs", default=None, metavar="N|Kx",
+                   help="the programs of zero-copy's write-back (apart), for the whole run: N in all, or Kx: K per "
+                        "multiprocessor (zerocopy.WRITE_BACK_PROGRAMS; default: theirs, "
+                        f"{zerocopy.WRITE_BACK_PROGRAMS})")
     p.add_argument("--row-alignment", type=int, default=4, metavar="BYTES",
                    help="our rows padded to a whole number of BYTES (TableConfig.row_alignment; 128: each row on a "
                         "GPU cache line, 160 words a row here, of which zero-copy moves the 129 that hold values)")
@@ -496,6 +500,13 @@ def main(argv=None) -> int:
         p.error(f"--row-alignment: {e}")
     if a.write_back_inline:
         zerocopy.WRITE_BACK_APART = False
+    if a.write_back_programs is not None:
+        spec = a.write_back_programs
+        count = spec[:-1] if spec.endswith("x") else spec
+        if not count.isdigit() or int(count) < 1:
+            p.error(f"--write-back-programs: {spec!r} is neither N (programs in all) nor Kx (per multiprocessor), "
+                    "each a positive whole number")
+        zerocopy.WRITE_BACK_PROGRAMS = PerMultiprocessor(int(count)) if spec.endswith("x") else int(count)
     if a.move_shape is not None:
         try:
             rows, warps, cols, per_sm = move_shape(a.move_shape, moves)

@@ -64,8 +64,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 step=${1:-}
 case "$step" in
-  first|tests|interpreted|suite|hbm|host|ssd|device-ids|profile|collection|kernels|moves|plan|storeio) ;;
-  *) echo "usage: bash bench/gpu_session.sh first|tests|interpreted|suite|hbm|host|ssd|device-ids|profile|collection|kernels|moves|plan|storeio" >&2; exit 2 ;;
+  first|second|tests|interpreted|suite|hbm|host|ssd|device-ids|profile|collection|kernels|moves|plan|storeio) ;;
+  *) echo "usage: bash bench/gpu_session.sh first|second|tests|interpreted|suite|hbm|host|ssd|device-ids|profile|collection|kernels|moves|plan|storeio" >&2; exit 2 ;;
 esac
 PY=${PYTHON:-python3}
 OUT=${OUT:-/tmp/gpu_session}
@@ -76,7 +76,7 @@ mkdir -p "$OUT"
 STOP=$LIMIT  # a part is stopped at min(its cap, STOP - the seconds since this script started)
 LOG=  # where every log goes (first: one file, since few come back), else $OUT/NAME.log
 JSONS=$OUT  # where each part's JSON goes (first: /tmp/json, archived into first.tgz at the end)
-[ "$step" = first ] && LOG=$OUT/first.log && JSONS=/tmp/json && rm -rf /tmp/json && mkdir -p /tmp/json
+[ "$step" = first ] || [ "$step" = second ] && LOG=$OUT/first.log && JSONS=/tmp/json && rm -rf /tmp/json && mkdir -p /tmp/json
 log() { tee ${LOG:+-a} "${LOG:-$OUT/$1.log}"; }
 setup() {
   if [ -f /root/w/assemble.sh ] && [ ! -d /tmp/site ] && ! bash /root/w/assemble.sh /root/w /tmp/site; then
@@ -183,6 +183,17 @@ case "$step" in
     part 70 bench device_ids --only fbgemm-hbm,ours-hbm,ours-hbm-eager --runs 9 --ids-on-device
     part 600 collection
     tar czf "$OUT/first.tgz" -C /tmp json $([ -d /tmp/prof ] && echo prof) || true ;;
+  second)  # (a second call's probe, after `first`: the GPU tests that failed there and the weight decay's; where
+           # graphed and eager lookups part for max pooling of fp16 rows rounded stochastically; zero-copy's
+           # write-back by its programs (2 a multiprocessor, 1, 16 and 4 in all) against FBGEMM's UVM cache)
+    rm -rf /tmp/prof
+    "$PY" -c 'import rocksdict, lz4' 2>/dev/null || { echo "second: rocksdict or lz4 missing: stopped" | log first; exit 3; }
+    part 60 tests test_gpu -v -o faulthandler_timeout=40 tests/test_gpu.py -k "weight_decay or fp16-stochastic or l2 or adamw"
+    part 40 eval 'timeout -k 5 -s ABRT "$(budget 40)" "$PY" bench/diag_graphs.py max 2>&1 | log diag'
+    for wb in 2x 1x 16 4; do
+      part 40 bench "writeback_$wb" --only fbgemm-uvm10,ours-host10-zc --runs 5 --warmup 80 --write-back-programs $wb
+    done
+    tar czf "$OUT/first.tgz" -C /tmp json || true ;;
   tests) tests test_gpu tests/test_gpu.py --deselect tests/test_gpu.py::test_the_cpu_tensor_tests_pass_in_a_child ;;
   interpreted)
     par=$("$PY" -c 'import xdist; print("-n 8")' 2>/dev/null || true)

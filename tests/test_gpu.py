@@ -74,7 +74,7 @@ def test_rowwise_weight_decay_matches_fbgemms_gpu_tbe(mode):
     ours, _ = _train("cuda", "sum", lambda: tieredemb.RowWiseAdagrad(lr=0.1, eps=1e-8, weight_decay=0.3,
                                                                      weight_decay_mode=mode),
                      padding_idx=None, cache_rows=60)
-    fresh, _ = _train("cuda", "sum", padding_idx=None, steps=0)  # (the rows as seed 3 draws them)
+    fresh = tieredemb.TieredEmbeddingBag(NUM, DIM, mode="sum", seed=3)  # (the rows as seed 3 draws them, as on cuda)
     tbe.split_embedding_weights()[0].copy_(fresh.read_rows(torch.arange(NUM)).cuda())
     g = torch.Generator().manual_seed(0)
     for _ in range(30):
@@ -177,14 +177,13 @@ def test_kernels_capped_at_a_few_programs_train_bit_for_bit_as_one_per_item(monk
 def test_a_move_into_mapped_host_rows_gets_the_programs_of_the_whole_gpu():
     """A move that writes pinned host rows (a CPU tensor to torch) runs on the GPU of its other side,
     with that GPU's programs per multiprocessor, as a move that reads them does."""
-    from tieredemb.gpu import moves, multiprocessors, zerocopy
+    from tieredemb.gpu import PerMultiprocessor, moves, multiprocessors
 
     pool, host = torch.zeros(64, 4, device="cuda"), torch.zeros(64, 4).pin_memory()
     sms, blocks = multiprocessors(pool.device), 1 << 20
     assert moves._grid(blocks * moves.MOVE_ROWS, pool, host) == (moves.MOVE_PROGRAMS.count * sms,)
     assert moves._grid(blocks * moves.MOVE_ROWS, host, pool) == (moves.MOVE_PROGRAMS.count * sms,)
-    assert moves._grid(blocks * moves.MOVE_ROWS, pool, host, zerocopy.WRITE_BACK_PROGRAMS) == \
-        (zerocopy.WRITE_BACK_PROGRAMS.count * sms,)
+    assert moves._grid(blocks * moves.MOVE_ROWS, pool, host, PerMultiprocessor(2)) == (2 * sms,)
 
 
 def test_a_queued_store_call_runs_in_stream_order_between_the_work_around_it(tmp_path):

@@ -712,7 +712,8 @@ def test_a_moves_programs_are_counted_for_the_device_it_runs_on_whichever_side_i
     blocks = 20000 // moves.MOVE_ROWS
     per_sm = moves.MOVE_PROGRAMS.count * 132
     assert moves._grid(20000, host, pool) == moves._grid(20000, pool, host) == (per_sm,)  # read in, written down
-    assert moves._grid(20000, pool, host, zerocopy.WRITE_BACK_PROGRAMS) == (zerocopy.WRITE_BACK_PROGRAMS.count * 132,)
+    assert moves._grid(20000, pool, host, PerMultiprocessor(2)) == (2 * 132,)
+    assert moves._grid(20000, pool, host, zerocopy.WRITE_BACK_PROGRAMS) == (16,)  # (the write-back's: 16 in all)
     assert moves._grid(20000, pool, pool, PerMultiprocessor(64)) == (blocks,)  # (capped by the blocks)
     assert moves._grid(20000, host, host) == (moves.MOVE_PROGRAMS.count,)  # (CPU tensors: the interpreter's one)
 

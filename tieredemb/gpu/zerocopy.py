@@ -26,7 +26,7 @@ import contextlib
 import torch
 
 from ..tiers.rowstore import DEFERRED_MARK
-from . import PerMultiprocessor, hostmap, moves, plan_kernels, to_device
+from . import hostmap, moves, plan_kernels, to_device
 from .queued import QueuedResidency
 
 # Whether the victims' rows are written down apart (see above), or by the swap itself, both ways
@@ -34,10 +34,13 @@ from .queued import QueuedResidency
 # session): the moves alone, on an H100, read 20K rows of 129 words in 237-314 us and swapped them
 # both ways in 415-566. A module constant, so that bench_gpu.py --write-back-inline can time the other.
 WRITE_BACK_APART = True
-# The write-back's programs: few, as it runs beside the batch's lookup and backward and takes a
-# multiprocessor's room from them for as long as it runs; a store to the host rows does not wait for
-# the bus, so a few programs keep it busy (not yet timed on a GPU).
-WRITE_BACK_PROGRAMS = PerMultiprocessor(2)
+# The write-back's programs: few, as it runs beside the batch's lookup and backward. Its stores to
+# the host rows slow the kernels beside it on every multiprocessor it holds (a step profiled on an
+# H200 at 2 programs a multiprocessor: the backward's 4 MB gradient copy took 286 us against 2.6
+# alone, its prep kernel 267 us against 9), and too few programs leave the bus idle. Zero-copy's
+# step (bench_gpu.py --write-back-programs, tier 0 = 10 %, medians of 5 runs, one process each, on
+# an H200): 2 a multiprocessor (264) 90.3 M lookups/s, 1 (132) 91.0, 16 in all 95.7, 4 in all 74.4.
+WRITE_BACK_PROGRAMS = 16
 
 
 class ZeroCopy(QueuedResidency):
