@@ -158,6 +158,7 @@ def run(a, folder: str) -> int:
     compactions = dict.fromkeys(ways, 0)  # (a compaction rewrites a segment: it lands in whichever way ran it)
     call_times = {"write_seconds": 0.0, "read_seconds": 0.0, "calls": 0}  # (the queued ways' store calls)
     io.take_times()
+    store._file.take_write_times()
     for _ in range(a.runs):
         for w, way in ways.items():
             before = store.stats()["compactions"]
@@ -192,6 +193,14 @@ def run(a, folder: str) -> int:
                                "read": call_times["read_seconds"] * 1e3 / calls, "calls": call_times["calls"]}
     print(f"a queued store call, on the driver's thread: write {result['store_call_ms']['write']:.2f} ms, read "
           f"{result['store_call_ms']['read']:.2f} ms (means of {call_times['calls']})")
+    w = store._file.take_write_times()  # (every way's writes: where a write's time went, in the log store)
+    per = lambda key, count: w[key] * 1e3 / max(w[count], 1)  # noqa: E731
+    result["log_write_ms"] = {"waiting for the last append": per("drain_seconds", "writes"),
+                              "staging": per("stage_seconds", "writes"), "compaction": per("compact_seconds", "writes"),
+                              "append (writer thread)": per("append_seconds", "appends"),
+                              "append MB": w["appended_bytes"] / max(w["appends"], 1) / 1e6, "writes": w["writes"]}
+    print("a log store write, every way's (ms a write): " + ", ".join(
+        f"{k} {v:.2f}" for k, v in result["log_write_ms"].items() if k != "writes") + f" (means of {w['writes']})")
     with on_side():
         result["empty_call"] = call_cost(a, dev, io, k, queue)
     store.close()

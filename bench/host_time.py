@@ -343,6 +343,10 @@ def phase_steps(module, step, stream, steps: int, grad, dev: torch.device) -> di
         on_stream = holders.get("on_stream")
         if on_stream is not None:  # (its store calls run on the driver's thread, in native code: timed there)
             on_stream.io.take_times()
+        log_file = getattr(holders.get("lower"), "_file", None)  # (a log store's: its writes timed in native code)
+        log_file = log_file if hasattr(log_file, "take_write_times") else None
+        if log_file is not None:
+            log_file.take_write_times()
         start = time.perf_counter()
         train_steps(step, stream, grad, steps)
         synchronize(dev)
@@ -352,6 +356,15 @@ def phase_steps(module, step, stream, steps: int, grad, dev: torch.device) -> di
             times["the driver's thread: the store's calls (StreamIo)"] = {
                 "store: write victims": [t["calls"], t["write_seconds"], 0.0],
                 "store: read misses": [t["calls"], t["read_seconds"], 0.0]}
+        if log_file is not None:  # (wall time only: no thread's CPU time is taken there)
+            t = log_file.take_write_times()
+            times["the log store's writes (LogFile)"] = {
+                "write: waiting for the last append": [t["writes"], t["drain_seconds"], 0.0],
+                "write: the record staged (appended at once past a record's rows)":
+                    [t["writes"], t["stage_seconds"], 0.0],
+                "write: compaction": [t["writes"], t["compact_seconds"], 0.0],
+                f"the writer thread: appends ({t['appended_bytes'] / max(t['appends'], 1) / 1e6:.1f} MB each)":
+                    [t["appends"], t["append_seconds"], 0.0]}
     finally:
         for holder, attr, before in reversed(undo):
             if before is None:

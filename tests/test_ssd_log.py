@@ -67,6 +67,26 @@ def test_compaction_bounds_the_log_and_keeps_every_row(tmp_path):
         assert torch.equal(read(s, torch.arange(N)), latest)
 
 
+def test_write_times_count_every_write_and_the_bytes_appended(tmp_path):
+    """take_write_times (bench/host_time.py's phases of a log store): each write counted, the
+    writer thread's appends with the very bytes of their records (a header, the ids, the rows),
+    the time of each part, and nothing left once taken."""
+    g = torch.Generator().manual_seed(0)
+    with make(tmp_path / "t", segment_bytes=1 << 20) as s:
+        s._file.take_write_times()
+        sizes = [int(k) for k in torch.randint(1, 200, (12,), generator=g)]
+        for n in sizes:
+            ids = torch.randperm(N, generator=g)[:n]
+            s.write(ids, rows_for(ids, 1.0))
+        s.flush()  # (the last append done)
+        t = s._file.take_write_times()
+        assert t["writes"] == t["appends"] == len(sizes)
+        assert t["appended_bytes"] == sum(32 + n * 8 + n * WIDTH * 4 for n in sizes)
+        assert all(t[k] >= 0 for k in ("drain_seconds", "stage_seconds", "compact_seconds"))
+        assert t["append_seconds"] > 0
+        assert set(s._file.take_write_times().values()) == {0}
+
+
 def test_segment_numbers_past_2_24_and_at_their_end(tmp_path):
     """A row's location named its segment by number, in 24 bits: from the 2^24th segment on, rows read
     another segment's bytes (or crashed the process). It names a slot now, reused as segments go. An

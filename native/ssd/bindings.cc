@@ -186,6 +186,24 @@ void register_ssd(nb::module_& m) {
             });
           }, "ids"_a.noconvert(), "src"_a.noconvert(), "src_rows"_a.noconvert(),
           "writes rows src[src_rows[k]] as the rows of ids[k] (no gather)")
+      .def("take_write_times", [](PyLogFile& self) {
+            auto serial = self.serial();
+            LogFile::WriteTimes t;
+            {
+              GilReleased released;
+              t = self.get().TakeWriteTimes();
+            }
+            nb::dict d;
+            d["writes"] = t.writes;
+            d["drain_seconds"] = static_cast<double>(t.drain_ns) * 1e-9;
+            d["stage_seconds"] = static_cast<double>(t.stage_ns) * 1e-9;
+            d["compact_seconds"] = static_cast<double>(t.compact_ns) * 1e-9;
+            d["appends"] = t.appends;
+            d["append_seconds"] = static_cast<double>(t.append_ns) * 1e-9;
+            d["appended_bytes"] = t.appended_bytes;
+            return d;
+          }, "where the writes' time went since the last take_write_times(): waiting for the last append (drain), "
+             "staging the record, compacting; and the writer thread's appends (seconds, and the bytes appended)")
       .def("log_stats", [](PyLogFile& self) {
             auto serial = self.serial();
             LogFile& f = self.get();

@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cinttypes>
 #include <cstdio>
 #include <cstring>
@@ -19,6 +20,11 @@ namespace tieredemb {
 namespace {
 
 constexpr int64_t kReadTask = 8;  // ids per read task: many reads in flight
+
+int64_t elapsed_ns(std::chrono::steady_clock::time_point since) {
+  return static_cast<int64_t>(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - since).count());
+}
 
 }  // namespace
 
@@ -67,10 +73,15 @@ void LogFile::writer_loop() {
     auto* h = reinterpret_cast<LogHeader*>(staged_.data());
     const int64_t n = static_cast<int64_t>(h->n);
     const uint8_t* payload = staged_.data() + sizeof(LogHeader);
+    const auto start = std::chrono::steady_clock::now();
     h->checksum = checksum(payload + n * 8, static_cast<size_t>(n * row_bytes_),
                            checksum(payload, static_cast<size_t>(n) * 8, h->n));
     int err = pwrite_full(staged_seg_->fd, staged_.data(), static_cast<int64_t>(staged_.size()), staged_off_);
+    const int64_t took = elapsed_ns(start);
     lock.lock();
+    ++times_.appends;
+    times_.append_ns += took;
+    times_.appended_bytes += static_cast<int64_t>(staged_.size());
     if (err != 0 && writer_error_.ok())
       writer_error_ = Status::RuntimeError("cannot write " + staged_seg_->path + " at offset " +
                                            std::to_string(staged_off_) + ": " + errno_text(err));
@@ -227,7 +238,15 @@ Status LogFile::WriteFrom(const int64_t* ids, int64_t n, const uint8_t* src, int
                           const int64_t* src_rows) {
   Status s = check_ids(ids, n);
   if (!s.ok() || n == 0) return s;
+  auto start = std::chrono::steady_clock::now();
   s = drain();  // one append in flight at a time; the staging block is reused
+  const int64_t drained = elapsed_ns(start);
+  start = std::chrono::steady_clock::now();
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    ++times_.writes;
+    times_.drain_ns += drained;
+  }
   if (!s.ok()) return s;
   const int64_t rec = record_bytes(n, row_bytes_);
   if (n > max_record_rows_) {
@@ -260,8 +279,20 @@ Status LogFile::WriteFrom(const int64_t* ids, int64_t n, const uint8_t* src, int
     }
     cv_.notify_all();
   }
-  if (!s.ok()) return s;
-  return maybe_compact();
+  const int64_t staged = elapsed_ns(start);
+  start = std::chrono::steady_clock::now();
+  if (s.ok()) s = maybe_compact();
+  std::lock_guard<std::mutex> lock(mutex_);
+  times_.stage_ns += staged;
+  times_.compact_ns += elapsed_ns(start);
+  return s;
+}
+
+LogFile::WriteTimes LogFile::TakeWriteTimes() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  WriteTimes t = times_;
+  times_ = WriteTimes{};
+  return t;
 }
 
 int64_t LogFile::log_bytes() const {

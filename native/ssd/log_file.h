@@ -75,6 +75,13 @@ class LogFile {
   int64_t compactions() const { return compactions_; }
   int64_t rows_compacted() const { return rows_compacted_; }
   int64_t row_bytes() const { return row_bytes_; }
+  // Where Write's time went (wall nanoseconds), since the last TakeWriteTimes: the caller waiting
+  // for the last staged append (drain), staging the record (its rows gathered, their places taken),
+  // compacting; and on the writer thread, appending (checksum and pwrite), with the bytes appended.
+  struct WriteTimes {
+    int64_t writes = 0, drain_ns = 0, stage_ns = 0, compact_ns = 0, appends = 0, append_ns = 0, appended_bytes = 0;
+  };
+  WriteTimes TakeWriteTimes();
   // Waits for the staged append, then closes the files without a sync.
   // Returns: Ok, or the error of the staged append.
   Status Close();
@@ -124,6 +131,7 @@ class LogFile {
   int64_t staged_off_ = -1;
   bool staged_busy_ = false, stop_ = false;
   Status writer_error_;
+  WriteTimes times_;  // (its append fields under mutex_: the writer thread's)
   std::mutex mutex_;
   std::condition_variable cv_;
   std::thread writer_;
