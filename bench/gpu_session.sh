@@ -8,13 +8,15 @@
 # what `status` says is left, less a minute: a call cut off by the budget brings nothing back.
 #
 #   bash bench/gpu_session.sh first        in one call, in this order, each part stopped in time for the next:
-#                                          the GPU tests; tier 0 = 10% over host memory and over the log store
+#                                          the GPU tests; where graphed and eager lookups part (diag_graphs.py,
+#                                          max pooling); tier 0 = 10% over host memory and over the log store
 #                                          (FBGEMM's UVM cache, ours zero-copy with CUDA graphs and without, with
 #                                          copies, over SSD with prefetch, waiting and with the store in stream
 #                                          order (ours-ssd10-os); their stacks, their profiles and each phase of
-#                                          their steps timed unprofiled); zero-copy with its victims written down
-#                                          by the swap itself (--write-back-inline); the store's reads and writes
-#                                          in stream order against waiting, alone (gpu_storeio.py); zero-copy
+#                                          their steps timed unprofiled, the log store's writes among them);
+#                                          zero-copy's write-back with 8 and 32 programs; the store's reads and
+#                                          writes in stream order against waiting, alone (gpu_storeio.py);
+#                                          zero-copy's moves over 1M and 10M host rows; zero-copy
 #                                          with rows of 160 words, each on a 128-byte line (--row-alignment
 #                                          128); the table whole in HBM (FBGEMM, ours with CUDA graphs and
 #                                          without, torch ops),
@@ -30,6 +32,9 @@
 #
 # and, where time is left, one of the parts alone:
 #
+#   bash bench/gpu_session.sh second       after `first`, in a second call: the GPU tests that failed in the
+#                                          thirty-fourth session's first call, diag_graphs.py, and zero-copy's
+#                                          write-back by its programs (2 and 1 a multiprocessor, 16 and 4 in all)
 #   bash bench/gpu_session.sh tests        tests/test_gpu.py: the GPU tests (not the child below)
 #   bash bench/gpu_session.sh interpreted  the CPU-tensor tests (marked interpreted) as a machine without a GPU
 #                                          runs them: what test_gpu.py's child test runs (about 8 minutes)
@@ -166,10 +171,17 @@ case "$step" in
     # (first what decides the next changes: the cached systems, zero-copy's write-back mode, the store in stream
     # order; the new store path reported first, before the 10M-row tables' set-up can reach the cap; ours-host10
     # and ours-host10-zc-eager left out: measured at 0.25x and 0.40x)
+    part 30 eval 'timeout -k 5 -s ABRT "$(budget 30)" "$PY" bench/diag_graphs.py max 2>&1 | log diag'
     part 200 bench cached --only fbgemm-uvm10,ours-ssd10-os,ours-ssd10,ours-host10-zc \
       --runs 7 --warmup 80 --ssd-path /tmp --stacks /tmp/prof --cprofile /tmp/prof --phases
-    part 80 bench cached_inline --only fbgemm-uvm10,ours-host10-zc --runs 9 --warmup 80 --write-back-inline
+    # (zero-copy's write-back by its programs, around the default of 16 in all (thirty-fourth session, an H200:
+    # 264 90.3 M, 132 91.0, 16 95.7, 4 74.4); written down by the swap itself measured the same as 264 apart)
+    part 45 bench writeback_8 --only fbgemm-uvm10,ours-host10-zc --runs 5 --warmup 80 --write-back-programs 8
+    part 45 bench writeback_32 --only fbgemm-uvm10,ours-host10-zc --runs 5 --warmup 80 --write-back-programs 32
     part 60 storeio
+    # (the swap read 22K misses in 536 us in a step, 274 us alone over 1M host rows: the table's 10M host rows?)
+    part 50 kernels moves_reach --moves --reps 10 --move-widths 129 --move-host-rows 1000000,10000000 \
+      --move-shapes 16x4x64x8
     part 80 bench cached_aligned --only fbgemm-uvm10,ours-host10-zc --runs 9 --warmup 80 --row-alignment 128
     part 90 bench hbm --only fbgemm-hbm,ours-hbm,ours-hbm-eager,torch-ops --runs 15 --cprofile /tmp/prof --phases
     part 60 bench hbm_aligned --only fbgemm-hbm,ours-hbm --runs 9 --row-alignment 128
