@@ -5,7 +5,8 @@ then compiles through ptxas to a cubin instead of launching. Run by tests/test_g
 a process of its own (without TRITON_INTERPRET, which chooses the interpreter at import).
 Prints one line per kernel compiled: name, then the constexpr values, the barriers in its PTX, and
 the cubin's bytes. With argv[2] == "accesses", instead: how wide the global accesses of the moves
-and of the lookup's kernels are, by row width (accesses())."""
+and of the lookup's kernels are, by row width (accesses()); with "16x2", the 16-bit integer adds in
+the update kernel's machine code (sixteen_bit_adds())."""
 
 from __future__ import annotations
 
@@ -235,5 +236,49 @@ def accesses() -> None:
         report("update", width, 128)
 
 
+def sixteen_bit_adds() -> None:
+    """argv[2] == "16x2": the update kernel for 16-bit weights rounded stochastically, each pooling
+    mode, its rate passed or read from the device (a CUDA graph's), one line each: its constants,
+    then the 16-bit integer adds in its machine code (cuobjdump -sass: VIADD.16x2 and kin). ptxas of
+    CUDA 12.8 and 12.9 (Triton 3.6) compiled such an add of 1 as an add of 0 in one lane of four
+    in the max-pooling update (bench/RESULTS.md, thirty-fourth session); the kernel now has none."""
+    import re
+    import subprocess
+    import tempfile
+
+    from triton import knobs
+
+    driver.set_active(Offline(int(sys.argv[1])))
+    launch = JITFunction.run
+
+    def compile_only(self, *args, grid, warmup, **kwargs):
+        kernel = launch(self, *args, grid=grid, warmup=True, **kwargs)
+        if self.fn.__name__ == "_update_kernel":
+            with tempfile.TemporaryDirectory() as tmp:
+                path = os.path.join(tmp, "k.cubin")
+                with open(path, "wb") as f:
+                    f.write(kernel.asm["cubin"])
+                sass = subprocess.run([knobs.nvidia.cuobjdump.path, "-sass", path], capture_output=True, text=True,
+                                      check=True).stdout
+            constants = {k: kwargs[k] for k in ("MODE", "WEIGHTS", "STOCHASTIC", "LR_READ")}
+            print(constants, len(sass.splitlines()), len(re.findall(r"\.16x2\b", sass)), flush=True)
+        return kernel
+
+    JITFunction.run = compile_only
+    import tieredemb
+    from tieredemb.gpu import pooling
+
+    dim, unique, offsets = 16, torch.arange(10), torch.tensor([0, 3, 10, 40])
+    inverse = torch.randint(0, 10, (40,), generator=torch.Generator().manual_seed(0))
+    saved = (None, torch.ones(3), torch.zeros(3, dim, dtype=torch.int64))  # (the forward's, by mode)
+    for weights in (1, 2):
+        pool, dirty = torch.zeros(40, (dim + 1) // 2 + dim), torch.zeros(40, dtype=torch.uint8)
+        for mode in (0, 1, 2):
+            for scalars in (None, pooling.step_scalars(torch.device("cpu"))):
+                pooling.backward_update(pool, dirty, dim, unique, unique, torch.tensor([10]), inverse, offsets, None,
+                                        mode, -1, 1, torch.zeros(3, dim), saved[mode], tieredemb.SGD(lr=0.1), 2,
+                                        False, weights, True, 7, scalars=scalars)
+
+
 if __name__ == "__main__":
-    accesses() if sys.argv[2:] == ["accesses"] else main()
+    {"accesses": accesses, "16x2": sixteen_bit_adds}.get(sys.argv[2] if sys.argv[2:] else None, main)()

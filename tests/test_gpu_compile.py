@@ -73,3 +73,22 @@ def test_rows_that_start_on_lines_move_16_bytes_an_access():
     from tieredemb.gpu import moves
 
     assert [moves._split(words) for words in (9, 16, 129, 144, 160)] == [0, 16, 128, 144, 160]
+
+
+def test_the_stochastic_rounding_update_holds_no_16_bit_integer_add():
+    """The update kernel for 16-bit weights rounded stochastically, in every pooling mode, its
+    rate passed or read from the device, compiles to machine code without 16-bit integer adds
+    (SASS "VIADD.16x2"): ptxas of CUDA 12.8 and 12.9 compiled the rounding's hi = bits(lo) + 1 as an
+    add of 0 in one lane of four in the max-pooling update, so every fourth column of an fp16 row
+    rounded toward zero, on an H200, where this machine's Triton compiled it right (thirty-fourth
+    session). The rounding is now done in 32 bits; this checks no such add came back."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    child = os.path.join(os.path.dirname(__file__), "gpu_compile_child.py")
+    done = subprocess.run([sys.executable, child, "90", "16x2"], capture_output=True, text=True, env=env,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    lines = done.stdout.splitlines()
+    assert len(lines) == 12, lines  # (fp16 and bf16, three modes, the rate passed or read)
+    for line in lines:
+        sass_lines, adds = map(int, line.rsplit(" ", 2)[1:])
+        assert sass_lines > 100 and adds == 0, line

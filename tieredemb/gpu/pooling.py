@@ -299,13 +299,20 @@ def _store_stochastic(pool_ptr, slot, cols, x, mask, width, row_id, sr_seed, ste
         tl.store(pool_ptr.to(tl.pointer_type(tl.uint16)) + slot * width * 2 + cols,
                  tl.where(finite, up.to(tl.uint16), bf16_bits(x)), mask=mask)
     else:
-        lo = x.to(tl.float16, fp_downcast_rounding="rtz")
-        hi = (lo.to(tl.uint16, bitcast=True) + 1).to(tl.float16, bitcast=True)
-        lo32, hi32 = tl.abs(lo.to(tl.float32)), tl.abs(hi.to(tl.float32))
-        gap = hi32 - lo32
-        frac = tl.where((gap > 0) & (gap < float("inf")), tl.math.div_rn(tl.abs(x) - lo32, gap), 0.0)
+        # All in 32 bits: hi as the bits of lo plus one, a 16-bit add, was compiled by ptxas (CUDA 12.8
+        # and 12.9, Triton 3.6) to an add of 0 in one lane of four in the update for max pooling: every
+        # fourth column rounded toward zero (bench/RESULTS.md, thirty-fourth session).
+        lo = x.to(tl.float16, fp_downcast_rounding="rtz").to(tl.float32)
+        lo_abs = tl.abs(lo)
+        exponent = lo_abs.to(tl.uint32, bitcast=True) >> 23
+        # a float16's gap at |lo|: 2^(exponent - 10), and 2^-24 below 2^-14 (subnormal); exact sums
+        gap = ((tl.maximum(exponent, 113) - 10) << 23).to(tl.float32, bitcast=True)
+        hi_abs = lo_abs + gap
+        frac = tl.where(hi_abs <= 65504.0, tl.math.div_rn(tl.abs(x) - lo_abs, gap), 0.0)  # (hi infinite: lo)
+        hi = (hi_abs.to(tl.uint32, bitcast=True) | (x.to(tl.uint32, bitcast=True) & 0x80000000)).to(
+            tl.float32, bitcast=True)
         u = (r >> 8).to(tl.float32) * 5.9604644775390625e-08
-        half = tl.where(finite, tl.where(u < frac, hi, lo), x.to(tl.float16))
+        half = tl.where(finite, tl.where(u < frac, hi, lo), x).to(tl.float16)
         tl.store(pool_ptr.to(tl.pointer_type(tl.float16)) + slot * width * 2 + cols, half, mask=mask)
 
 
