@@ -162,6 +162,29 @@ def test_inverse_keyed_batches_equal_their_duplicates(keyed, kernels):
         torch.testing.assert_close(a.read_rows(t.name, ids), b.read_rows(t.name, ids), rtol=1e-5, atol=1e-6)
 
 
+def test_an_inverse_refilled_before_backward_trains_the_bags_its_forward_took():
+    """A loader may refill its inverse tensor for the next batch before this one's backward; the
+    backward's gradient goes to the bags the forward pooled (torch's own index_select refuses such
+    a backward; the collection keeps a copy of the inverse), for the pooled and the unpooled
+    collection."""
+    ids, starts = torch.tensor([1, 2, 3]), torch.tensor([0, 1, 2])  # distinct bags [1], [2], [3]
+    pooled = (lambda: TieredEmbeddingBagCollection([EmbeddingBagConfig("t", 30, 4, ["f"])],
+                                                   optimizer=tieredemb.SGD(lr=1.0)), lambda out: out.values())
+    unpooled = (lambda: tieredemb.TieredEmbeddingCollection([tieredemb.EmbeddingConfig("t", 30, 4, ["f"])],
+                                                            optimizer=tieredemb.SGD(lr=1.0)),
+                lambda out: out["f"].values())
+    for make, values in (pooled, unpooled):
+        refilled, kept, fresh = make(), make(), make()
+        inverse = torch.tensor([0, 0, 1])
+        out = refilled({"f": InverseKeyed(ids, starts, inverse)})
+        inverse[:] = 2
+        values(out).sum().backward()
+        values(kept({"f": InverseKeyed(ids, starts, torch.tensor([0, 0, 1]))})).sum().backward()
+        rows = torch.tensor([1, 2, 3])
+        assert torch.equal(refilled.read_rows("t", rows), kept.read_rows("t", rows))
+        assert not torch.equal(kept.read_rows("t", rows), fresh.read_rows("t", rows))
+
+
 def test_equal_to_torchrec_where_it_imports():
     torchrec = pytest.importorskip("torchrec")
     ebc = TieredEmbeddingBagCollection(TABLES, optimizer=tieredemb.SGD(lr=0.1))
@@ -247,7 +270,7 @@ def test_a_bad_feature_fails_before_any_table_is_looked_up(tiers):
         ({**good, "item_id": (torch.arange(6), torch.tensor([1, 2, 3, 4, 5, 5]))}, ValueError,
          r"feature 'item_id': offsets\[0\] must be 0 .*got 1"),
         ({**good, "item_id": (torch.arange(6), torch.tensor([0, 2, 1, 4, 5, 5]))}, ValueError,
-         r"feature 'item_id': offsets must be non-decreasing: feature 'item_id': offsets\[2\] = 1"),
+         r"feature 'item_id': offsets must be non-decreasing: offsets\[2\] = 1"),
         ({**good, "item_id": (torch.arange(6), torch.tensor([0, 2, 3, 4, 5, 7]))}, ValueError,
          r"feature 'item_id': offsets\[-1\] = 7 is past the end of input \(length 6\)"),
         ({**good, "item_id": (torch.arange(6.0), torch.arange(B))}, TypeError,
@@ -258,6 +281,10 @@ def test_a_bad_feature_fails_before_any_table_is_looked_up(tiers):
          ValueError, r"feature 'category': inverse 3 out of range \[0, 3\)"),
         ({**good, "category": InverseKeyed(torch.arange(3), torch.tensor([0, 1, 2]), torch.tensor([0, 1, -1, 2, 1, 0]))},
          ValueError, r"feature 'category': inverse -1 out of range"),
+        ({**good, "category": InverseKeyed(torch.arange(3), torch.tensor([0, 1, 2]), torch.zeros(6, dtype=torch.bool))},
+         TypeError, r"feature 'category': inverse must be a 1-D integer tensor, got torch.bool"),
+        ({**good, "category": InverseKeyed(torch.arange(3), torch.tensor([0, 1, 2]), torch.zeros(2, 3, dtype=torch.int64))},
+         TypeError, r"feature 'category': inverse must be a 1-D integer tensor, got torch.int64 \(2, 3\)"),
         ({**good, "category": [torch.arange(3)]}, TypeError, r"feature 'category': give \(ids, offsets"),
         ({**good, "item_id": (torch.arange(6), torch.arange(B), torch.ones(6))}, ValueError,
          r"feature 'item_id': per_sample_weights need pooling 'sum', its table pools by 'mean'"),
@@ -314,6 +341,8 @@ def test_bad_tables_and_budgets_are_refused_by_name():
         (lambda: TieredEmbeddingBagCollection(TABLES, cache_bytes="lots"), ValueError, r"size 'lots' is not a number"),
         (lambda: TieredEmbeddingBagCollection(TABLES, cache_rows=10), TypeError,
          r"a collection sizes its tables' tiers itself: give cache_bytes / host_bytes or a plan, not cache_rows"),
+        (lambda: TieredEmbeddingBagCollection(TABLES, padding_idx=0), TypeError,
+         r"padding_idx=0: a collection's tables have no padding row"),
         # (a review: dtype= raised "_engine() got multiple values for keyword argument 'dtype'", and a config's
         # float64 was taken until the collection was built, with a message naming no table)
         (lambda: TieredEmbeddingBagCollection(TABLES, dtype=torch.float16), TypeError,

@@ -82,10 +82,13 @@ class _Collection(CollectionPrefetch, CollectionState, nn.Module):
     def __init__(self, tables: list, *, cache_bytes=None, host_bytes=None, ssd_path=None,
                  optimizer: Optimizer | None = None, init: Init | None = None, plan=None, **table_args):
         super().__init__()
-        taken = sorted(set(table_args) & {"cache_rows", "host_rows", "partitions", "padding_idx"})
+        taken = sorted(set(table_args) & {"cache_rows", "host_rows", "partitions"})
         if taken:
             raise TypeError(f"a collection sizes its tables' tiers itself: give cache_bytes / host_bytes or a plan, "
                             f"not {', '.join(taken)}")
+        if "padding_idx" in table_args:
+            raise TypeError(f"padding_idx={table_args['padding_idx']!r}: a collection's tables have no padding row "
+                            "(as torchrec's configs have none): leave such ids out of the batch")
         if "dtype" in table_args:  # (as torchrec's: each table's data type is its config's)
             raise TypeError(f"dtype={table_args['dtype']!r}: a collection's tables take their dtype from their configs "
                             "(EmbeddingBagConfig(..., dtype=...)), not from the collection")

@@ -276,16 +276,18 @@ def _bounds(key, offsets, n: int) -> Tensor:
         raise TypeError(f"feature {key!r}: offsets must be a 1-D integer tensor of bag starts, got "
                         f"{getattr(offsets, 'dtype', type(offsets).__name__)} {tuple(getattr(offsets, 'shape', ()))}")
     o = offsets.to("cpu", torch.int64)
-    check_starts(o.numpy(), n, f"feature {key!r}: offsets")
+    check_starts(o.numpy(), n, where=f"feature {key!r}: ")
     return torch.cat([o, torch.tensor([n])])
 
 
 def _inverse(key, inverse, bags: int) -> Tensor:
-    """A feature's inverse index (each sample's distinct bag), checked to be in [0, bags)."""
-    if not isinstance(inverse, Tensor) or inverse.is_floating_point() or inverse.dim() != 1:
+    """A feature's inverse index (each sample's distinct bag), checked to be in [0, bags), as a
+    tensor of its own: backward reads it again, and a caller's loader may refill theirs before."""
+    if (not isinstance(inverse, Tensor) or inverse.is_floating_point() or inverse.is_complex()
+            or inverse.dtype == torch.bool or inverse.dim() != 1):
         raise TypeError(f"feature {key!r}: inverse must be a 1-D integer tensor, got "
-                        f"{getattr(inverse, 'dtype', type(inverse).__name__)}")
-    inverse = inverse.to(torch.int64)
+                        f"{getattr(inverse, 'dtype', type(inverse).__name__)} {tuple(getattr(inverse, 'shape', ()))}")
+    inverse = inverse.to(torch.int64, copy=True)
     if len(inverse):
         lo, hi = torch.stack(torch.aminmax(inverse)).tolist()
         if lo < 0 or hi >= bags:
@@ -294,16 +296,16 @@ def _inverse(key, inverse, bags: int) -> Tensor:
     return inverse
 
 
-def check_starts(o: np.ndarray, n: int, what: str = "offsets") -> None:
+def check_starts(o: np.ndarray, n: int, what: str = "offsets", where: str = "") -> None:
     """Bag starts o (int64) over n ids: from 0, non-decreasing, none past the end. ValueError
-    naming `what` and the first value that breaks a rule."""
+    naming `what` (after `where`: a feature's name, say) and the first value that breaks a rule."""
     if not len(o):
         return
     if o[0] != 0:
-        raise ValueError(f"{what}[0] must be 0 (the first bag starts at the first id), got {int(o[0])}")
+        raise ValueError(f"{where}{what}[0] must be 0 (the first bag starts at the first id), got {int(o[0])}")
     if len(o) > 1 and np.count_nonzero(o[1:] < o[:-1]):  # (a batch's check: count_nonzero is all C)
         k = int(np.flatnonzero(o[1:] < o[:-1])[0]) + 1
-        raise ValueError(f"{what} must be non-decreasing: {what}[{k}] = {int(o[k])} < "
+        raise ValueError(f"{where}{what} must be non-decreasing: {what}[{k}] = {int(o[k])} < "
                          f"{what}[{k - 1}] = {int(o[k - 1])}")
     if o[-1] > n:
-        raise ValueError(f"{what}[-1] = {int(o[-1])} is past the end of input (length {n})")
+        raise ValueError(f"{where}{what}[-1] = {int(o[-1])} is past the end of input (length {n})")

@@ -294,7 +294,7 @@ def _check_int_tensor(name: str, t) -> Tensor:
     if not isinstance(t, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor of integer ids, got {type(t).__name__}")
     if t.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
-        raise TypeError(f"{name} must have an integer dtype (int64 or int32), got {t.dtype}")
+        raise TypeError(f"{name} must have an integer dtype (int64, int32, int16, int8 or uint8), got {t.dtype}")
     return t
 
 
