@@ -513,8 +513,10 @@ class TieredEmbeddingCollection(_Collection):
     @eager_when_compiled
     def forward(self, features) -> dict:
         """features: as TieredEmbeddingBagCollection's (per_sample_weights aside; offsets [B]
-        start each sample's ids). Returns {feature: its rows, one per id, as a torchrec
-        JaggedTensor (values [N, D], lengths [B]) where torchrec imports, else a JaggedEmbeddings};
+        start each sample's ids; each feature's B its own, as each output is jagged by its own
+        samples, where the bag collection's [B, sum of dims] needs one B). Returns {feature: its
+        rows, one per id, as a torchrec JaggedTensor (values [N, D], lengths [B]) where torchrec
+        imports, else a JaggedEmbeddings};
         an InverseKeyed feature's samples get their distinct bag's rows."""
         return self._lookup(features, self._rows_of)
 
