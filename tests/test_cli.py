@@ -134,6 +134,29 @@ def test_usage_and_unknown_command(capsys):
     assert "simulate" in capsys.readouterr().out
     assert main(["frobnicate"]) == 2
     assert "unknown command 'frobnicate'" in capsys.readouterr().err
+    assert main([]) == 2  # (no command: a usage error, its usage on stderr; a review found it on stdout)
+    out, err = capsys.readouterr()
+    assert out == "" and "simulate" in err
+
+
+def test_options_that_would_be_ignored_are_refused(tmp_path, capsys):
+    """(A review.) --lookahead K with no lookahead policy, a probe of a directory that is not
+    there (it named a temporary file inside it): one line each, exit 2."""
+    t = tmp_path / "t.trace"
+    with TraceWriter(t, [TableInfo("t", 50)]) as w:
+        for k in range(4):
+            w.write_batch(np.arange(k, k + 10))
+    for command in (["simulate", str(t), "--capacity", "20", "--policy", "lru", "--lookahead", "4"],
+                    ["mrc", str(t), "--policy", "lfu", "--lookahead", "4"]):
+        assert main(command) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "--lookahead 4: applies to the policy lookahead only" in err, err
+    assert main(["simulate", str(t), "--capacity", "20", "--policy", "lookahead", "--lookahead", "4"]) == 0
+    capsys.readouterr()
+    missing = tmp_path / "nodir"
+    assert main(["plan", str(t), "--cache-bytes", "1KiB", "--dim", "8", "--probe", str(missing)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"probe: '{missing}' is not a directory" in err, err
 
 
 def test_version(capsys):

@@ -77,7 +77,7 @@ def test_bad_options_and_values_are_named_not_tracebacks_or_ignored(tmp_path, ca
         w.write_batch([3, 14])
     args, said = {
         "obj-size-csv": (["convert", t, str(tmp_path / "x.csv"), "--obj-size", "3"],
-                         "exporting to csv: obj_size apply to an oracleGeneral export only"),
+                         "exporting to csv: obj_size applies to an oracleGeneral export only"),
         "obj-size-0": (["convert", t, str(tmp_path / "x.oracleGeneral"), "--obj-size", "0"],
                        "obj_size 0 must lie in [1, 2**32)"),
         "obj-size-import": (["convert", str(tmp_path / "x.csv"), str(tmp_path / "y.trace"), "--obj-size", "2"],

@@ -228,3 +228,46 @@ def test_the_batch_size_option_is_documented(capsys):
         text = " ".join(capsys.readouterr().out.split())
         assert "--batch-size N lookups per batch for inputs that carry no batches" in text, command
         assert "a new batch wherever clock_time changes" in text and "told from its content" in text
+
+
+def test_text_that_is_not_plain_csv_and_raw_ids_are_told_apart_from_oracle_records(tmp_path, capsys):
+    """(A review.) UTF-16 text (PowerShell's `>`) whose size is a whole number of 24-byte records
+    was read as an oracleGeneral file (hit ratios of garbage, exit 0): refused as UTF-16 by its
+    byte-order mark. Raw uint64 ids (a DLRM binary trace) of such a size too: an oracle file's
+    clock never goes back. Excel's "CSV UTF-8" (a UTF-8 byte-order mark) reads as its CSV."""
+    lines = "batch,table,id\n" + "".join(f"{i // 20},0,{i * 7 % 1000}\n" for i in range(2000))
+    while len(lines.encode("utf-16")) % RECORD.itemsize:
+        lines += "0,0,11\n"  # (7 characters: every size mod 24 in turn)
+    (tmp_path / "u16.csv").write_bytes(lines.encode("utf-16"))
+    with pytest.raises(TraceError, match=r"u16.csv: UTF-16 text \(it starts with a byte-order mark\)"):
+        open_any(tmp_path / "u16.csv")
+    assert main(["simulate", str(tmp_path / "u16.csv"), "--capacity", "10"]) == 2
+    assert "UTF-16 text" in capsys.readouterr().err
+    ids = np.random.default_rng(0).integers(0, 2**63, 3 * 1000, dtype=np.int64).astype(np.uint64)
+    ids.tofile(tmp_path / "raw.bin")  # (24,000 bytes: 1,000 "records")
+    with pytest.raises(TraceError, match="raw.bin: not a trace in a format tieredemb reads"):
+        open_any(tmp_path / "raw.bin")
+    (tmp_path / "bom.csv").write_bytes(b"\xef\xbb\xbf" + lines.encode())
+    with open_any(tmp_path / "bom.csv") as src:
+        assert sniff_format(tmp_path / "bom.csv") == "csv" and src.header.num_lookups == lines.count("\n") - 1
+
+
+def test_ids_past_int64_keys_are_refused_by_name(tmp_path, capsys):
+    """(A review.) An id of 2**63 - 1, or tables whose rows (largest id + 1 each) add up past
+    2**63 - 1, were an OverflowError traceback, or keys that wrapped (wrong counts per table, a
+    "negative key" error naming a key not in the file): now one line naming the table and id."""
+    (tmp_path / "max.csv").write_text(f"batch,table,id\n0,0,{2**63 - 1}\n")
+    (tmp_path / "two.csv").write_text(f"batch,table,id\n0,0,{2**62}\n0,1,{2**62}\n0,1,3\n")
+    for name, message in (("max.csv", rf"table 0's largest id {2**63 - 1} takes the tables' keys past int64"),
+                          ("two.csv", rf"table 1's largest id {2**62} takes the tables' keys past int64")):
+        with pytest.raises(TraceError, match=message):
+            open_any(tmp_path / name)
+        for command in (["trace", "inspect", "--no-reuse"], ["simulate", "--capacity", "1"], ["mrc"]):
+            assert main(command + [str(tmp_path / name)]) == 2
+            err = capsys.readouterr().err
+            assert err.count("\n") == 1 and "past int64" in err, err
+    with pytest.raises(TraceError, match=r"table 0: rows must be >= 1, got -5"):
+        open_any(tmp_path / "two.csv", rows=-5)
+    (tmp_path / "ok.csv").write_text(f"batch,table,id\n0,0,{2**62}\n0,1,{2**62 - 3}\n")
+    with open_any(tmp_path / "ok.csv") as src:  # (2**63 - 1 rows in all: the most)
+        assert src.read_all().keys.tolist() == [2**62, 2**63 - 2]

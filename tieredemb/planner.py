@@ -488,6 +488,9 @@ def probe(width: int, ssd_path=None, rows: int = 1 << 18, batch: int = 1 << 15) 
             times.append(time.perf_counter() - t)
         return n * width * 4 / statistics.median(times)
 
+    if ssd_path is not None and not os.path.isdir(ssd_path):
+        raise ValueError(f"probe: {os.fspath(ssd_path)!r} is not a directory (the SSD probe writes a log store in "
+                         "a temporary directory inside it)")
     host = timed(lambda: _C.copy_rows(src, pick, dst, at), batch)
     if ssd_path is None:
         return Bandwidth(to_tier0=host)

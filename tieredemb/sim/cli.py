@@ -72,9 +72,17 @@ def _simulate_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _lookahead_used(a, policies: list[str]) -> None:
+    """SimError for --lookahead K given where no policy is the lookahead policy (it was ignored)."""
+    if a.lookahead is not None and "lookahead" not in policies:
+        raise SimError(f"--lookahead {a.lookahead}: applies to the policy lookahead only (policies: "
+                       f"{', '.join(policies)}); or name it lookahead-{a.lookahead}")
+
+
 def _simulate(a, source) -> int:
     from .simulator import simulate as run
 
+    _lookahead_used(a, [n.strip() for p in a.policy or ["lru"] for n in p.split(",")])
     total = source.header.total_rows
     caps = [_rows(c, total) for c in a.capacity]
     results = []
@@ -153,6 +161,7 @@ def _mrc(a, source) -> int:
 
     if a.points <= 0:
         raise SimError(f"--points {a.points}: must be > 0")
+    _lookahead_used(a, [a.policy])
     total = source.header.total_rows
     sizes = None if a.sizes is None else np.array([_rows(s, total) for s in a.sizes], np.int64)
     c = curve_of(source, None, sizes, policy=a.policy, mode=a.mode, points=a.points, sample_rate=a.sample_rate,

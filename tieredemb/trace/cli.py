@@ -101,7 +101,8 @@ def _convert(a, progress: bool) -> int:
         given = [flag for flag, v in (("--batch-size", a.batch_size), ("--rows", a.rows), ("--tables", a.num_tables),
                                       ("--remap", a.remap)) if v]
         if given:
-            raise TraceError(f"{a.src} is a tieredemb trace: {', '.join(given)} apply to the source of an import, "
+            raise TraceError(f"{a.src} is a tieredemb trace: {', '.join(given)} "
+                             f"{'applies' if len(given) == 1 else 'apply'} to the source of an import, "
                              f"not to an export")
         options = {} if a.obj_size is None else {"obj_size": a.obj_size}
     else:

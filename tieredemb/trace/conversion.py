@@ -73,7 +73,8 @@ def convert(src, dst, *, src_format: str | None = None, dst_format: str | None =
         raise TraceError(f"{src} and {dst} are both tieredemb traces: nothing to convert")
     if a == "trace":
         if options and b != "oracle":
-            raise TraceError(f"exporting to {b}: {', '.join(sorted(options))} apply to an oracleGeneral export only")
+            raise TraceError(f"exporting to {b}: {', '.join(sorted(options))} "
+                             f"{'applies' if len(options) == 1 else 'apply'} to an oracleGeneral export only")
         return _exporters()[b](src, dst, progress=progress, **options)
     if b != "trace":
         raise TraceError(f"one side must be a tieredemb trace (.trace): got {a} -> {b}")

@@ -46,7 +46,7 @@ def _blocks(path: str):
 
 
 def _text_blocks(path: str):
-    with open(path) as f:
+    with open(path, encoding="utf-8-sig") as f:  # (a byte-order mark, as Excel's "CSV UTF-8" has, left out)
         first = f.readline()
         if not first.strip():
             raise TraceError(f"{path}: empty CSV file")

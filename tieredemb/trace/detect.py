@@ -9,10 +9,12 @@ Formats and what gives them away:
     pt      an FBGEMM request file (fbgemm.py)     a torch zip archive (.../data.pkl) or torch's legacy pickle
     csv     batch,table,id lines (csvfile.py)      text whose first line is those column names or 3 integers
     oracle  libCacheSim oracleGeneral (oracle.py)  24-byte records whose next_access_vtime fields point
-                                                   forward to requests for the same object
+                                                   forward to requests for the same object, and whose
+                                                   clock_time never goes back
 When the content matches none of these, a file whose name has a known extension is read as that
 format (whose reader then names what is wrong); otherwise TraceError names the file and what was
-expected. Destinations of a conversion have no content yet: detect_format names them by extension.
+expected. UTF-16 text is refused as such. Destinations of a conversion have no content yet:
+detect_format names them by extension.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ READ_OPTIONS = {"trace": (), "csv": ("rows", "batch_size"), "npy": ("rows", "bat
                 "oracle": ("rows", "batch_size", "remap"), "pt": ("rows", "batch_size", "num_tables")}
 FLAGS = {"rows": "--rows", "batch_size": "--batch-size", "num_tables": "--tables", "remap": "--remap"}
 _HEAD = 1 << 16  # bytes read to tell the format
+UTF8_BOM = b"\xef\xbb\xbf"  # (Excel's "CSV UTF-8" starts with it)
 _NPY_MAGIC = b"\x93NUMPY"
 _ZIP_MAGIC = b"PK\x03\x04"
 _TORCH_LEGACY = b"\x80\x02\x8a\x0a" + (0x1950A86A20F9469CFC6C).to_bytes(10, "little")  # torch's pickled magic number
@@ -78,6 +81,9 @@ def sniff_format(path) -> str | None:
     for magic, (kind, command) in _COMPRESSED.items():
         if head.startswith(magic):
             raise TraceError(f"{path}: compressed with {kind}: decompress it first ({command} {path})")
+    if head.startswith((b"\xff\xfe", b"\xfe\xff")) and _utf16_text(head):
+        raise TraceError(f"{path}: UTF-16 text (it starts with a byte-order mark): save it as UTF-8 or ASCII "
+                         f"(PowerShell: Out-File -Encoding utf8)")
     if head and b"\0" not in head:
         return "csv" if _is_csv(path, head) else None
     from .oracle import looks_like_oracle  # imports numba: only for binary files without a magic
@@ -93,10 +99,18 @@ def _is_torch_zip(path: str) -> bool:
         return False
 
 
+def _utf16_text(head: bytes) -> bool:
+    """Whether head, after its UTF-16 byte-order mark, starts with a line of printable text (a
+    binary trace may start with those two bytes too)."""
+    text = head[2:len(head) - len(head) % 2].decode("utf-16-le" if head[0] == 0xFF else "utf-16-be", "replace")
+    first = text.split("\n", 1)[0].rstrip("\r")
+    return bool(first) and first.isprintable() and first.isascii()
+
+
 def _is_csv(path: str, head: bytes) -> bool:
     from .csvfile import csv_columns
 
-    first = head.split(b"\n", 1)[0]
+    first = head.removeprefix(UTF8_BOM).split(b"\n", 1)[0]
     try:
         csv_columns(path, first.decode("ascii"))
     except (UnicodeDecodeError, TraceError):

@@ -76,7 +76,7 @@ def read_pt(path, *, rows=None, batch_size: int | None = None, num_tables: int |
     elif num_tables:
         t_count, samples = num_tables, (offsets.size - 1) // max(num_tables, 1)
     else:
-        raise TraceError(f"{path}: no 2-D lengths tensor [T, B]: give the number of tables")
+        raise TraceError(f"{path}: no 2-D lengths tensor [T, B]: give the number of tables (--tables, or num_tables=)")
     if offsets.ndim != 1 or offsets.size != t_count * samples + 1:
         raise TraceError(f"{path}: offsets has {offsets.size} entries, expected T*B + 1 = {t_count * samples + 1} "
                          f"(T = {t_count} tables, B = {samples} samples)")

@@ -122,12 +122,15 @@ def _labels(rec, seen: int, batch_size: int | None, path: str) -> np.ndarray:
 
 def looks_like_oracle(head: bytes, size: int) -> bool:
     """Whether a file of `size` bytes starting with `head` reads as oracleGeneral records: the
-    size is a whole number of records, and every next_access_vtime in `head` is -1 (or INT64_MAX)
-    or points forward to a request for the same object when that request is in `head` too."""
+    size is a whole number of records, clock_time never goes back in `head`, and every
+    next_access_vtime there is -1 (or INT64_MAX) or points forward to a request for the same object
+    when that request is in `head` too."""
     if size == 0 or size % RECORD.itemsize:
         return False
     rec = np.frombuffer(head[:len(head) - len(head) % RECORD.itemsize], RECORD)
     if rec.size == 0:
+        return False
+    if np.any(np.diff(rec["time"].astype(np.int64)) < 0):  # (a trace's clock does not go back)
         return False
     pos = np.arange(1, rec.size + 1)  # 1-based, as next_access_vtime counts
     nxt = rec["next"]

@@ -23,11 +23,21 @@ def table_sizes(rows, max_ids: list[int], where: str) -> tuple[list[int], str]:
     """Each table's num_rows from `rows` (None, an int, or one per table) and the largest ids seen;
     and how they were chosen ("given" or "largest id + 1", what a converted trace's meta says)."""
     if rows is None:
-        return [max(m + 1, 1) for m in max_ids], "largest id + 1"
-    sizes = [int(rows)] * len(max_ids) if np.isscalar(rows) else [int(r) for r in rows]
-    if len(sizes) != len(max_ids):
-        raise TraceError(f"{where}: {len(sizes)} table sizes given for {len(max_ids)} tables")
-    return sizes, "given"
+        sizes, how = [max(m + 1, 1) for m in max_ids], "largest id + 1"
+    else:
+        sizes, how = [int(rows)] * len(max_ids) if np.isscalar(rows) else [int(r) for r in rows], "given"
+        if len(sizes) != len(max_ids):
+            raise TraceError(f"{where}: {len(sizes)} table sizes given for {len(max_ids)} tables")
+    total = 0
+    for t, size in enumerate(sizes):
+        if size < 1:
+            raise TraceError(f"{where}: table {t}: rows must be >= 1, got {size}")
+        total += size
+        if total > 2**63 - 1:  # (keys, each table's first row's after the rows before it, are int64)
+            named = f"largest id {max_ids[t]}" if how == "largest id + 1" else f"{size} rows"
+            raise TraceError(f"{where}: table {t}'s {named} takes the tables' keys past int64 (at most 2**63 - 1 "
+                             f"rows in all): renumber its ids 0, 1, ... (hashed 64-bit ids, say)")
+    return sizes, how
 
 
 def local_to_keys(header: TraceHeader, tables, ids, locate: Callable[[int], str]) -> np.ndarray:
