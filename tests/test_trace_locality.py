@@ -128,3 +128,15 @@ def test_bad_logs_name_the_file_and_line(tmp_path, text, message):
     with pytest.raises(TraceError, match=message) as e:
         read_locality_log(tmp_path / "bad.log")
     assert "bad.log" in str(e.value)
+
+
+def test_a_trace_with_no_lookups_exports_no_log_and_says_so(tmp_path, capsys):
+    """(A review: exit 0, no file, a blank line.)"""
+    from tieredemb.cli import main
+    from tieredemb.trace import TableInfo, TraceWriter
+
+    with TraceWriter(tmp_path / "empty.trace", [TableInfo("t", 50)]) as w:
+        w.write_batch([])
+    assert main(["trace", "convert", str(tmp_path / "empty.trace"), str(tmp_path / "e.log")]) == 2
+    assert "no table is ever looked up" in capsys.readouterr().err
+    assert not (tmp_path / "e.log").exists()

@@ -36,6 +36,8 @@ def export_logs(src, dst, *, progress: bool = False) -> list[str]:
     from .locality import profile_trace, write_locality_log
 
     _, logs = profile_trace(src, progress=progress)
+    if all(log is None for log in logs):  # (no file, and exit 0: a review found it said nothing)
+        raise TraceError(f"{os.fspath(src)}: no table is ever looked up: a locality log profiles a table's lookups")
     dst = os.fspath(dst)
     if len(logs) == 1:
         paths = [dst]
