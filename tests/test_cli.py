@@ -151,7 +151,9 @@ def test_options_that_would_be_ignored_are_refused(tmp_path, capsys):
         assert main(command) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and "--lookahead 4: applies to the policy lookahead only" in err, err
-    assert main(["simulate", str(t), "--capacity", "20", "--policy", "lookahead", "--lookahead", "4"]) == 0
+    for policies in (["lookahead"], ["Lookahead"], ["lru", "LOOKAHEAD"]):  # (policy names are read in any case)
+        assert main(["simulate", str(t), "--capacity", "20", "--lookahead", "4"]
+                    + [a for p in policies for a in ("--policy", p)]) == 0, policies
     capsys.readouterr()
     missing = tmp_path / "nodir"
     assert main(["plan", str(t), "--cache-bytes", "1KiB", "--dim", "8", "--probe", str(missing)]) == 2
@@ -235,3 +237,16 @@ def test_output_into_a_closed_pipe_ends_quietly(small_trace, args):
         os.close(write)
     # (a cold numba cache says so on stderr first: a fresh clone's)
     assert run.returncode == 1 and "Errno" not in run.stderr and "Traceback" not in run.stderr, run.stderr
+
+
+def test_a_percentage_of_the_most_rows_a_trace_may_have(tmp_path, capsys):
+    """(A review.) 100% of 2**63 - 1 rows, computed in floats, was 2**63: mrc's sizes an
+    OverflowError traceback, simulate's capacity refused with a number never typed."""
+    (tmp_path / "one.csv").write_text(f"batch,table,id\n0,0,{2**63 - 2}\n1,0,5\n2,0,{2**63 - 2}\n")
+    assert main(["simulate", str(tmp_path / "one.csv"), "--capacity", "100%", "--json"]) == 0
+    assert f"{2**63 - 1}" in capsys.readouterr().out
+    assert main(["mrc", str(tmp_path / "one.csv"), "--sizes", "100%", "--json"]) == 0
+    assert f"{2**63 - 1}" in capsys.readouterr().out
+    assert main(["mrc", str(tmp_path / "one.csv"), "--sizes", "99999999999999999999"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "rows must be > 0 and below 2**63" in err, err

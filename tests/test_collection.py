@@ -894,3 +894,9 @@ def test_a_host_budget_below_tier_0s_is_refused(tmp_path):
         TieredEmbeddingBagCollection(tables, cache_bytes=400_000, host_bytes=20_000, ssd_path=tmp_path / "c")
     assert not (tmp_path / "c").exists()
     TieredEmbeddingBagCollection(tables, cache_bytes=400_000, host_bytes=400_000, ssd_path=tmp_path / "c")
+
+
+def test_padding_idx_none_is_what_a_collection_has_anyway():
+    """(A review: padding_idx=None was refused, with advice to leave padding ids out.)"""
+    c = TieredEmbeddingBagCollection([EmbeddingBagConfig("t", 10, 4, ["f"])], padding_idx=None)
+    assert c({"f": (torch.tensor([1, 2]), torch.tensor([0, 1]))}).values().shape == (2, 4)

@@ -86,8 +86,9 @@ class _Collection(CollectionPrefetch, CollectionState, nn.Module):
         if taken:
             raise TypeError(f"a collection sizes its tables' tiers itself: give cache_bytes / host_bytes or a plan, "
                             f"not {', '.join(taken)}")
-        if "padding_idx" in table_args:
-            raise TypeError(f"padding_idx={table_args['padding_idx']!r}: a collection's tables have no padding row "
+        padding_idx = table_args.pop("padding_idx", None)  # (None: no padding row, as every collection's table)
+        if padding_idx is not None:
+            raise TypeError(f"padding_idx={padding_idx!r}: a collection's tables have no padding row "
                             "(as torchrec's configs have none): leave such ids out of the batch")
         if "dtype" in table_args:  # (as torchrec's: each table's data type is its config's)
             raise TypeError(f"dtype={table_args['dtype']!r}: a collection's tables take their dtype from their configs "

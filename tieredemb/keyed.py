@@ -285,8 +285,8 @@ def _inverse(key, inverse, bags: int) -> Tensor:
     tensor of its own: backward reads it again, and a caller's loader may refill theirs before."""
     if (not isinstance(inverse, Tensor) or inverse.is_floating_point() or inverse.is_complex()
             or inverse.dtype == torch.bool or inverse.dim() != 1):
-        raise TypeError(f"feature {key!r}: inverse must be a 1-D integer tensor, got "
-                        f"{getattr(inverse, 'dtype', type(inverse).__name__)} {tuple(getattr(inverse, 'shape', ()))}")
+        got = f"{inverse.dtype} {tuple(inverse.shape)}" if isinstance(inverse, Tensor) else type(inverse).__name__
+        raise TypeError(f"feature {key!r}: inverse must be a 1-D integer tensor, got {got}")
     inverse = inverse.to(torch.int64, copy=True)
     if len(inverse):
         lo, hi = torch.stack(torch.aminmax(inverse)).tolist()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from fractions import Fraction
 
 import numpy as np
 
@@ -22,16 +23,16 @@ def _rows(text: str, total: int) -> int:
     t = text.strip()
     try:
         if t.endswith("%"):
-            pct = float(t[:-1])
+            pct = Fraction(t[:-1])  # (exact: a float made 100% of 2**63 - 1 rows 2**63)
             if not 0 < pct <= 100:
                 raise ValueError
-            return max(1, round(total * pct / 100))
+            return min(total, max(1, round(total * pct / 100)))
         rows = int(t)
-    except ValueError:
+    except (ValueError, ZeroDivisionError):
         raise SimError(f"capacity {text!r}: give rows (an integer > 0) or a percentage of the trace's "
                        f"{total:,} rows in (0, 100], e.g. 1%") from None
-    if rows <= 0:
-        raise SimError(f"capacity {text!r}: rows must be > 0")
+    if not 0 < rows < 2**63:
+        raise SimError(f"capacity {text!r}: rows must be > 0 and below 2**63")
     return rows
 
 
@@ -74,7 +75,7 @@ def _simulate_parser() -> argparse.ArgumentParser:
 
 def _lookahead_used(a, policies: list[str]) -> None:
     """SimError for --lookahead K given where no policy is the lookahead policy (it was ignored)."""
-    if a.lookahead is not None and "lookahead" not in policies:
+    if a.lookahead is not None and "lookahead" not in (p.lower() for p in policies):
         raise SimError(f"--lookahead {a.lookahead}: applies to the policy lookahead only (policies: "
                        f"{', '.join(policies)}); or name it lookahead-{a.lookahead}")
 

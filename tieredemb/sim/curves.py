@@ -135,7 +135,8 @@ def mrc(keys, batch_offsets=None, sizes=None, *, policy: str = "lru", mode: str 
     sizes = np.unique(given.astype(np.int64))
     if sizes.size == 0 or sizes[0] <= 0:
         raise SimError(f"sizes must be positive row counts, got {sizes[:1].tolist()}")
-    scaled = np.maximum(1, np.round(sizes * scale)).astype(np.int64)
+    # (unsampled sizes as they are: float64 rounds 2**63 - 1 up, past int64)
+    scaled = sizes.copy() if scale == 1.0 else np.maximum(1, np.round(sizes * scale)).astype(np.int64)
     if rate is None and scaled[0] < smallest:
         raise SimError(f"size {int(sizes[0])} is smaller than a batch of this trace ({smallest} unique rows): "
                        f"batch mode needs every batch to fit")
