@@ -51,14 +51,16 @@ def popcount(typingctx, x):
 
 
 class _FirstCompile(event.Listener):
-    """Prints `line` to `stream` once, when numba starts compiling (a cache miss; loads from the
-    on-disk cache raise no compile event)."""
+    """Prints `line` to `stream` once, when numba starts compiling one of tieredemb's functions (a
+    cache miss; loads from the on-disk cache raise no compile event). numba's own, such as a typed
+    Dict's constructor, compile in every process: they say nothing."""
 
     def __init__(self, line: str, stream):
         self.line, self.stream, self.said = line, stream, False
 
     def on_start(self, event):
-        if not self.said:
+        fn = getattr((event.data or {}).get("dispatcher"), "py_func", None)
+        if not self.said and getattr(fn, "__module__", "tieredemb").startswith("tieredemb"):
             self.said = True
             print(self.line, file=self.stream, flush=True)
 
