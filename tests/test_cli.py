@@ -256,3 +256,13 @@ def test_a_percentage_of_the_most_rows_a_trace_may_have(tmp_path, capsys):
     assert main(["mrc", str(tmp_path / "one.csv"), "--sizes", "99999999999999999999"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "rows must be > 0 and below 2**63" in err, err
+
+
+def test_a_plot_asked_for_at_a_directory_is_refused(small_trace, tmp_path, capsys):
+    """(A review: mrc --png DIR wrote DIR.png beside the directory.)"""
+    (tmp_path / "plots").mkdir()
+    assert main(["mrc", str(small_trace), "--png", str(tmp_path / "plots")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Is a directory" in err and str(tmp_path / "plots") in err, err
+    assert sorted(os.listdir(tmp_path)) == sorted(["plots", small_trace.name])  # (no plots.png beside it)
+    assert os.listdir(tmp_path / "plots") == []

@@ -98,6 +98,8 @@ class PendingFile:
 
 def png_path(path) -> str:
     """Where a plot asked for at `path` goes: path, with ".png" added when it has no extension
-    (as matplotlib's savefig adds it)."""
+    (as matplotlib's savefig adds it); a directory as it is (refused when opened)."""
     path = os.fspath(path)
+    if os.path.isdir(path):  # (not DIR.png beside it: PendingFile then names the directory)
+        return path
     return path if os.path.splitext(path)[1] else path + ".png"
