@@ -68,7 +68,7 @@ def test_errors_return_1_with_the_reason(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("case", ["obj-size-csv", "obj-size-0", "obj-size-import", "seed", "csv-int64", "pt-batch-0",
-                                  "pt-tables"])
+                                  "pt-tables", "dash"])
 def test_bad_options_and_values_are_named_not_tracebacks_or_ignored(tmp_path, capsys, case):
     """Each was a traceback (TypeError, ValueError) or an option silently replaced or ignored."""
     t = str(tmp_path / "t.trace")
@@ -90,6 +90,7 @@ def test_bad_options_and_values_are_named_not_tracebacks_or_ignored(tmp_path, ca
                        "batch size 0 must be >= 1 sample"),
         "pt-tables": (["convert", str(tmp_path / "x.pt"), str(tmp_path / "y.trace"), "--tables", "7"],
                       "its lengths tensor [T, B] holds 2 tables, not the 7 given"),
+        "dash": (["convert", t, "-", "--to", "csv"], "destination '-': give a file name"),
     }[case]
     (tmp_path / "x.csv").write_text("batch,table,id\n0,0,5\n0,0,99999999999999999999\n" if case == "csv-int64"
                                     else "batch,table,id\n0,0,5\n")
@@ -99,6 +100,7 @@ def test_bad_options_and_values_are_named_not_tracebacks_or_ignored(tmp_path, ca
     assert trace(args) == 2
     assert said in capsys.readouterr().err
     assert not (tmp_path / "x.oracleGeneral").exists() and not (tmp_path / "y.trace").exists()
+    assert not os.path.exists("-")
 
 
 def test_the_installed_command_dispatches_to_trace(tmp_path):

@@ -93,6 +93,8 @@ def _one_or_list(values):
 
 
 def _convert(a, progress: bool) -> int:
+    if a.dst == "-":  # (it wrote a file named "-")
+        raise TraceError("destination '-': give a file name (or /dev/stdout, for a text format)")
     from .conversion import convert
     from .detect import source_format
 
