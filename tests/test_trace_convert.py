@@ -169,6 +169,7 @@ def test_oracle_import_batches_by_time_skips_size_zero_and_remaps(tmp_path):
     rec["size"] = [1, 1, 1, 0, 1, 1, 1]
     rec.tofile(tmp_path / "x.oracleGeneral")
     h = convert(tmp_path / "x.oracleGeneral", tmp_path / "x.trace", remap=True)
+    assert h.meta["rows"] == "distinct ids (remapped)"  # (a review: it said "largest id + 1")
     assert h.meta["skipped_size_zero"] == 1 and h.tables[0].num_rows == 3
     assert [b.tolist() for b in open_trace(tmp_path / "x.trace").batches()] == [[0, 1], [0, 1], [2, 1]]
     h = convert(tmp_path / "x.oracleGeneral", tmp_path / "y.trace", remap=True, batch_size=4)

@@ -82,6 +82,8 @@ def read_oracle(path, *, rows=None, batch_size: int | None = None, remap: bool =
         batches += counter.count(_labels(rec, n, batch_size, path))
         n += ids.size
     sizes, how = table_sizes(rows, [len(mapping) - 1 if remap else max_id], path)
+    if remap and rows is None:  # (renumbered 0, 1, ...: their largest + 1 is their count)
+        how = "distinct ids (remapped)"
     if remap and len(mapping) > sizes[0]:  # (the ids read without it are checked as they are read)
         raise TraceError(f"{path}: {len(mapping)} distinct ids, renumbered 0..{len(mapping) - 1} (remap), do not "
                          f"fit the table's {sizes[0]} rows given")
