@@ -471,3 +471,51 @@ def test_errors_that_named_python_internals_name_the_value():
     assert t.read_rows([]).shape == (0, D)
     t.write_rows([1], torch.ones(1, D), optimizer_state=[[0.5] * D])
     assert t.read_optimizer_state([1]).tolist() == [[0.5] * D]
+
+
+@pytest.mark.parametrize("backend", ["rocksdb", "log"])
+def test_numpy_and_list_hyperparameters_are_taken_as_numbers(tmp_path, backend):
+    """(A review.) Init(a=np.float32) and Adam(betas=np.array / list) were taken, then a new SSD
+    table failed on its JSON meta (a RocksDB directory left that no later open accepted), an
+    export failed after writing its chunks, and a collection failed to group an Adam of list
+    betas: they are stored as Python floats."""
+    init = te.Init("uniform", np.float32(-0.1), np.float32(0.1))
+    assert type(init.a) is float and type(init.b) is float
+    adam = te.Adam(lr=0.01, betas=np.array([0.9, 0.99]))
+    assert adam.betas == (0.9, 0.99) and adam == te.Adam(lr=0.01, betas=[0.9, 0.99]) and hash(adam)
+    path = tmp_path / "t"
+    with te.TieredEmbeddingBag(50, 4, "sum", cache_rows=10, ssd_path=path, ssd={"backend": backend}, init=init,
+                               optimizer=adam) as emb:
+        emb(torch.arange(12), torch.tensor([0, 6])).sum().backward()
+        emb.export_rows(tmp_path / "export")
+        rows = emb.read_rows(torch.arange(50))
+    with te.TieredEmbeddingBag(50, 4, "sum", cache_rows=10, ssd_path=path, init=init, optimizer=adam) as again:
+        assert torch.equal(again.read_rows(torch.arange(50)), rows)
+    ebc = te.TieredEmbeddingBagCollection([te.EmbeddingBagConfig("t", 20, 4, ["f"])],
+                                          optimizer=te.Adam(lr=0.01, betas=[0.9, 0.99]))
+    ebc({"f": (torch.tensor([1, 2]), torch.tensor([0, 1]))}).values().sum().backward()
+
+
+def test_optimizer_arguments_that_meant_something_else_are_refused():
+    """(A review.) MomentumScaledRowWiseAdagrad(0.01, 8) was lr 0.01, eps 8 and c 1 (eps is second
+    in RowWiseAdagrad): c is its second argument, eps a keyword. tieredemb.Optimizer, the base,
+    was taken by a table, whose every backward then failed."""
+    opt = te.MomentumScaledRowWiseAdagrad(0.01, 8)
+    assert opt.scale == 8 and opt.eps == 1e-8
+    with pytest.raises(TypeError):
+        te.MomentumScaledRowWiseAdagrad(0.01, 8, 1e-6)
+    with pytest.raises(TypeError, match="tieredemb.Optimizer is the base of the optimizers: give SGD"):
+        te.Optimizer(0.1)
+
+
+def test_a_collection_refuses_a_modules_own_arguments_and_no_tables():
+    """(A review.) include_last_offset= was ignored, mode= a "multiple values" error, _weight=
+    written into a group's rows; an empty collection failed at its first forward (IndexError)."""
+    tables = [te.EmbeddingBagConfig("t", 10, 4, ["f"])]
+    for kw in (dict(include_last_offset=True), dict(mode="sum"), dict(_weight=torch.zeros(10, 4))):
+        with pytest.raises(TypeError, match=rf"TieredEmbeddingBagCollection: unknown argument {next(iter(kw))}; "):
+            te.TieredEmbeddingBagCollection(tables, **kw)
+    for cls in (te.TieredEmbeddingBagCollection, te.TieredEmbeddingCollection):
+        with pytest.raises(ValueError, match=f"{cls.__name__} needs at least one table, got none"):
+            cls([])
+    te.TieredEmbeddingBagCollection(tables, seed=3, policy="lfu", row_alignment=16)  # (what it passes on)

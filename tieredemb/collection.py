@@ -37,9 +37,15 @@ from .keyed import (InverseKeyed, KeyedEmbeddings, features_of, is_keyed_jagged,
                     keyed_lengths, variable_batch)  # (InverseKeyed and KeyedEmbeddings re-exported)
 from . import collection_budget as budget, lookup
 from .gpu import to_device
-from .module import _MODES, TieredEmbedding, TieredEmbeddingBag, eager_when_compiled
+from .module import _CONFIG_FIELDS, _MODES, TieredEmbedding, TieredEmbeddingBag, eager_when_compiled
 from .optim import Optimizer
 
+
+# The table arguments a collection passes on to every group's module (the rest are each table's
+# config's, or sized by the collection's budgets).
+_COLLECTION_ARGS = frozenset(_CONFIG_FIELDS) - {"num_embeddings", "embedding_dim", "cache_rows", "host_rows",
+                                               "partitions", "padding_idx", "dtype", "optimizer", "init",
+                                               "ssd_path"} | {"ssd_options"}
 
 class _Group:
     """Tables of one kind (dim, optimizer, init, dtype, pooling for bags) and store: one engine
@@ -93,6 +99,13 @@ class _Collection(CollectionPrefetch, CollectionState, nn.Module):
         if "dtype" in table_args:  # (as torchrec's: each table's data type is its config's)
             raise TypeError(f"dtype={table_args['dtype']!r}: a collection's tables take their dtype from their configs "
                             "(EmbeddingBagConfig(..., dtype=...)), not from the collection")
+        unknown = sorted(set(table_args) - _COLLECTION_ARGS)  # (a module's own: include_last_offset was ignored,
+        if unknown:                                           # mode= a "multiple values" error, _weight taken)
+            raise TypeError(f"{type(self).__name__}: unknown argument{'s' if len(unknown) > 1 else ''} "
+                            f"{', '.join(unknown)}; besides its tables, cache_bytes, host_bytes, ssd_path, optimizer, "
+                            f"init and plan, a collection takes: {', '.join(sorted(_COLLECTION_ARGS))}")
+        if not tables:
+            raise ValueError(f"{type(self).__name__} needs at least one table, got none")
         cache_bytes, host_bytes = parse_budget("cache_bytes", cache_bytes), parse_budget("host_bytes", host_bytes)
         tables = [from_torchrec(t, self._config is EmbeddingBagConfig) for t in tables]
         wrong = [t for t in tables if not isinstance(t, self._config)]

@@ -102,6 +102,7 @@ class Init:
                     or abs(v) > _FLOAT32_MAX:
                 raise ValueError(f"init {self.kind!r}: {name}={v!r} must be a finite real number float32 holds "
                                  f"(|{name}| <= {_FLOAT32_MAX:.8g})")
+            object.__setattr__(self, name, float(v))  # (a numpy number as a float: a table's meta is JSON)
         if self.kind == "normal" and self.b < 0:
             raise ValueError(f"init 'normal': b={self.b!r} (the std) must be >= 0")
         if self.kind == "uniform" and self.a > self.b:

@@ -62,6 +62,9 @@ class Optimizer:
     name = ""
 
     def __post_init__(self):
+        if self.kind < 0:  # (a table took it, and every backward failed: "optimizer kind must be in [0, 3]")
+            raise TypeError("tieredemb.Optimizer is the base of the optimizers: give SGD, Adagrad, RowWiseAdagrad, "
+                            "MomentumScaledRowWiseAdagrad or Adam")
         _check("lr", self.lr, ">= 0", lambda v: v >= 0)
         _check("weight_decay", self.weight_decay, ">= 0", lambda v: v >= 0)
         if self.weight_decay_mode not in WEIGHT_DECAY_MODES:
@@ -166,7 +169,8 @@ class RowWiseAdagrad(Optimizer):
 class MomentumScaledRowWiseAdagrad(RowWiseAdagrad):
     """Row-wise Adagrad whose accumulated second moment is scaled down by c before its square
     root: acc += mean over the row of g^2; w -= lr * g / (sqrt(acc / c) + eps). 1 float of state
-    per row, as RowWiseAdagrad; scale c > 0 (c = 1 is RowWiseAdagrad, bit for bit).
+    per row, as RowWiseAdagrad; scale c > 0 (c = 1 is RowWiseAdagrad, bit for bit), the second
+    argument: MomentumScaledRowWiseAdagrad(lr, c); eps only by keyword.
 
     The rule is that of momentum-scaled row-wise AdaGrad in "Two-Dimensional Sparse Parallelism
     for Large Scale Deep Learning Recommendation Model Training" (Zhang et al., arXiv
@@ -185,6 +189,9 @@ class MomentumScaledRowWiseAdagrad(RowWiseAdagrad):
     eps = 1e-8."""
 
     scale: float = 1.0
+    # (keyword: MomentumScaledRowWiseAdagrad(0.01, 8) is lr and c, as the paper names them; eps
+    # second, as RowWiseAdagrad takes it, gave eps = 8 and c = 1 without a word)
+    eps: float = dataclasses.field(default=1e-8, kw_only=True)
     name = "momentum_scaled_rowwise_adagrad"
 
     def __post_init__(self):
@@ -218,6 +225,7 @@ class Adam(Optimizer):
             raise ValueError(f"betas={self.betas!r}: must be two numbers in [0, 1)")
         for k, b in enumerate(self.betas):
             _check(f"betas[{k}]", b, "in [0, 1)", lambda v: 0 <= v < 1)
+        object.__setattr__(self, "betas", tuple(float(b) for b in self.betas))  # (a list or array: a tuple)
         _check("eps", self.eps, "> 0", lambda v: v > 0)
 
     @property
