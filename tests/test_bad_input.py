@@ -519,3 +519,14 @@ def test_a_collection_refuses_a_modules_own_arguments_and_no_tables():
         with pytest.raises(ValueError, match=f"{cls.__name__} needs at least one table, got none"):
             cls([])
     te.TieredEmbeddingBagCollection(tables, seed=3, policy="lfu", row_alignment=16)  # (what it passes on)
+
+
+def test_a_size_in_bytes_is_read_exactly():
+    """(A review: through a float, 9007199254740993 was 9007199254740992; an int gave re's own
+    TypeError.)"""
+    from tieredemb.config import parse_bytes
+
+    assert parse_bytes("9007199254740993") == 9007199254740993
+    assert parse_bytes("1.3GiB") == 1395864371 and parse_bytes("1.5KiB") == 1536
+    with pytest.raises(TypeError, match="a size must be a str like '512MiB', got int 1024"):
+        parse_bytes(1024)

@@ -18,6 +18,7 @@ import math
 import numbers
 import os
 import re
+from fractions import Fraction
 
 import torch
 
@@ -35,11 +36,15 @@ __all__ = ["TableConfig", "Init", "parse_bytes", "parse_rows", "POLICIES",
 
 
 def parse_bytes(text: str) -> int:
-    """'512MiB' -> 536870912. Raises ValueError naming the text for anything else."""
+    """'512MiB' -> 536870912, '1.3GiB' -> 1395864371: whole bytes, a fraction of one dropped
+    (exact: no float on the way, which moved sizes past 2**53). Raises ValueError naming the text
+    for anything else, and TypeError for what is not a str."""
+    if not isinstance(text, str):
+        raise TypeError(f"a size must be a str like '512MiB', got {type(text).__name__} {text!r}")
     m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", text)
     if m is None or m.group(2).lower() not in _UNITS:
         raise ValueError(f"size {text!r} is not a number of bytes like '512MiB', '4GB' or '1048576'")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    return math.floor(Fraction(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
 def parse_budget(name: str, value) -> int | None:
