@@ -530,3 +530,15 @@ def test_a_size_in_bytes_is_read_exactly():
     assert parse_bytes("1.3GiB") == 1395864371 and parse_bytes("1.5KiB") == 1536
     with pytest.raises(TypeError, match="a size must be a str like '512MiB', got int 1024"):
         parse_bytes(1024)
+
+
+def test_a_closed_host_table_refuses_every_read_of_its_rows(tmp_path):
+    """(A review: read_rows was refused, but state_dict, iter_rows and export_rows answered, as an
+    SSD table's do not; import_rows named another reason.)"""
+    emb = te.TieredEmbeddingBag(10, 4, "sum")
+    emb.close()
+    for call in (emb.state_dict, lambda: list(emb.iter_rows()), lambda: emb.export_rows(tmp_path / "x"),
+                 lambda: emb.import_rows(tmp_path / "x")):
+        with pytest.raises(RuntimeError, match="TieredEmbeddingBag is closed"):
+            call()
+    assert not (tmp_path / "x").exists()

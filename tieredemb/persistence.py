@@ -66,6 +66,7 @@ class Persistence:
         """Yields (ids [k], weights [k, D], optimizer_state [k, S]) over every row ever written,
         in id order, chunk by chunk; rows not listed hold their deterministic initial values."""
         check_chunk_rows(chunk_rows)
+        self._check_open("its rows are read where it is reopened")  # (a host table's rows answered)
         start = 0
         while True:
             ids = self._store.written_ids(start, chunk_rows)
@@ -79,6 +80,7 @@ class Persistence:
         """Writes the table to directory (chunk files, then meta.json) in bounded memory.
         Returns the rows written."""
         check_chunk_rows(chunk_rows)  # (before an earlier export there is removed)
+        self._check_open("its rows are exported where it is reopened")
         return write_export(directory, self.iter_rows(chunk_rows), {**self.config.meta(), "step": self.step})
 
     def import_rows(self, directory) -> int:
@@ -86,6 +88,7 @@ class Persistence:
         width; any dtype), which must have no row written yet (rows the export leaves out then
         read as this table's initial values). The export is checked whole (its meta, every
         chunk's shapes and ids, their count) before any row is written. Returns rows."""
+        self._check_open("a row imported now would be lost")
         meta = read_export_meta(directory, self.config.meta())
         chunks = check_chunks(directory, meta, self.config.embedding_dim, self.layout.state_width)
         refuse_written(directory, self._store.written_ids(0, 1), type(self).__name__)
@@ -105,6 +108,7 @@ class Persistence:
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         if self._state_in_collection:  # (its collection saves its rows, table by table)
             return
+        self._check_open("its rows are saved where it is reopened")
         ids = torch.arange(self.config.num_embeddings)
         save_rows(destination, prefix, self._read_all(ids), self.layout, self.config.dtype, self.step)
 
