@@ -206,8 +206,11 @@ def plan(traces: dict, tables: dict, *, cache_bytes, host_bytes=None, bandwidth:
     traces: {table: (ids int [N] of the table's own rows, batch offsets [B + 1])}; tables:
     {table: (rows, bytes of a stored row: weights and optimizer state)}. cache_bytes: tier 0's
     budget over every table. host_bytes: host memory for tables stored whole there (the rest go
-    to SSD); None: every table in host memory (no SSD). train: rows are written back too.
-    warmup: the traces' first batches only fill tier 0, and the predictions (hit ratios, bytes
+    to SSD); None: every table in host memory (no SSD). bandwidth: each tier's bytes per second
+    (planner.Bandwidth: given, or measured by planner.probe()), which price the moves. train:
+    rows are written back too. points: sizes on each table's curve grid (>= 2; geometric from
+    its widest batch to its rows, and the sizes where the curve falls). warmup: the traces'
+    first batches only fill tier 0, and the predictions (hit ratios, bytes
     and seconds per batch) are of the batches after them: a steady state, where a trace that
     starts cold would count every first touch as a miss any plan pays (the same warm-up for
     every table: their traces are of the same batches). ValueError if tier 0 cannot hold every

@@ -146,5 +146,6 @@ class Recorder:
 def record(modules, path, *, chunk_lookups: int = 1 << 20) -> Recorder:
     """Context manager: records every lookup of `modules` (a module, a list, a dict name ->
     module, or a collection) into the trace at `path`; see the module docstring for tables and
-    batches."""
+    batches. chunk_lookups: the lookups held in memory before they are written as one chunk of
+    the trace (the most a reader then holds at once, too)."""
     return Recorder(modules, path, chunk_lookups=chunk_lookups)
