@@ -68,7 +68,7 @@ def test_errors_return_1_with_the_reason(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("case", ["obj-size-csv", "obj-size-0", "obj-size-import", "seed", "csv-int64", "pt-batch-0",
-                                  "pt-tables", "dash"])
+                                  "pt-tables", "dash", "chunk-export"])
 def test_bad_options_and_values_are_named_not_tracebacks_or_ignored(tmp_path, capsys, case):
     """Each was a traceback (TypeError, ValueError) or an option silently replaced or ignored."""
     t = str(tmp_path / "t.trace")
@@ -91,6 +91,8 @@ def test_bad_options_and_values_are_named_not_tracebacks_or_ignored(tmp_path, ca
         "pt-tables": (["convert", str(tmp_path / "x.pt"), str(tmp_path / "y.trace"), "--tables", "7"],
                       "its lengths tensor [T, B] holds 2 tables, not the 7 given"),
         "dash": (["convert", t, "-", "--to", "csv"], "destination '-': give a file name"),
+        "chunk-export": (["convert", t, str(tmp_path / "x.oracleGeneral"), "--chunk-lookups", "8"],
+                         "--chunk-lookups applies to the .trace an import writes, not to an export of"),
     }[case]
     (tmp_path / "x.csv").write_text("batch,table,id\n0,0,5\n0,0,99999999999999999999\n" if case == "csv-int64"
                                     else "batch,table,id\n0,0,5\n")

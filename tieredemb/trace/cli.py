@@ -60,7 +60,8 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("dst")
     c.add_argument("--to", dest="dst_format", choices=["trace", "pt", "oracle", "csv", "npy", "log"])
     c.add_argument("--obj-size", type=int, help="oracle export: obj_size of every request (default 1)")
-    c.add_argument("--chunk-lookups", type=int, default=1 << 20, help="lookups per compressed chunk")
+    c.add_argument("--chunk-lookups", type=int, default=None,
+                   help="an import's lookups per compressed chunk of the .trace written (default 1048576)")
     add_input_args(c)
 
     i = sub.add_parser("inspect", parents=[common], help="lookups, unique rows, per-table counts, reuse histogram",
@@ -106,11 +107,15 @@ def _convert(a, progress: bool) -> int:
             raise TraceError(f"{a.src} is a tieredemb trace: {', '.join(given)} "
                              f"{'applies' if len(given) == 1 else 'apply'} to the source of an import, "
                              f"not to an export")
+        if a.chunk_lookups is not None:  # (it was ignored without a word)
+            raise TraceError(f"--chunk-lookups applies to the .trace an import writes, not to an export of {a.src}")
         options = {} if a.obj_size is None else {"obj_size": a.obj_size}
     else:
         if a.obj_size is not None:
             raise TraceError(f"--obj-size applies to an export to oracleGeneral, not to an import of {a.src}")
-        options = {k: v for k, v in input_options(a).items() if k != "fmt"} | {"chunk_lookups": a.chunk_lookups}
+        options = {k: v for k, v in input_options(a).items() if k != "fmt"}
+        if a.chunk_lookups is not None:
+            options["chunk_lookups"] = a.chunk_lookups
     result = convert(a.src, a.dst, src_format=src, dst_format=a.dst_format, progress=progress, **options)
     say = status_stream(a.dst)
     if isinstance(result, list):  # locality logs
