@@ -296,16 +296,17 @@ def _inverse(key, inverse, bags: int) -> Tensor:
     return inverse
 
 
-def check_starts(o: np.ndarray, n: int, what: str = "offsets", where: str = "") -> None:
+def check_starts(o: np.ndarray, n: int, where: str = "") -> None:
     """Bag starts o (int64) over n ids: from 0, non-decreasing, none past the end. ValueError
-    naming `what` (after `where`: a feature's name, say) and the first value that breaks a rule."""
+    naming the offsets (after `where`: a feature's name, say) and the first value that breaks a
+    rule."""
     if not len(o):
         return
     if o[0] != 0:
-        raise ValueError(f"{where}{what}[0] must be 0 (the first bag starts at the first id), got {int(o[0])}")
+        raise ValueError(f"{where}offsets[0] must be 0 (the first bag starts at the first id), got {int(o[0])}")
     if len(o) > 1 and np.count_nonzero(o[1:] < o[:-1]):  # (a batch's check: count_nonzero is all C)
         k = int(np.flatnonzero(o[1:] < o[:-1])[0]) + 1
-        raise ValueError(f"{where}{what} must be non-decreasing: {what}[{k}] = {int(o[k])} < "
-                         f"{what}[{k - 1}] = {int(o[k - 1])}")
+        raise ValueError(f"{where}offsets must be non-decreasing: offsets[{k}] = {int(o[k])} < "
+                         f"offsets[{k - 1}] = {int(o[k - 1])}")
     if o[-1] > n:
-        raise ValueError(f"{where}{what}[-1] = {int(o[-1])} is past the end of input (length {n})")
+        raise ValueError(f"{where}offsets[-1] = {int(o[-1])} is past the end of input (length {n})")
