@@ -1,11 +1,13 @@
 // The extension module tieredemb._C: the tier index (index/), the batch kernels (kernels/), the
-// package's lock (counted_lock.cc), and what both modules share (common/). Its thread pool is this module's own.
+// package's lock (counted_lock.cc), the guard of a dropped batch (drop_guard.cc), and what both
+// modules share (common/). Its thread pool is this module's own.
 #include "common/bindings.h"
 
 namespace tieredemb {
 void register_index(nb::module_& m);    // index/bindings.cc
 void register_kernels(nb::module_& m);  // kernels/bindings.cc
 void register_locks(nb::module_& m);    // counted_lock.cc
+void register_drop_guard(nb::module_& m);  // drop_guard.cc
 }  // namespace tieredemb
 
 NB_MODULE(_C, m) {
@@ -16,4 +18,5 @@ NB_MODULE(_C, m) {
   tieredemb::register_index(m);
   tieredemb::register_kernels(m);
   tieredemb::register_locks(m);
+  tieredemb::register_drop_guard(m);
 }

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import tieredemb
-from training import rows_and_state, train
+from training import finalize_what_the_graph_holds, rows_and_state, train
 
 pytestmark = pytest.mark.interpreted
 pytest.importorskip("triton")
@@ -150,6 +150,30 @@ def test_a_collections_lookups_replay_one_graph_for_all_its_tables_bit_for_bit()
     assert torch.equal(got, want) and torch.equal(got_rows, want_rows) and got_stats == want_stats
     lead = made[0].engines[0]._store.tier0.graphs.stats()
     assert lead["failed"] is None and lead["shapes"] == 1 and lead["captures"] == 2 and lead["replays"] >= 2
+
+
+def test_a_replayed_forwards_graph_the_collector_judges_unreachable_still_takes_its_backward():
+    """A replayed forward's graph finalized as the cyclic collector does to a live graph it
+    misjudges (simulated: training.finalize_what_the_graph_holds says why): its backward still
+    runs, replayed, and trains as the ordinary path (the flight's release-on-drop was its __del__,
+    with a weak reference from its shape: backward raised, and the shape's buffers looked free)."""
+    data = [(torch.tensor([5, 6, 250, 3, 7, 7]), torch.tensor([0, 2, 4]),
+             torch.randn(3, D, generator=torch.Generator().manual_seed(k))) for k in range(4)]
+    runs = []
+    for graphs in (True, False):
+        emb = device_tier(tieredemb.TieredEmbeddingBag(NUM, D, "sum", optimizer=tieredemb.Adam(lr=0.05), seed=5),
+                          None, graphs=graphs)
+        outs = train(emb, data[:3])  # (the shape captured at its second batch, replayed at the third)
+        replays = lambda: emb._store.tier0.graphs.stats()["replays"] if graphs else 0  # noqa: E731
+        before = replays()
+        ids, offsets, grad = data[3]
+        out = emb(ids, offsets)
+        if graphs:
+            assert replays() == before + 1 and "_Flight" in finalize_what_the_graph_holds(out)
+        out.backward(grad)
+        assert replays() == (before + 2 if graphs else 0)  # (its backward replayed too)
+        runs.append((torch.cat(outs + [out.detach()]), rows_and_state(emb)))
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
 
 
 def test_a_table_keeps_its_last_used_shapes_and_captures_a_dropped_one_again():

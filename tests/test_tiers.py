@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import tieredemb as te
+from training import finalize_what_the_graph_holds, rows_and_state
 
 N, D = 40, 4
 ONE_BAG = torch.tensor([0])
@@ -364,6 +365,30 @@ def test_dropped_output_releases_its_pins():
     gc.collect()
     assert m._store.tier0.index.pinned == 0
     train(m, [[4, 5, 6, 7]])  # needs every slot
+
+
+@pytest.mark.parametrize("unpooled", [False, True], ids=["bags", "unpooled"])
+def test_a_graph_the_collector_judges_unreachable_keeps_its_batch_pinned_until_backward(unpooled):
+    """What a pinned batch's graph holds is finalized as the cyclic collector does to a live graph
+    it misjudges (simulated: training.finalize_what_the_graph_holds says why): the batch stays
+    pinned, and backward trains as without it (the batch's release-on-drop was its __del__, which
+    unpinned it: backward raised, or on a GPU trained rows already evicted)."""
+    def make():
+        kw = dict(cache_rows=4, optimizer=te.Adagrad(lr=0.1), seed=3)
+        return te.TieredEmbedding(N, D, **kw) if unpooled else te.TieredEmbeddingBag(N, D, "sum", **kw)
+
+    ids = torch.tensor([[0, 1, 2], [2, 3, 0]]) if unpooled else torch.tensor([0, 1, 2, 3, 2])
+    runs = []
+    for fault in (True, False):
+        m = make()
+        out = m(ids) if unpooled else m(ids, torch.tensor([0, 2]))
+        if fault:
+            assert "ResidentBatch" in finalize_what_the_graph_holds(out)
+        assert m._store.tier0.index.pinned == 4
+        out.backward(torch.ones_like(out))
+        assert m._store.tier0.index.pinned == 0
+        runs.append(rows_and_state(m))
+    assert torch.equal(runs[0], runs[1])
 
 
 def test_a_batch_collected_inside_a_lock_is_released_after_it():

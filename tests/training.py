@@ -4,6 +4,9 @@ KeyedJaggedTensor as the collections read one."""
 
 from __future__ import annotations
 
+import gc
+import types
+
 import torch
 
 import tieredemb
@@ -52,3 +55,28 @@ class KJT:
 
     def weights_or_none(self):
         return self._w
+
+
+def finalize_what_the_graph_holds(out: torch.Tensor) -> list[str]:
+    """Does to what the autograd graph of `out` holds what Python's cyclic collector does to the
+    objects it judges unreachable: runs the __del__ of each of the package's objects there (and
+    their weak references would be cleared). A simulated fault, for it cannot be produced on
+    demand: the collector judges a live graph unreachable when another thread, without the GIL,
+    gives the graph's output a second owner between the collector's two passes over torch's
+    tensors (bench/gc_race.py shows it, with torch alone and with a table). Returns the names of
+    the package's classes found there (so a test sees it reached the batch)."""
+    seen, todo, found = set(), [out.grad_fn], []
+    while todo:
+        o = todo.pop()
+        if id(o) in seen or isinstance(o, (type, types.ModuleType, torch.nn.Module)):
+            continue  # (a module is reachable from outside the graph: never judged unreachable)
+        seen.add(id(o))
+        cls = type(o)
+        if cls.__module__.startswith("tieredemb"):
+            found.append(cls.__name__)
+            if hasattr(cls, "__del__"):
+                cls.__del__(o)
+        todo.extend(gc.get_referents(o))
+        if isinstance(o, torch.autograd.graph.Node):  # (torch's own nodes hold theirs in C++)
+            todo.extend(f for f, _ in o.next_functions if f is not None)
+    return found

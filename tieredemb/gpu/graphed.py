@@ -46,13 +46,12 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import weakref
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
-from .. import kernels, locks
+from .. import _C, kernels, locks
 from ..kernels import Bags
 from . import copy_to, current_device, pooling
 from .checks import SENTINEL32, SENTINEL64, checked_dtype, checked_ids
@@ -166,13 +165,12 @@ class _Shape:
         self.grad: torch.Tensor | None = None
         self.backwards: dict = {}  # optimizer arguments -> _Graph
         self.last_args = None
-        self.flight = None  # a weak reference to the trained forward whose backward has not run yet
+        self.flight: _Flight | None = None  # the trained forward whose backward has not run yet
 
     @property
     def busy(self) -> bool:
         """Whether a trained forward's backward is still to come (its autograd graph alive)."""
-        flight = self.flight() if self.flight is not None else None
-        return flight is not None and not flight.done
+        return self.flight is not None and not self.flight.done
 
     @property
     def stale(self) -> bool:
@@ -197,10 +195,12 @@ class _Shape:
 class _Flight:
     """A trained forward replayed from a shape's graph, until its backward runs or its autograd
     graph is freed without one (then the shape's buffers are free again, and the pins of its
-    queued residencies released). updates: whether each table takes an update (the others' pins
-    were released after the forward); released: whether the backward released the pins."""
+    queued residencies released: the graph holds a DropGuard that lands it, not a __del__ or a weak
+    reference, which Python's cyclic collector can run or clear while the graph is alive:
+    native/drop_guard.cc). updates: whether each table takes an update (the others' pins were
+    released after the forward); released: whether the backward released the pins."""
 
-    __slots__ = ("shape", "updates", "done", "released", "__weakref__")
+    __slots__ = ("shape", "updates", "done", "released")
 
     def __init__(self, shape: _Shape, updates: tuple):
         self.shape, self.updates, self.done, self.released = shape, updates, False, False
@@ -215,10 +215,11 @@ class _Flight:
                 updated = {id(inp) for inp, u in zip(self.shape.inputs, self.updates) if u}
                 self.shape.release(lambda inp: id(inp) in updated, None, collected=True)
         finally:
-            if self.shape.flight is not None and self.shape.flight() is self:
+            if self.shape.flight is self:
                 self.shape.flight = None
 
-    def __del__(self):
+    def dropped(self) -> None:
+        """Its autograd graph was freed (run by the graph's DropGuard): landed, if not yet."""
         try:
             self.land()
         except Exception:
@@ -354,9 +355,12 @@ class StepGraphs:
             frozen = {id(inp) for inp, u in zip(shape.inputs, updates) if not u}
             if frozen:
                 shape.release(lambda inp: id(inp) in frozen, stream)
-            flight = _Flight(shape, updates)  # (held by the autograd graph alone: see _Shape.busy)
-            shape.flight = weakref.ref(flight)
-            return _Replayed.apply(self, shape, flight, *[inp.table._grad_anchor for inp in shape.inputs])
+            flight = shape.flight = _Flight(shape, updates)
+            try:
+                return _Replayed.apply(self, shape, flight, *[inp.table._grad_anchor for inp in shape.inputs])
+            except BaseException:
+                flight.land()
+                raise
 
     def drop_shapes(self) -> None:
         """Drops every shape not in flight (a tier's tensors are being replaced: DeviceTier.grow,
@@ -555,6 +559,7 @@ class _Replayed(torch.autograd.Function):
     @staticmethod
     def forward(ctx, graphs, shape, flight, *anchors):
         ctx.graphs, ctx.shape, ctx.flight = graphs, shape, flight
+        ctx.on_drop = _C.DropGuard(flight.dropped)  # (the graph freed with no backward: see _Flight)
         return shape.out[:shape.samples].clone()
 
     @staticmethod

@@ -77,41 +77,62 @@ class ResidentBatch:
     """A batch's distinct ids resident in tier 0 and pinned there until release(): unique (its
     distinct ids in the first `count` entries), inverse [N] (ids[i] == unique[inverse[i]]), groups
     (the dedup's grouping of the occurrences by distinct id, or None: see Deduped), slots (the slot
-    of each distinct id), all where tier 0 is (on a GPU, count is a device scalar)."""
+    of each distinct id), all where tier 0 is (on a GPU, count is a device scalar).
 
-    __slots__ = ("store", "unique", "inverse", "count", "groups", "slots", "misses", "event", "stream", "released")
+    A batch dropped unreleased (an autograd graph freed without its backward) releases its pins
+    through a DropGuard, not __del__: Python's cyclic collector can run __del__ on a batch whose
+    backward is still to come (native/drop_guard.cc)."""
+
+    __slots__ = ("store", "unique", "inverse", "count", "groups", "slots", "misses", "event", "released",
+                 "_pins", "_guard")
 
     def __init__(self, store: "TableStore", deduped, slots, misses: int, event):
         self.store = store
         self.unique, self.inverse, self.count, self.groups = deduped[:4]
         self.slots, self.misses, self.event = slots, misses, event
-        self.stream = None
         self.released = False
+        self._pins = _Pins(store, slots)
+        self._guard = _C.DropGuard(self._pins.dropped)
+
+    @property
+    def stream(self):
+        """The stream its rows were awaited on, where its release runs (None: tier 0's own)."""
+        return self._pins.stream
 
     def await_rows(self) -> None:
         """Orders the current stream after the batch's rows arrived in tier 0 (a no-op on the CPU);
         its release will run on this stream too."""
         if self.event is not None:
-            self.stream = torch.cuda.current_stream(self.slots.device)
-            self.stream.wait_event(self.event)
+            stream = self._pins.stream = torch.cuda.current_stream(self.slots.device)
+            stream.wait_event(self.event)
             for t in (self.unique, self.inverse, self.count, self.slots, *(self.groups or ())):
-                t.record_stream(self.stream)  # (made on tier 0's stream)
+                t.record_stream(stream)  # (made on tier 0's stream)
 
     def release(self) -> None:
         """Unpins the batch's rows (once; later calls do nothing)."""
         if not self.released:
             self.released = True
+            self._guard.disarm()
             self.store.release(self)
 
-    def __del__(self):
+
+class _Pins:
+    """What a dropped batch's release needs, without the batch: its store, slots and stream."""
+
+    __slots__ = ("store", "slots", "stream")
+
+    def __init__(self, store: "TableStore", slots):
+        self.store, self.slots, self.stream = store, slots, None
+
+    def dropped(self) -> None:
+        """Run by the batch's DropGuard as the batch is freed unreleased, on whatever thread freed
+        it: released now, or by its store later if this thread holds one of the package's locks
+        (see locks.py)."""
         try:
-            if self.released:
-                return
-            if locks.any_held():  # (collected inside one of the package's locks: see locks.py)
-                self.released = True
+            if locks.any_held():
                 self.store.orphans.append((self.slots, self.stream))
             else:
-                self.release()
+                self.store.release(self)
         except Exception:
             pass
 
@@ -232,7 +253,8 @@ class TableStore:
         plan checks device ids in the transfer it makes anyway)."""
         return self.make_resident(self.dedup(ids, segments, check=check, in_plan=True))
 
-    def release(self, batch: ResidentBatch) -> None:
+    def release(self, batch) -> None:
+        """A batch's pins released (its slots and stream: a ResidentBatch, or a dropped one's _Pins)."""
         try:
             self.unpin(batch.slots, batch.stream)
         finally:
