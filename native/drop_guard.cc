@@ -11,7 +11,9 @@
 // graph is alive and its backward still to come: a batch's pins went before its backward ran. It
 // resurrects those objects afterwards, but the finalizers have run. An untracked object is never in
 // the collector's sets: it is freed only when its last reference goes, by reference counting, and
-// then its function runs.
+// then its function runs. So nothing the function reaches may lead back to the guard's owner: the
+// collector could not break that cycle (a batch's function reaches its store, which holds no batch;
+// a flight's reaches its shape and tables, which hold no autograd graph).
 #include "common/bindings.h"
 
 namespace tieredemb {
@@ -26,6 +28,10 @@ class DropGuard {
 
   ~DropGuard() {  // (freed by Python: the GIL is held)
     if (!fn_.is_valid()) return;
+    // Freed while an exception propagates (a forward's output a temporary of an expression that
+    // raised): that exception is set aside for the call and restored after, as CPython does around
+    // __del__ (calling Python with it set turned it into a SystemError, or crashed).
+    nb::error_scope pending;
     nb::object fn = std::move(fn_);
     try {
       fn();

@@ -391,6 +391,18 @@ def test_a_graph_the_collector_judges_unreachable_keeps_its_batch_pinned_until_b
     assert torch.equal(runs[0], runs[1])
 
 
+def test_an_output_dropped_while_an_error_propagates_keeps_the_error_and_releases_its_pins():
+    """A forward's output that is a temporary of an expression that raises is freed while the
+    error propagates: its batch's release runs then, and the caller still gets its own error (the
+    release called Python with the error pending: a SystemError came out instead)."""
+    m = te.TieredEmbeddingBag(N, D, "sum", cache_rows=8, optimizer=te.Adagrad(lr=0.1), seed=3)
+    with pytest.raises(RuntimeError, match="cannot be multiplied"):
+        (m(torch.tensor([0, 1, 2, 3, 2]), torch.tensor([0, 2])) @ torch.randn(D + 1, 1)).sum()
+    with pytest.raises(ZeroDivisionError):
+        (m(torch.tensor([4, 5]), torch.tensor([0, 1])), 1 / 0)
+    assert m._store.tier0.index.pinned == 0 and m._store.batches_held() == 0
+
+
 def test_a_batch_collected_inside_a_lock_is_released_after_it():
     """The garbage collector may collect a pinned batch while its thread holds one of the
     package's locks (here the store's room, which a prefetch worker holds as it waits for room):

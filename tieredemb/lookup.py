@@ -4,7 +4,7 @@ rows marked dirty -> the batch released (its rows unpinned; write-back happens w
 evicted or flushed).
 
 A batch stays pinned in tier 0 from its forward until its backward has run, or until its graph
-is freed (the ResidentBatch releases itself when collected), or at once for a forward that
+is freed (the ResidentBatch's DropGuard releases it), or at once for a forward that
 builds no graph (no_grad, or a frozen table).
 """
 
