@@ -4,8 +4,9 @@ A batch whose rows are pinned releases them when it is freed unreleased (its Dro
 tiers/table.py ResidentBatch). That may happen on any thread, at any allocation (the garbage
 collector freeing a dropped autograd graph), also while the thread holds one of these locks; a
 release then takes others (tier 0's, the store's room), in an order no other code uses, and could
-deadlock. So a collected batch releases at once only on a thread that holds none of them (any_held() False: the usual case, a graph dropped by the training loop), and else
-is handed to its store, which releases it at its next residency or release.
+deadlock. So a freed batch releases at once only on a thread that holds none of them (any_held()
+False: the usual case, a graph dropped by the training loop), and else is handed to its store,
+which releases it at its next residency or release.
 
 The lock is native (native/counted_lock.cc): taking or giving up a hold and counting it is one call,
 so a signal handler's exception (Ctrl-C, a save-on-SIGTERM handler) cannot fall between the two, and
