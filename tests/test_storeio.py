@@ -101,10 +101,10 @@ def test_a_batch_not_allowed_overflow_is_refused_past_tier0s_capacity_and_change
     assert tier.pinned_ids + 600 > slots_before > tier.index.capacity  # (the next would grow them, past 8)
     assert store.make_resident(store.dedup(ids[1], in_plan=True), allow_overflow=False) is None
     assert tier.index.overflow_slots == slots_before and store.batches_held() == 1
-    store.release(first)
+    first.release()
     second = store.make_resident(store.dedup(ids[1], in_plan=True), allow_overflow=False)
     assert second is not None
-    store.release(second)
+    second.release()
 
 
 def test_a_table_dropped_unflushed_lets_its_queued_calls_finish_first(tmp_path, monkeypatch):

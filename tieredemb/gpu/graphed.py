@@ -186,8 +186,8 @@ class _Shape:
         for inp, batch in zip(self.inputs, self.batches):
             if inp.queued and keep(inp):
                 store = inp.table._store
-                if collected and locks.any_held():  # (released by the store's next residency or release)
-                    store.orphans.append((batch.slots, stream))
+                if collected:
+                    store.release_dropped(batch.slots, stream)
                 else:
                     store.unpin(batch.slots, stream)
 

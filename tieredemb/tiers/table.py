@@ -113,7 +113,7 @@ class ResidentBatch:
         if not self.released:
             self.released = True
             self._guard.disarm()
-            self.store.release(self)
+            self.store.release(self.slots, self.stream)
 
 
 class _Pins:
@@ -125,14 +125,9 @@ class _Pins:
         self.store, self.slots, self.stream = store, slots, None
 
     def dropped(self) -> None:
-        """Run by the batch's DropGuard as the batch is freed unreleased, on whatever thread freed
-        it: released now, or by its store later if this thread holds one of the package's locks
-        (see locks.py)."""
+        """Run by the batch's DropGuard as the batch is freed unreleased."""
         try:
-            if locks.any_held():
-                self.store.orphans.append((self.slots, self.stream))
-            else:
-                self.store.release(self)
+            self.store.release_dropped(self.slots, self.stream)
         except Exception:
             pass
 
@@ -253,12 +248,21 @@ class TableStore:
         plan checks device ids in the transfer it makes anyway)."""
         return self.make_resident(self.dedup(ids, segments, check=check, in_plan=True))
 
-    def release(self, batch) -> None:
-        """A batch's pins released (its slots and stream: a ResidentBatch, or a dropped one's _Pins)."""
+    def release(self, slots: torch.Tensor, stream) -> None:
+        """A batch's pins released (its slots, on the stream it computed on: see unpin)."""
         try:
-            self.unpin(batch.slots, batch.stream)
+            self.unpin(slots, stream)
         finally:
             self.release_orphans()
+
+    def release_dropped(self, slots: torch.Tensor, stream) -> None:
+        """The pins of a batch freed unreleased (its autograd graph dropped without a backward), on
+        whatever thread freed it: released now, or at the store's next residency or release if this
+        thread holds one of the package's locks (see locks.py)."""
+        if locks.any_held():
+            self.orphans.append((slots, stream))
+        else:
+            self.release(slots, stream)
 
     def unpin(self, slots: torch.Tensor, stream) -> None:
         """A batch's slots unpinned in tier 0 (on stream, if given: tier0.unpin), then counted released."""
